@@ -1,0 +1,52 @@
+"""Builds lmcache.c_ops from csrc/.
+
+The CPU kernels are always built. The CUDA kernels are added when a CUDA toolchain is present and
+either a GPU is visible or TORCH_CUDA_ARCH_LIST names the architectures to build for; otherwise
+(as on these CPU-only machines) the .cu files are only compile-checked by scripts/check_cuda.sh.
+"""
+
+import os
+from glob import glob
+
+from setuptools import setup
+from torch.utils import cpp_extension
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+
+
+def _want_cuda() -> bool:
+    if os.environ.get("LMCACHE_BUILD_CUDA", "") == "0":
+        return False
+    if cpp_extension.CUDA_HOME is None:
+        return False
+    import torch
+
+    return torch.cuda.is_available() or bool(os.environ.get("TORCH_CUDA_ARCH_LIST"))
+
+
+def _extension():
+    cpu_sources = sorted(glob("csrc/*.cpp") + glob("csrc/cpu/*.cpp"))
+    cxx_flags = ["-O3", "-std=c++17", "-fopenmp"]
+    include_dirs = [os.path.join(ROOT, "csrc")]
+    if _want_cuda():
+        return cpp_extension.CUDAExtension(
+            "lmcache.c_ops",
+            cpu_sources + sorted(glob("csrc/cuda/*.cu")),
+            include_dirs=include_dirs,
+            define_macros=[("LMCACHE_WITH_CUDA", "1")],
+            extra_compile_args={"cxx": cxx_flags, "nvcc": ["-O3", "-std=c++17"]},
+            extra_link_args=["-fopenmp"],
+        )
+    return cpp_extension.CppExtension(
+        "lmcache.c_ops",
+        cpu_sources,
+        include_dirs=include_dirs,
+        extra_compile_args=cxx_flags,
+        extra_link_args=["-fopenmp"],
+    )
+
+
+setup(
+    ext_modules=[_extension()],
+    cmdclass={"build_ext": cpp_extension.BuildExtension},
+)
