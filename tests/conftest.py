@@ -1,0 +1,72 @@
+"""Shared fixtures: the tiny model (built once per run into .cache/) and a runner for real vLLM jobs."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+CACHE = ROOT / ".cache"
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from make_tiny_model import TinyModelSpec, make_tiny_model  # noqa: E402
+
+# vLLM's own settings for every engine the tests start: a small CPU KV space, no usage reporting.
+VLLM_TEST_ENV = {
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "VLLM_NO_USAGE_STATS": "1",
+    "DO_NOT_TRACK": "1",
+    "HF_HUB_OFFLINE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+
+
+@pytest.fixture(scope="session")
+def tiny_model() -> str:
+    """Path of the default tiny model, built once per test run (reused when already built)."""
+    out = CACHE / "tiny-model"
+    make_tiny_model(out, TinyModelSpec())
+    return str(out)
+
+
+def random_prompt(n_tokens: int, seed: int, vocab: int = 1024) -> list[int]:
+    """A prompt of exactly n_tokens ordinary token ids (the special tokens 0-3 are left out)."""
+    rng = random.Random(seed)
+    return [rng.randrange(4, vocab) for _ in range(n_tokens)]
+
+
+@dataclass
+class VLLMJobResult:
+    outputs: list[list[list[int]]]  # [round][prompt] -> generated token ids
+    latencies: list[list[float]]  # [round][prompt] -> seconds for that generate call
+    log: str  # the job's combined stdout and stderr
+
+
+def run_vllm_job(
+    job: dict, env: Optional[dict[str, str]] = None, timeout: float = 600
+) -> VLLMJobResult:
+    """Run tests/vllm_job.py in a fresh interpreter with `env` over VLLM_TEST_ENV; fail with its log."""
+    full_env = {**os.environ, **VLLM_TEST_ENV, **(env or {})}
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "vllm_job.py")],
+        input=json.dumps(job),
+        capture_output=True,
+        text=True,
+        env=full_env,
+        timeout=timeout,
+        cwd=str(ROOT),
+    )
+    log = proc.stdout + proc.stderr
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    if proc.returncode != 0 or not lines:
+        pytest.fail(f"vLLM job failed (exit {proc.returncode}):\n{log[-6000:]}")
+    result = json.loads(lines[-1][len("RESULT ") :])
+    return VLLMJobResult(result["outputs"], result["latencies"], log)
