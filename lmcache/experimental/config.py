@@ -1,0 +1,440 @@
+"""`LMCacheEngineConfig`: the engine's settings, where they come from, and their checks.
+
+Operations:
+- `from_defaults(**fields)`: the spec defaults (remote tier `lm://localhost:65432`).
+- `from_env()`: `LMCACHE_CONFIG_FILE` if set, else CPU-only defaults overlaid with
+  `LMCACHE_<FIELD>` variables; unknown `LMCACHE_*` variables are warned about.
+- `from_file(path)`: a YAML mapping over the CPU-only defaults.
+- `from_legacy(backend=...)`: the old single-string backend names.
+- `with_overrides(mapping)`: a copy with some fields replaced (the v1 door's
+  `lmcache.`-prefixed extra config, see `prefixed_overrides`).
+
+Every value, whatever its source, goes through `__post_init__`: strings are parsed into the
+field's type there and every rule is checked there, so no constructor can skip a check.
+"""
+
+import dataclasses
+import difflib
+import logging
+import math
+import os
+import re
+import types
+import typing
+import urllib.parse
+from dataclasses import dataclass
+from typing import Any, Dict, Mapping, Optional, Tuple
+
+import yaml
+
+logger = logging.getLogger(__name__)
+
+ENV_PREFIX = "LMCACHE_"
+CONFIG_FILE_ENV = "LMCACHE_CONFIG_FILE"
+EXTRA_CONFIG_PREFIX = "lmcache."
+
+# `LMCACHE_*` variables that are ours but are not config fields (README lists what each does).
+NON_FIELD_ENV_VARS: Tuple[str, ...] = (
+    CONFIG_FILE_ENV,
+    "LMCACHE_LOG_LEVEL",
+    "LMCACHE_FORCE_SKIP_SAVE",
+    "LMCACHE_USE_EXPERIMENTAL",
+    "LMCACHE_TRACK_USAGE",
+    "LMCACHE_BUILD_CUDA",
+)
+
+REMOTE_SCHEMES: Tuple[str, ...] = ("lm", "redis", "rediss", "redis-cluster")
+REMOTE_SERDES: Tuple[str, ...] = ("naive", "cachegen")
+
+# Legacy backends that keep chunks on disk get this much room when the caller gave none.
+LEGACY_DISK_SIZE_GB = 5.0
+
+_TRUE_WORDS = ("true", "1", "yes")
+_FALSE_WORDS = ("false", "0", "no")
+_NONE_WORDS = ("", "none")
+
+
+@dataclass(frozen=True)
+class RemoteUrl:
+    """A parsed `remote_url`: the scheme and one (host, port) per server (several for a cluster)."""
+
+    scheme: str
+    hosts: Tuple[Tuple[str, int], ...]
+
+
+def _parse_host_port(text: str, key: str, whole: str) -> Tuple[str, int]:
+    """`host:port` (IPv6 hosts in brackets) -> (host, port), or a ValueError naming `key`."""
+    host, sep, port_text = text.strip().rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        bare, forbidden = host[1:-1], "[]/@?# "
+    else:
+        bare, forbidden = host, "[]/@?# :"
+    if not sep or not bare or any(ch in bare for ch in forbidden):
+        raise ValueError(f"{key}={whole!r}: expected host:port (IPv6 hosts in brackets), got {text!r}")
+    if not port_text.isdigit() or not 1 <= int(port_text) <= 65535:
+        raise ValueError(f"{key}={whole!r}: port {port_text!r} is not an integer in 1..65535")
+    return bare, int(port_text)
+
+
+def parse_remote_url(url: str, key: str = "remote_url") -> RemoteUrl:
+    """Parse `lm://h:p`, `redis://h:p`, `rediss://h:p` or `redis-cluster://h1:p1,h2:p2`."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        raise ValueError(f"{key}={url!r}: expected scheme://host:port with scheme in {REMOTE_SCHEMES}")
+    if scheme not in REMOTE_SCHEMES:
+        raise ValueError(f"{key}={url!r}: unknown scheme {scheme!r}, expected one of {REMOTE_SCHEMES}")
+    rest = rest[:-1] if rest.endswith("/") else rest
+    parts = rest.split(",")
+    if scheme != "redis-cluster" and len(parts) != 1:
+        raise ValueError(f"{key}={url!r}: only redis-cluster:// takes several host:port pairs")
+    return RemoteUrl(scheme, tuple(_parse_host_port(part, key, url) for part in parts))
+
+
+def _normalise_local_disk(value: str) -> str:
+    """`file:///path`, `~/path` or a plain path -> an absolute path (one spelling for all tiers)."""
+    path = value.strip()
+    if path.startswith("file://"):
+        parsed = urllib.parse.urlparse(path)
+        if parsed.netloc not in ("", "localhost"):
+            raise ValueError(f"local_disk={value!r}: file:// URLs must name a local path, not host {parsed.netloc!r}")
+        path = urllib.parse.unquote(parsed.path)
+    elif "://" in path:
+        raise ValueError(f"local_disk={value!r}: expected a directory path or a file:///path URL")
+    if not path:
+        raise ValueError(f"local_disk={value!r}: the path is empty")
+    return os.path.abspath(os.path.expanduser(path))
+
+
+def _unwrap_optional(hint: Any) -> Tuple[type, bool]:
+    """`Optional[X]` -> (X, True); `X` -> (X, False)."""
+    if typing.get_origin(hint) is typing.Union:
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        if len(args) == 1:
+            return args[0], True
+    return hint, False
+
+
+def _coerce(name: str, hint: Any, value: Any) -> Any:
+    """Turn `value` (a typed value, or a string from env/YAML) into the field's type, or raise."""
+    base, optional = _unwrap_optional(hint)
+    if optional and isinstance(value, str) and value.strip().lower() in _NONE_WORDS:
+        return None
+    if value is None:
+        if optional:
+            return None
+        raise ValueError(f"{name}=None: this field needs a {base.__name__}")
+    if base is str:
+        if not isinstance(value, str):
+            raise ValueError(f"{name}={value!r}: expected a string, got {type(value).__name__}")
+        return value.strip()
+    if isinstance(value, str):
+        return _parse_string(name, base, value)
+    if base is bool:
+        if not isinstance(value, bool):
+            raise ValueError(f"{name}={value!r}: expected a bool (true/false), got {type(value).__name__}")
+        return value
+    if base is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"{name}={value!r}: expected an int, got {type(value).__name__}")
+        return value
+    if base is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"{name}={value!r}: expected a number, got {type(value).__name__}")
+        if not math.isfinite(value):
+            raise ValueError(f"{name}={value!r}: expected a finite number")
+        return float(value)
+    raise TypeError(f"LMCacheEngineConfig field {name} has unsupported type {hint!r}")
+
+
+def _parse_string(name: str, base: type, text: str) -> Any:
+    """Parse an env-style string into bool/int/float (bools: true/false/1/0/yes/no, any case)."""
+    word = text.strip().lower()
+    if base is bool:
+        if word in _TRUE_WORDS:
+            return True
+        if word in _FALSE_WORDS:
+            return False
+        raise ValueError(f"{name}={text!r}: expected a bool (true/false/1/0/yes/no)")
+    try:
+        number = int(word) if base is int else float(word)
+    except ValueError:
+        raise ValueError(f"{name}={text!r}: expected {'an int' if base is int else 'a number'}") from None
+    if base is float and not math.isfinite(number):
+        raise ValueError(f"{name}={text!r}: expected a finite number")
+    return number
+
+
+def _closest_field(name: str) -> Optional[str]:
+    """The field whose name is closest to `name` (difflib), or None if nothing is close."""
+    matches = difflib.get_close_matches(name.lower(), field_names(), n=1, cutoff=0.5)
+    return matches[0] if matches else None
+
+
+def _unknown_key_error(key: Any, value: Any, source: str) -> ValueError:
+    hint = _closest_field(str(key))
+    did_you_mean = f" (did you mean {hint!r}?)" if hint else ""
+    return ValueError(f"{source}: unknown config key {key!r} (value {value!r}){did_you_mean}")
+
+
+def _check_keys(mapping: Mapping[Any, Any], source: str) -> None:
+    """Refuse a key that names no field, naming it and the nearest field."""
+    known = set(field_names())
+    for key, value in mapping.items():
+        if not isinstance(key, str) or key not in known:
+            raise _unknown_key_error(key, value, source)
+
+
+def field_names() -> Tuple[str, ...]:
+    """Every config field, in declaration order."""
+    return tuple(f.name for f in dataclasses.fields(LMCacheEngineConfig))
+
+
+def env_var_name(field_name: str) -> str:
+    """`chunk_size` -> `LMCACHE_CHUNK_SIZE`."""
+    return ENV_PREFIX + field_name.upper()
+
+
+def prefixed_overrides(extra: Mapping[str, Any], prefix: str = EXTRA_CONFIG_PREFIX) -> Dict[str, Any]:
+    """`{"lmcache.chunk_size": 128, "other": 1}` -> `{"chunk_size": 128}`: keys without the prefix
+    belong to someone else (vLLM, the door) and are left out; the rest feed `with_overrides`."""
+    return {key[len(prefix):]: value for key, value in extra.items() if isinstance(key, str) and key.startswith(prefix)}
+
+
+def default_legacy_disk_path() -> str:
+    """Where legacy disk backends keep chunks: `$XDG_CACHE_HOME/lmcache/local_disk` (or ~/.cache)."""
+    cache_home = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(cache_home, "lmcache", "local_disk")
+
+
+@dataclass(frozen=True)
+class LMCacheEngineConfig:
+    """The engine's settings. Sizes are GB (floats). Frozen: use `with_overrides` for a variant."""
+
+    chunk_size: int
+    local_cpu: bool
+    max_local_cpu_size: float
+    local_disk: Optional[str]
+    max_local_disk_size: float
+    remote_url: Optional[str]
+    remote_serde: Optional[str]
+    save_decode_cache: bool
+    enable_blending: bool
+    blend_recompute_ratio: float
+    blend_min_tokens: int
+    enable_p2p: bool
+    lookup_url: Optional[str]
+    distributed_url: Optional[str]
+    error_handling: bool
+    use_layerwise: bool = False
+    enable_async_loading: bool = False
+    save_unfull_chunk: bool = True
+    priority_limit: Optional[int] = None
+    enable_pd: bool = False
+
+    def __post_init__(self) -> None:
+        """The one place values are parsed and checked; errors name the key and the value."""
+        hints = typing.get_type_hints(type(self))
+        for f in dataclasses.fields(self):
+            object.__setattr__(self, f.name, _coerce(f.name, hints[f.name], getattr(self, f.name)))
+        if self.local_disk is not None:
+            object.__setattr__(self, "local_disk", _normalise_local_disk(self.local_disk))
+
+        if self.chunk_size <= 0:
+            raise ValueError(f"chunk_size={self.chunk_size!r}: must be a positive int")
+        for name in ("max_local_cpu_size", "max_local_disk_size"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}={getattr(self, name)!r}: a size in GB cannot be negative")
+        if self.local_disk is not None and self.max_local_disk_size <= 0:
+            raise ValueError(
+                f"max_local_disk_size={self.max_local_disk_size!r}: local_disk={self.local_disk!r} is set, "
+                "so the disk tier needs a size above 0 GB"
+            )
+        if self.remote_url is not None:
+            parse_remote_url(self.remote_url)
+            if self.remote_serde is None:
+                raise ValueError(f"remote_serde=None: remote_url is set, so pick one of {REMOTE_SERDES}")
+        if self.remote_serde is not None and self.remote_serde not in REMOTE_SERDES:
+            raise ValueError(f"remote_serde={self.remote_serde!r}: expected one of {REMOTE_SERDES}")
+        if not 0.0 <= self.blend_recompute_ratio <= 1.0:
+            raise ValueError(f"blend_recompute_ratio={self.blend_recompute_ratio!r}: must be within [0, 1]")
+        if self.blend_min_tokens < 0:
+            raise ValueError(f"blend_min_tokens={self.blend_min_tokens!r}: cannot be negative")
+        for name in ("lookup_url", "distributed_url"):
+            value = getattr(self, name)
+            if value is not None:
+                _parse_host_port(value, name, value)
+            elif self.enable_p2p:
+                raise ValueError(f"{name}=None: enable_p2p=True needs {name} as host:port")
+
+    # ----- constructors -------------------------------------------------------------------
+
+    @staticmethod
+    def from_defaults(
+        chunk_size: int = 256,
+        local_cpu: bool = True,
+        max_local_cpu_size: float = 5.0,
+        local_disk: Optional[str] = None,
+        max_local_disk_size: float = 0,
+        remote_url: Optional[str] = "lm://localhost:65432",
+        remote_serde: Optional[str] = "naive",
+        save_decode_cache: bool = False,
+        enable_blending: bool = False,
+        blend_recompute_ratio: float = 0.15,
+        blend_min_tokens: int = 256,
+        enable_p2p: bool = False,
+        lookup_url: Optional[str] = None,
+        distributed_url: Optional[str] = None,
+        error_handling: bool = False,
+        use_layerwise: bool = False,
+        enable_async_loading: bool = False,
+        save_unfull_chunk: bool = True,
+        priority_limit: Optional[int] = None,
+        enable_pd: bool = False,
+        **unknown: Any,
+    ) -> "LMCacheEngineConfig":
+        """The spec's defaults with some fields replaced; an unknown keyword is a ValueError."""
+        if unknown:
+            key, value = next(iter(unknown.items()))
+            raise _unknown_key_error(key, value, "from_defaults")
+        values = dict(locals())
+        del values["unknown"]
+        return LMCacheEngineConfig(**values)
+
+    @staticmethod
+    def cpu_only_defaults() -> "LMCacheEngineConfig":
+        """The base of `from_env`/`from_file`: the spec defaults without the remote tier."""
+        return LMCacheEngineConfig.from_defaults(remote_url=None, local_disk=None)
+
+    @staticmethod
+    def from_env(environ: Optional[Mapping[str, str]] = None) -> "LMCacheEngineConfig":
+        """`LMCACHE_CONFIG_FILE` if set; else CPU-only defaults overlaid with `LMCACHE_<FIELD>`.
+
+        `environ` defaults to `os.environ` (tests pass a dict)."""
+        env = os.environ if environ is None else environ
+        _warn_unknown_env_vars(env)
+        field_vars = {name: env[env_var_name(name)] for name in field_names() if env_var_name(name) in env}
+        config_file = env.get(CONFIG_FILE_ENV, "").strip()
+        if config_file:
+            if field_vars:
+                ignored = ", ".join(env_var_name(name) for name in field_vars)
+                logger.warning("%s=%s is set, so the file wins and these are ignored: %s",
+                               CONFIG_FILE_ENV, config_file, ignored)
+            return LMCacheEngineConfig.from_file(config_file)
+        try:
+            return LMCacheEngineConfig.cpu_only_defaults().with_overrides(field_vars, source="environment")
+        except ValueError as exc:
+            # Name the variables as the user typed them, not only the parsed values.
+            culprits = [f"{env_var_name(name)}={raw!r}" for name, raw in field_vars.items()
+                        if re.search(rf"\b{name}=", str(exc))]
+            raise ValueError(f"{exc} (set by {', '.join(culprits)})" if culprits else str(exc)) from exc
+
+    @staticmethod
+    def from_file(file_path: str) -> "LMCacheEngineConfig":
+        """A YAML mapping `{field: value}` over the CPU-only defaults."""
+        try:
+            with open(file_path, encoding="utf-8") as handle:
+                loaded = yaml.safe_load(handle)
+        except OSError as exc:
+            raise ValueError(f"config file {file_path!r} cannot be read: {exc}") from exc
+        except yaml.YAMLError as exc:
+            raise ValueError(f"config file {file_path!r} is not valid YAML: {exc}") from exc
+        if not isinstance(loaded, dict):
+            raise ValueError(
+                f"config file {file_path!r} must hold a YAML mapping of config fields, "
+                f"got {type(loaded).__name__}"
+            )
+        return LMCacheEngineConfig.cpu_only_defaults().with_overrides(loaded, source=f"config file {file_path!r}")
+
+    @staticmethod
+    def from_legacy(
+        chunk_size: int = 256,
+        backend: str = "cpu",
+        remote_url: Optional[str] = "lm://localhost:65432",
+        remote_serde: str = "naive",
+        save_decode_cache: bool = False,
+        enable_blending: bool = False,
+        blend_recompute_ratio: float = 0.15,
+        blend_min_tokens: int = 256,
+        max_local_disk_size: float = 0.0,
+        enable_p2p: bool = False,
+        lookup_url: Optional[str] = None,
+        distributed_url: Optional[str] = None,
+        error_handling: bool = False,
+    ) -> "LMCacheEngineConfig":
+        """Map an old backend name onto tiers (see `legacy_tiers`); other arguments pass through."""
+        local_cpu, use_disk, use_remote, url = legacy_tiers(backend, remote_url)
+        return LMCacheEngineConfig.from_defaults(
+            chunk_size=chunk_size,
+            local_cpu=local_cpu,
+            local_disk=default_legacy_disk_path() if use_disk else None,
+            max_local_disk_size=(max_local_disk_size or LEGACY_DISK_SIZE_GB) if use_disk else max_local_disk_size,
+            remote_url=url if use_remote else None,
+            remote_serde=remote_serde,
+            save_decode_cache=save_decode_cache,
+            enable_blending=enable_blending,
+            blend_recompute_ratio=blend_recompute_ratio,
+            blend_min_tokens=blend_min_tokens,
+            enable_p2p=enable_p2p,
+            lookup_url=lookup_url,
+            distributed_url=distributed_url,
+            error_handling=error_handling,
+        )
+
+    # ----- variants -------------------------------------------------------------------------
+
+    def with_overrides(self, overrides: Mapping[str, Any], source: str = "override") -> "LMCacheEngineConfig":
+        """A copy with `{field: value}` applied, checked like any other config; `source` names
+        where the values came from in error messages."""
+        _check_keys(overrides, source)
+        try:
+            return dataclasses.replace(self, **dict(overrides))
+        except ValueError as exc:
+            raise ValueError(f"{source}: {exc}") from exc
+
+    def remote_address(self) -> Optional[RemoteUrl]:
+        """The parsed `remote_url`, or None without a remote tier."""
+        return None if self.remote_url is None else parse_remote_url(self.remote_url)
+
+
+# Legacy backend name -> (local_cpu, local disk, remote). Names follow the old LMCache backends.
+_LEGACY_BACKENDS: Mapping[str, Tuple[bool, bool, bool]] = types.MappingProxyType({
+    "cpu": (True, False, False),
+    "local_cpu": (True, False, False),
+    "local_disk": (False, True, False),
+    "disk": (False, True, False),
+    "local_cpu_disk": (True, True, False),
+    "remote": (False, False, True),
+    "local_cpu_remote": (True, False, True),
+    "local_disk_remote": (False, True, True),
+    "local_cpu_disk_remote": (True, True, True),
+})
+
+
+def legacy_tiers(backend: str, remote_url: Optional[str]) -> Tuple[bool, bool, bool, Optional[str]]:
+    """(local_cpu, local_disk, remote, remote_url) for an old backend name.
+
+    A backend that is itself a URL (`lm://h:p`, `redis://h:p`, ...) means the remote tier at
+    that URL, like `remote`. Unknown names are a ValueError listing the accepted ones."""
+    if "://" in backend:
+        parse_remote_url(backend, key="backend")
+        return False, False, True, backend
+    if backend not in _LEGACY_BACKENDS:
+        raise ValueError(f"backend={backend!r}: unknown legacy backend, expected one of "
+                         f"{sorted(_LEGACY_BACKENDS)} or a remote URL")
+    local_cpu, use_disk, use_remote = _LEGACY_BACKENDS[backend]
+    if use_remote and not remote_url:
+        raise ValueError(f"remote_url={remote_url!r}: backend={backend!r} needs a remote URL")
+    return local_cpu, use_disk, use_remote, remote_url
+
+
+def _warn_unknown_env_vars(env: Mapping[str, str]) -> None:
+    """Warn about `LMCACHE_*` variables that are neither a field nor one of ours (likely typos)."""
+    known = set(NON_FIELD_ENV_VARS) | {env_var_name(name) for name in field_names()}
+    for var in sorted(v for v in env if v.startswith(ENV_PREFIX) and v not in known):
+        hint = _closest_field(var[len(ENV_PREFIX):])
+        if hint:
+            logger.warning("%s is not an LMCache setting; closest field is %s (%s)",
+                           var, hint, env_var_name(hint))
+        else:
+            logger.warning("%s is not an LMCache setting and resembles no config field", var)
+
