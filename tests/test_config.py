@@ -5,7 +5,7 @@ import inspect
 import logging
 import os
 import pathlib
-from typing import Any, Dict
+from typing import Any, Callable, Dict, Iterator, List
 
 import pytest
 
@@ -53,6 +53,18 @@ NON_DEFAULT: Dict[str, Any] = {
 
 def _env_text(value: Any) -> str:
     return "None" if value is None else str(value)
+
+
+@pytest.fixture
+def warnings_log(caplog: pytest.LogCaptureFixture) -> Iterator[Callable[[], List[str]]]:
+    """Reads the warnings of the lmcache loggers (their tree does not propagate to root)."""
+    top = logging.getLogger("lmcache")
+    top.addHandler(caplog.handler)
+    try:
+        with caplog.at_level(logging.WARNING, logger="lmcache"):
+            yield lambda: [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    finally:
+        top.removeHandler(caplog.handler)
 
 
 # ----- from_defaults and the dataclass itself ----------------------------------------------------
@@ -251,40 +263,37 @@ def test_env_bad_value_names_key_and_value(var: str, text: str, field: str) -> N
     assert field in str(info.value) and repr(text) in str(info.value)
 
 
-def test_env_typo_warns_with_closest_field(caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.WARNING, logger="lmcache.experimental.config"):
-        config = LMCacheEngineConfig.from_env({"LMCACHE_CHUNK_SIZ": "128", "LMCACHE_MAX_LOCAL_CPU": "2"})
+def test_env_typo_warns_with_closest_field(warnings_log: Callable[[], List[str]]) -> None:
+    config = LMCacheEngineConfig.from_env({"LMCACHE_CHUNK_SIZ": "128", "LMCACHE_MAX_LOCAL_CPU": "2"})
     assert config.chunk_size == 256
-    messages = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    messages = warnings_log()
     assert any("LMCACHE_CHUNK_SIZ " in m and "chunk_size" in m for m in messages), messages
     assert any("LMCACHE_MAX_LOCAL_CPU " in m and "max_local_cpu_size" in m for m in messages), messages
 
 
-def test_env_var_resembling_nothing_still_warns(caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.WARNING, logger="lmcache.experimental.config"):
-        LMCacheEngineConfig.from_env({"LMCACHE_QQQQQQQQ": "1"})
-    assert any("LMCACHE_QQQQQQQQ" in r.getMessage() for r in caplog.records)
+def test_env_var_resembling_nothing_still_warns(warnings_log: Callable[[], List[str]]) -> None:
+    LMCacheEngineConfig.from_env({"LMCACHE_QQQQQQQQ": "1"})
+    assert any("LMCACHE_QQQQQQQQ" in m for m in warnings_log())
 
 
-def test_env_known_variables_do_not_warn(caplog: pytest.LogCaptureFixture) -> None:
+def test_env_known_variables_do_not_warn(warnings_log: Callable[[], List[str]]) -> None:
     env = {var: "1" for var in NON_FIELD_ENV_VARS if var != "LMCACHE_CONFIG_FILE"}
     env.update({"LMCACHE_CHUNK_SIZE": "128", "OTHER_VAR": "x", "VLLM_LMCACHE_THING": "y"})
-    with caplog.at_level(logging.WARNING, logger="lmcache.experimental.config"):
-        LMCacheEngineConfig.from_env(env)
-    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    LMCacheEngineConfig.from_env(env)
+    assert warnings_log() == []
     assert {"LMCACHE_CONFIG_FILE", "LMCACHE_LOG_LEVEL", "LMCACHE_FORCE_SKIP_SAVE",
             "LMCACHE_USE_EXPERIMENTAL", "LMCACHE_TRACK_USAGE"} <= set(NON_FIELD_ENV_VARS)
 
 
-def test_config_file_wins_over_field_variables(tmp_path: pathlib.Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_config_file_wins_over_field_variables(tmp_path: pathlib.Path,
+                                               warnings_log: Callable[[], List[str]]) -> None:
     path = tmp_path / "lmcache.yaml"
     path.write_text("chunk_size: 64\nsave_decode_cache: true\n")
     env = {"LMCACHE_CONFIG_FILE": str(path), "LMCACHE_CHUNK_SIZE": "512", "LMCACHE_ENABLE_PD": "true"}
-    with caplog.at_level(logging.WARNING, logger="lmcache.experimental.config"):
-        config = LMCacheEngineConfig.from_env(env)
+    config = LMCacheEngineConfig.from_env(env)
     assert config == LMCacheEngineConfig.from_file(str(path))
     assert (config.chunk_size, config.save_decode_cache, config.enable_pd) == (64, True, False)
-    ignored = [r.getMessage() for r in caplog.records if "ignored" in r.getMessage()]
+    ignored = [m for m in warnings_log() if "ignored" in m]
     assert ignored and "LMCACHE_CHUNK_SIZE" in ignored[0] and "LMCACHE_ENABLE_PD" in ignored[0]
 
 

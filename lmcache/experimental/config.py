@@ -15,7 +15,6 @@ field's type there and every rule is checked there, so no constructor can skip a
 
 import dataclasses
 import difflib
-import logging
 import math
 import os
 import re
@@ -27,7 +26,9 @@ from typing import Any, Dict, Mapping, Optional, Tuple
 
 import yaml
 
-logger = logging.getLogger(__name__)
+from lmcache.logging import init_logger
+
+logger = init_logger(__name__)
 
 ENV_PREFIX = "LMCACHE_"
 CONFIG_FILE_ENV = "LMCACHE_CONFIG_FILE"
