@@ -1,0 +1,356 @@
+"""Allocators: where memory objects come from and go back to.
+
+`allocate(shape, dtype, fmt)` returns a `MemoryObj` with ref count 1, or `None` when
+there is no room (the caller evicts and retries, or skips). Tensor-backed allocators
+carve objects out of one preallocated byte buffer with an explicit free list
+(`TensorMemoryAllocator`): first fit, blocks rounded up to `ALIGN_BYTES`, neighbours
+coalesced on free. A second free of the same object raises.
+
+    buffer: |#used#|  free  |##used##|####used####|      free      |
+    free list (sorted by start): [FreeBlock(a, n), FreeBlock(b, m)]
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Optional, Union
+
+import torch
+
+from lmcache.experimental.memory_management.objects import (
+    BytesBufferMemoryObj,
+    MemoryFormat,
+    MemoryObj,
+    MemoryObjMetadata,
+    ShapeLike,
+    TensorMemoryObj,
+    payload_size,
+)
+from lmcache.logging import init_logger
+
+logger = init_logger(__name__)
+
+
+@dataclass
+class FreeBlock:
+    """A free region `[start, start + size)` of an allocator's buffer, in bytes."""
+
+    start: int
+    size: int
+
+
+class MemoryAllocatorInterface(ABC):
+    """Hands out memory objects and takes them back when their ref count reaches zero."""
+
+    @abstractmethod
+    def allocate(
+        self,
+        shape: ShapeLike,
+        dtype: Optional[torch.dtype],
+        fmt: MemoryFormat = MemoryFormat.UNDEFINED,
+    ) -> Optional[MemoryObj]:
+        """A new object with ref count 1, or None when there is no room.
+
+        Raises ValueError for a shape with a zero or negative dimension.
+        """
+
+    @abstractmethod
+    def free(self, memory_obj: MemoryObj) -> None:
+        """Return the object's memory. Callers use `ref_count_down` instead; a second
+        free of the same object raises RuntimeError."""
+
+    def get_ref_count(self, memory_obj: MemoryObj) -> int:
+        return memory_obj.get_ref_count()
+
+    @property
+    @abstractmethod
+    def total_bytes(self) -> Optional[int]:
+        """Capacity in bytes; None for an allocator without a fixed pool."""
+
+    @property
+    @abstractmethod
+    def used_bytes(self) -> int:
+        """Bytes currently reserved by live objects."""
+
+
+class TensorMemoryAllocator(MemoryAllocatorInterface):
+    """Explicit free-list allocator over one preallocated tensor.
+
+    First fit over a free list sorted by start; every block is a multiple of
+    `ALIGN_BYTES`, so every object starts 512-byte aligned within the buffer. A tail of
+    the buffer shorter than `ALIGN_BYTES` is not used. Thread-safe.
+    """
+
+    ALIGN_BYTES = 512
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        if not tensor.is_contiguous():
+            raise ValueError("TensorMemoryAllocator needs a contiguous tensor")
+        flat = tensor.reshape(-1).view(torch.uint8)
+        usable = flat.numel() // self.ALIGN_BYTES * self.ALIGN_BYTES
+        if usable == 0:
+            raise ValueError(
+                f"TensorMemoryAllocator buffer of {flat.numel()} bytes is smaller than "
+                f"ALIGN_BYTES={self.ALIGN_BYTES}"
+            )
+        self._buffer = flat[:usable]
+        self._lock = threading.Lock()
+        self._free: list[FreeBlock] = [FreeBlock(0, usable)]
+        # id(obj) -> (obj, start, size): the truth about a live block, independent of
+        # the object's (mutable) metadata.
+        self._live: dict[int, tuple[MemoryObj, int, int]] = {}
+        self._used = 0
+
+    @property
+    def buffer(self) -> torch.Tensor:
+        """The managed bytes (flat uint8)."""
+        return self._buffer
+
+    @property
+    def total_bytes(self) -> int:
+        return self._buffer.numel()
+
+    @property
+    def used_bytes(self) -> int:
+        return self._used
+
+    def free_blocks(self) -> list[FreeBlock]:
+        """A copy of the free list, sorted by start (for checks and debugging)."""
+        with self._lock:
+            return [FreeBlock(b.start, b.size) for b in self._free]
+
+    def num_live_objects(self) -> int:
+        with self._lock:
+            return len(self._live)
+
+    def allocate(
+        self,
+        shape: ShapeLike,
+        dtype: Optional[torch.dtype],
+        fmt: MemoryFormat = MemoryFormat.KV_BLOB,
+    ) -> Optional[TensorMemoryObj]:
+        if dtype is None:
+            raise ValueError(f"TensorMemoryAllocator.allocate needs a dtype (fmt={fmt.name})")
+        if fmt == MemoryFormat.BINARY_BUFFER:
+            raise ValueError("BINARY_BUFFER objects are byte buffers; use a BufferAllocator")
+        shape = torch.Size(shape)
+        size = payload_size(shape, dtype)
+        block = -(-size // self.ALIGN_BYTES) * self.ALIGN_BYTES
+        with self._lock:
+            start = self._take(block)
+            if start is None:
+                return None
+            meta = MemoryObjMetadata(shape, dtype, start, block, 1, fmt)
+            obj = TensorMemoryObj(self._buffer[start : start + block], meta, allocator=self)
+            self._live[id(obj)] = (obj, start, block)
+            self._used += block
+        return obj
+
+    def _take(self, block: int) -> Optional[int]:
+        """First fit: cut `block` bytes off the front of the first free block that fits."""
+        for i, free in enumerate(self._free):
+            if free.size >= block:
+                start = free.start
+                if free.size == block:
+                    del self._free[i]
+                else:
+                    free.start += block
+                    free.size -= block
+                return start
+        return None
+
+    def free(self, memory_obj: MemoryObj) -> None:
+        with self._lock:
+            entry = self._live.get(id(memory_obj))
+            if entry is None or entry[0] is not memory_obj:
+                raise RuntimeError(
+                    f"free of a memory object this allocator does not hold "
+                    f"(freed twice or foreign): {memory_obj!r}"
+                )
+            del self._live[id(memory_obj)]
+            _, start, size = entry
+            memory_obj._mark_freed()
+            self._used -= size
+            self._give_back(start, size)
+
+    def _give_back(self, start: int, size: int) -> None:
+        """Insert `[start, start + size)` into the sorted free list, merging neighbours."""
+        i = bisect.bisect_left(self._free, start, key=lambda b: b.start)
+        prev = self._free[i - 1] if i > 0 else None
+        nxt = self._free[i] if i < len(self._free) else None
+        if prev is not None and prev.start + prev.size > start:
+            raise RuntimeError(f"free list corrupted: block at {start} overlaps {prev}")
+        if nxt is not None and start + size > nxt.start:
+            raise RuntimeError(f"free list corrupted: block at {start} overlaps {nxt}")
+        if prev is not None and prev.start + prev.size == start:
+            prev.size += size
+            if nxt is not None and prev.start + prev.size == nxt.start:
+                prev.size += nxt.size
+                del self._free[i]
+        elif nxt is not None and start + size == nxt.start:
+            nxt.start = start
+            nxt.size += size
+        else:
+            self._free.insert(i, FreeBlock(start, size))
+
+
+class _PooledAllocator(MemoryAllocatorInterface):
+    """An allocator that owns one buffer and delegates to a TensorMemoryAllocator."""
+
+    def __init__(self, buffer: torch.Tensor) -> None:
+        self._pool = TensorMemoryAllocator(buffer)
+
+    @property
+    def pool(self) -> TensorMemoryAllocator:
+        return self._pool
+
+    @property
+    def total_bytes(self) -> int:
+        return self._pool.total_bytes
+
+    @property
+    def used_bytes(self) -> int:
+        return self._pool.used_bytes
+
+    def allocate(
+        self,
+        shape: ShapeLike,
+        dtype: Optional[torch.dtype],
+        fmt: MemoryFormat = MemoryFormat.KV_BLOB,
+    ) -> Optional[MemoryObj]:
+        return self._pool.allocate(shape, dtype, fmt)
+
+    def free(self, memory_obj: MemoryObj) -> None:
+        self._pool.free(memory_obj)
+
+
+def _check_size(size: int, who: str) -> int:
+    if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
+        raise ValueError(f"{who} size must be a positive number of bytes, got {size!r}")
+    return size
+
+
+class HostMemoryAllocator(_PooledAllocator):
+    """Allocates from one preallocated buffer of plain host memory."""
+
+    def __init__(self, size: int) -> None:
+        super().__init__(torch.empty(_check_size(size, "HostMemoryAllocator"), dtype=torch.uint8))
+
+
+class PinMemoryAllocator(_PooledAllocator):
+    """Allocates from one preallocated host buffer, page-locked where CUDA exists.
+
+    Pinned memory makes device copies asynchronous and fast; without a GPU there is
+    nothing to pin for, so the buffer is plain host memory.
+    """
+
+    def __init__(self, size: int) -> None:
+        self.pinned = torch.cuda.is_available()
+        buf = torch.empty(
+            _check_size(size, "PinMemoryAllocator"), dtype=torch.uint8, pin_memory=self.pinned
+        )
+        super().__init__(buf)
+        logger.debug("PinMemoryAllocator: %d bytes, pinned=%s", size, self.pinned)
+
+
+class GPUMemoryAllocator(_PooledAllocator):
+    """Allocates from one preallocated buffer on a device (CUDA by default)."""
+
+    def __init__(self, size: int, device: Union[str, torch.device] = "cuda") -> None:
+        buf = torch.empty(_check_size(size, "GPUMemoryAllocator"), dtype=torch.uint8, device=device)
+        super().__init__(buf)
+
+
+class BufferAllocator(MemoryAllocatorInterface):
+    """Hands out `BytesBufferMemoryObj`s backed by fresh host `bytearray`s (no fixed pool)."""
+
+    def __init__(self, device: Union[str, torch.device] = "cpu") -> None:
+        if torch.device(device).type != "cpu":
+            raise ValueError(f"BufferAllocator only supports host memory, got device={device!r}")
+        self._lock = threading.Lock()
+        self._live: dict[int, tuple[MemoryObj, int]] = {}
+        self._used = 0
+
+    @property
+    def total_bytes(self) -> None:
+        return None
+
+    @property
+    def used_bytes(self) -> int:
+        return self._used
+
+    def allocate(
+        self,
+        shape: ShapeLike,
+        dtype: Optional[torch.dtype],
+        fmt: MemoryFormat = MemoryFormat.BINARY_BUFFER,
+    ) -> BytesBufferMemoryObj:
+        if fmt != MemoryFormat.BINARY_BUFFER:
+            raise ValueError(f"BufferAllocator only makes BINARY_BUFFER objects, got {fmt.name}")
+        shape = torch.Size(shape)
+        size = payload_size(shape, dtype)
+        meta = MemoryObjMetadata(shape, dtype, 0, size, 1, fmt)
+        obj = BytesBufferMemoryObj(bytearray(size), meta, allocator=self)
+        with self._lock:
+            self._live[id(obj)] = (obj, size)
+            self._used += size
+        return obj
+
+    def free(self, memory_obj: MemoryObj) -> None:
+        with self._lock:
+            entry = self._live.get(id(memory_obj))
+            if entry is None or entry[0] is not memory_obj:
+                raise RuntimeError(
+                    f"free of a memory object this allocator does not hold "
+                    f"(freed twice or foreign): {memory_obj!r}"
+                )
+            del self._live[id(memory_obj)]
+            memory_obj._mark_freed()
+            self._used -= entry[1]
+
+
+class MixedMemoryAllocator(MemoryAllocatorInterface):
+    """KV_BLOB and BINARY objects from a (pinned where possible) host pool, BINARY_BUFFER
+    objects as byte buffers. `total_bytes`/`used_bytes` describe the pool; byte buffers
+    are counted in `buffer_bytes`."""
+
+    def __init__(self, size: int) -> None:
+        self._pinned = PinMemoryAllocator(size)
+        self._buffers = BufferAllocator("cpu")
+
+    @property
+    def total_bytes(self) -> int:
+        return self._pinned.total_bytes
+
+    @property
+    def used_bytes(self) -> int:
+        return self._pinned.used_bytes
+
+    @property
+    def buffer_bytes(self) -> int:
+        return self._buffers.used_bytes
+
+    @property
+    def pool(self) -> TensorMemoryAllocator:
+        return self._pinned.pool
+
+    def allocate(
+        self,
+        shape: ShapeLike,
+        dtype: Optional[torch.dtype],
+        fmt: MemoryFormat = MemoryFormat.KV_BLOB,
+    ) -> Optional[MemoryObj]:
+        if fmt in (MemoryFormat.KV_BLOB, MemoryFormat.BINARY):
+            return self._pinned.allocate(shape, dtype, fmt)
+        if fmt == MemoryFormat.BINARY_BUFFER:
+            return self._buffers.allocate(shape, dtype, fmt)
+        raise ValueError(f"MixedMemoryAllocator cannot allocate fmt={fmt.name}")
+
+    def free(self, memory_obj: MemoryObj) -> None:
+        if isinstance(memory_obj, BytesBufferMemoryObj):
+            self._buffers.free(memory_obj)
+        else:
+            self._pinned.free(memory_obj)
