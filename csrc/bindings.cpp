@@ -1,0 +1,245 @@
+// Python bindings of lmcache.c_ops: argument checks, then dispatch to the CPU or CUDA kernels.
+//
+// Every check that keeps a kernel inside its buffers lives here, so the kernels can trust the
+// TransferPlan they get. Errors are TORCH_CHECKs (RuntimeError in Python) naming the argument.
+#include <torch/extension.h>
+
+#include <string>
+#include <vector>
+
+#include "kv_layout.h"
+#include "kv_transfer.h"
+
+#ifdef LMCACHE_WITH_CUDA
+namespace lmcache {
+// CUDA kernels (csrc/cuda/kv_transfer.cu): one launch for all layers on the current stream.
+void kv_transfer_cuda(const TransferPlan& plan, char* object, const CachePointers& caches,
+                      const at::Tensor& slot_mapping);
+}  // namespace lmcache
+#endif
+
+namespace lmcache {
+namespace {
+
+const char* layout_name(int64_t layout) {
+  switch (layout) {
+    case kLayoutFlash: return "FLASH";
+    case kLayoutCpuIpex: return "CPU_IPEX";
+    case kLayoutCpuPacked: return "CPU_PACKED";
+    case kLayoutMla: return "MLA";
+    default: return "unknown";
+  }
+}
+
+// The full per-layer shape a layout implies for K (kv == kKey) or V.
+std::vector<int64_t> layout_shape(const PagedGeometry& g, int kv, int64_t num_blocks) {
+  switch (g.layout) {
+    case kLayoutCpuIpex:
+      return {num_blocks, g.num_heads, g.block_size, g.head_size};
+    case kLayoutCpuPacked:
+      if (kv == kKey) return {num_blocks, g.num_heads, g.head_size / g.pack, g.block_size, g.pack};
+      return {num_blocks, g.num_heads, g.head_size, g.block_size};
+    case kLayoutMla:
+      return {num_blocks, g.block_size, g.head_size};
+    default:
+      return {num_blocks, g.block_size, g.num_heads, g.head_size};
+  }
+}
+
+std::string shape_str(at::IntArrayRef s) {
+  std::string out = "[";
+  for (size_t i = 0; i < s.size(); ++i) out += (i ? ", " : "") + std::to_string(s[i]);
+  return out + "]";
+}
+
+// Checks one layer cache against the layout and returns its slot count.
+int64_t check_cache(const at::Tensor& c, const std::string& name, const at::Tensor& obj,
+                    const PagedGeometry& g, int kv) {
+  TORCH_CHECK(c.defined(), name, " is undefined");
+  TORCH_CHECK(c.scalar_type() == obj.scalar_type(), name, " has dtype ", c.scalar_type(),
+              " but the object has dtype ", obj.scalar_type());
+  TORCH_CHECK(c.is_contiguous(), name, " must be contiguous (got strides ",
+              shape_str(c.strides()), ")");
+  const int64_t block_elems = g.block_elems();
+  TORCH_CHECK(c.numel() > 0 && c.numel() % block_elems == 0, name, " has ", c.numel(),
+              " elements, not a multiple of block_size * hidden = ", block_elems,
+              " (block_size ", g.block_size, ", hidden ", g.hidden(), ")");
+  const int64_t num_blocks = c.numel() / block_elems;
+  const std::vector<int64_t> full = layout_shape(g, kv, num_blocks);
+  // Accepted: the layout's own shape, (num_blocks, block elements) as the CPU backend's
+  // kv[0] / kv[1] views are, or flat. Any other shape says the caller meant another layout.
+  const bool ok = c.sizes().equals(full) ||
+                  (c.dim() == 2 && c.size(0) == num_blocks && c.size(1) == block_elems) ||
+                  c.dim() == 1;
+  TORCH_CHECK(ok, name, " has shape ", shape_str(c.sizes()), " which contradicts layout ",
+              layout_name(g.layout), ": expected ", shape_str(full), " or [", num_blocks, ", ",
+              block_elems, "]");
+  return num_blocks * g.block_size;
+}
+
+// Shared body of the single- and multi-layer entry points. `obj` is [num_kv, L, T, hidden].
+void transfer(const at::Tensor& obj, const std::vector<at::Tensor>& key_caches,
+              const std::vector<at::Tensor>& value_caches, const at::Tensor& slot_mapping,
+              int64_t layout, int64_t block_size, int64_t num_heads, bool to_cache,
+              const char* obj_name, const char* keys_name, const char* values_name) {
+  TORCH_CHECK(layout >= 0 && layout < kNumLayouts, "layout must be 0 (FLASH), 1 (CPU_IPEX), ",
+              "2 (CPU_PACKED) or 3 (MLA), got ", layout);
+  const bool mla = layout == kLayoutMla;
+  const int num_kv = mla ? 1 : 2;
+  TORCH_CHECK(block_size > 0, "block_size must be positive, got ", block_size);
+  TORCH_CHECK(num_heads > 0, "num_heads must be positive, got ", num_heads);
+  TORCH_CHECK(!mla || num_heads == 1, "num_heads must be 1 for layout MLA, got ", num_heads);
+
+  TORCH_CHECK(obj.dim() == 4 && obj.size(0) == num_kv, obj_name, " must have shape ",
+              mla ? "[1, " : "[2, ", "layers, tokens, hidden] for layout ", layout_name(layout),
+              ", got ", shape_str(obj.sizes()));
+  TORCH_CHECK(obj.is_contiguous(), obj_name, " must be contiguous (got strides ",
+              shape_str(obj.strides()), " for shape ", shape_str(obj.sizes()), ")");
+  const int64_t element_size = obj.element_size();
+  TORCH_CHECK(element_size == 1 || element_size == 2 || element_size == 4 || element_size == 8,
+              obj_name, " has dtype ", obj.scalar_type(), " of ", element_size,
+              " bytes; supported element sizes are 1, 2, 4 and 8");
+  const int64_t num_layers = obj.size(1);
+  const int64_t num_tokens = obj.size(2);
+  const int64_t hidden = obj.size(3);
+  TORCH_CHECK(hidden > 0 && hidden % num_heads == 0, obj_name, " hidden size ", hidden,
+              " is not a multiple of num_heads ", num_heads);
+  const int64_t head_size = hidden / num_heads;
+  const PagedGeometry g = make_geometry(static_cast<int>(layout), block_size, num_heads,
+                                        head_size, element_size);
+  TORCH_CHECK(head_size % g.pack == 0, "layout CPU_PACKED needs head_size (", head_size,
+              ") to be a multiple of x = 16 / element_size = ", g.pack);
+
+  TORCH_CHECK(static_cast<int64_t>(key_caches.size()) == num_layers, keys_name, " has ",
+              key_caches.size(), " layers but ", obj_name, " has ", num_layers);
+  if (mla) {
+    TORCH_CHECK(value_caches.empty(), values_name, " must be empty for layout MLA, got ",
+                value_caches.size(), " tensors");
+  } else {
+    TORCH_CHECK(static_cast<int64_t>(value_caches.size()) == num_layers, values_name, " has ",
+                value_caches.size(), " layers but ", obj_name, " has ", num_layers);
+  }
+
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong, "slot_mapping must be int64, got ",
+              slot_mapping.scalar_type());
+  TORCH_CHECK(slot_mapping.dim() == 1 && slot_mapping.numel() == num_tokens,
+              "slot_mapping has shape ", shape_str(slot_mapping.sizes()), " but ", obj_name,
+              " has ", num_tokens, " tokens");
+
+  const at::Device device = num_layers > 0 ? key_caches[0].device() : obj.device();
+  CachePointers caches(static_cast<size_t>(num_kv * num_layers));
+  int64_t num_slots = -1;
+  for (int kv = 0; kv < num_kv; ++kv) {
+    const std::vector<at::Tensor>& list = kv == kKey ? key_caches : value_caches;
+    const char* list_name = kv == kKey ? keys_name : values_name;
+    for (int64_t l = 0; l < num_layers; ++l) {
+      const std::string name = std::string(list_name) + "[" + std::to_string(l) + "]";
+      const at::Tensor& c = list[l];
+      const int64_t slots = check_cache(c, name, obj, g, kv);
+      TORCH_CHECK(c.device() == device, name, " is on ", c.device(), " but ", keys_name,
+                  "[0] is on ", device);
+      TORCH_CHECK(num_slots < 0 || slots == num_slots, name, " holds ", slots,
+                  " slots but ", keys_name, "[0] holds ", num_slots);
+      num_slots = slots;
+      caches[kv * num_layers + l] = static_cast<char*>(c.data_ptr());
+    }
+  }
+  if (num_layers == 0 || num_tokens == 0) return;
+
+  TransferPlan plan;
+  plan.cache = g;
+  plan.object = ObjectGeometry{num_layers, num_tokens, hidden};
+  plan.num_kv = num_kv;
+  plan.element_size = element_size;
+  plan.num_slots = num_slots;
+  plan.to_cache = to_cache;
+  char* object = static_cast<char*>(obj.data_ptr());
+
+  if (device.is_cpu()) {
+    TORCH_CHECK(obj.device().is_cpu(), obj_name, " is on ", obj.device(),
+                " but the caches are on the CPU");
+    TORCH_CHECK(slot_mapping.device().is_cpu(), "slot_mapping is on ", slot_mapping.device(),
+                " but the caches are on the CPU");
+    const at::Tensor slots = slot_mapping.contiguous();
+    const int64_t* s = slots.data_ptr<int64_t>();
+    for (int64_t t = 0; t < num_tokens; ++t) {
+      TORCH_CHECK(s[t] < num_slots, "slot_mapping[", t, "] = ", s[t],
+                  " is beyond the cache (", num_slots, " slots = ", num_slots / block_size,
+                  " blocks of ", block_size, ")");
+    }
+    kv_transfer_cpu(plan, object, caches, s);
+    return;
+  }
+#ifdef LMCACHE_WITH_CUDA
+  if (device.is_cuda()) {
+    // The object may be device memory or pinned host memory (reached by the kernel through
+    // unified addressing). Slots beyond the cache are skipped on the device: checking them
+    // here would need a host synchronization on every call.
+    TORCH_CHECK((obj.device() == device) || (obj.device().is_cpu() && obj.is_pinned()),
+                obj_name, " must be on ", device, " or in pinned host memory, got ",
+                obj.device(), obj.device().is_cpu() ? " (not pinned)" : "");
+    const at::Tensor slots = slot_mapping.to(device, /*non_blocking=*/true).contiguous();
+    kv_transfer_cuda(plan, object, caches, slots);
+    return;
+  }
+  TORCH_CHECK(false, "caches on ", device, " are not supported (CPU or CUDA only)");
+#else
+  TORCH_CHECK(false, "caches are on ", device,
+              " but lmcache.c_ops was built without CUDA support (CPU only)");
+#endif
+}
+
+void multi_layer_kv_transfer(const at::Tensor& obj, const std::vector<at::Tensor>& key_caches,
+                             const std::vector<at::Tensor>& value_caches,
+                             const at::Tensor& slot_mapping, int64_t layout,
+                             int64_t block_size, int64_t num_heads, bool to_cache) {
+  transfer(obj, key_caches, value_caches, slot_mapping, layout, block_size, num_heads, to_cache,
+           "obj", "key_caches", "value_caches");
+}
+
+void single_layer_kv_transfer(const at::Tensor& obj_layer, const at::Tensor& key_cache,
+                              const c10::optional<at::Tensor>& value_cache,
+                              const at::Tensor& slot_mapping, int64_t layout,
+                              int64_t block_size, int64_t num_heads, bool to_cache) {
+  const int64_t num_kv = layout == kLayoutMla ? 1 : 2;
+  TORCH_CHECK(obj_layer.dim() == 3 && obj_layer.size(0) == num_kv,
+              "obj_layer must have shape [2, tokens, hidden] ([1, tokens, head_size] for MLA)",
+              ", got ", shape_str(obj_layer.sizes()));
+  TORCH_CHECK(obj_layer.is_contiguous(), "obj_layer must be contiguous (got strides ",
+              shape_str(obj_layer.strides()), ")");
+  std::vector<at::Tensor> values;
+  if (value_cache.has_value() && value_cache->defined()) values.push_back(*value_cache);
+  TORCH_CHECK(layout == kLayoutMla || !values.empty(),
+              "value_cache is required for every layout but MLA");
+  transfer(obj_layer.unsqueeze(1), {key_cache}, values, slot_mapping, layout, block_size,
+           num_heads, to_cache, "obj_layer", "key_cache", "value_cache");
+}
+
+}  // namespace
+}  // namespace lmcache
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "LMCache kernels: paged KV cache <-> contiguous KV object copies (CPU and CUDA).";
+  m.attr("LAYOUT_FLASH") = lmcache::kLayoutFlash;
+  m.attr("LAYOUT_CPU_IPEX") = lmcache::kLayoutCpuIpex;
+  m.attr("LAYOUT_CPU_PACKED") = lmcache::kLayoutCpuPacked;
+  m.attr("LAYOUT_MLA") = lmcache::kLayoutMla;
+#ifdef LMCACHE_WITH_CUDA
+  m.attr("WITH_CUDA") = true;
+#else
+  m.attr("WITH_CUDA") = false;
+#endif
+  m.def("multi_layer_kv_transfer", &lmcache::multi_layer_kv_transfer,
+        "Copy the tokens named by slot_mapping between every layer's paged K/V caches and a "
+        "contiguous [2, layers, tokens, hidden] object ([1, layers, tokens, head_size] for MLA). "
+        "to_cache=False stores (cache -> obj), True retrieves (obj -> cache); slots < 0 are "
+        "skipped.",
+        py::arg("obj"), py::arg("key_caches"), py::arg("value_caches"), py::arg("slot_mapping"),
+        py::arg("layout"), py::arg("block_size"), py::arg("num_heads"), py::arg("to_cache"));
+  m.def("single_layer_kv_transfer", &lmcache::single_layer_kv_transfer,
+        "One layer of multi_layer_kv_transfer: obj_layer is [2, tokens, hidden] "
+        "([1, tokens, head_size] for MLA, with value_cache None).",
+        py::arg("obj_layer"), py::arg("key_cache"), py::arg("value_cache"),
+        py::arg("slot_mapping"), py::arg("layout"), py::arg("block_size"), py::arg("num_heads"),
+        py::arg("to_cache"));
+}

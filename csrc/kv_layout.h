@@ -1,0 +1,129 @@
+// Address arithmetic of vLLM's paged KV caches and of LMCache's KV_BLOB objects.
+//
+// This is the only place that knows where an element lives. The CPU kernels (csrc/cpu/) and
+// the CUDA kernels (csrc/cuda/) both call these functions, so what the CPU tests prove about
+// slots, layouts and object offsets holds for the CUDA path too.
+//
+// A slot names one token position in the paged cache: slot = block * block_size + offset.
+// Per layer, K and V each live in their own tensor (or MLA's single latent tensor), with
+// element offsets (in elements, not bytes) given by cache_offset(). Layouts, per K or V cache:
+//
+//   FLASH      [num_blocks, block_size, heads, head_size]          (GPU flash-attention)
+//   CPU_IPEX   [num_blocks, heads, block_size, head_size]          (vLLM CPU with IPEX)
+//   CPU_PACKED K [num_blocks, heads, head_size / x, block_size, x]  (vLLM CPU without IPEX,
+//              V [num_blocks, heads, head_size, block_size]          x = 16 / element_size)
+//   MLA        [num_blocks, block_size, head_size]                  (one latent vector, K only)
+//
+// The object is a contiguous [num_kv, num_layers, num_tokens, hidden] tensor with
+// hidden = heads * head_size and num_kv = 2 (K, V) or 1 (MLA).
+#pragma once
+
+#include <cstdint>
+
+#if defined(__CUDACC__)
+#define LMC_HD __host__ __device__ __forceinline__
+#else
+#define LMC_HD inline
+#endif
+
+namespace lmcache {
+
+// Codes shared with Python (lmcache/experimental/kv_layout.py: KVLayout).
+constexpr int kLayoutFlash = 0;
+constexpr int kLayoutCpuIpex = 1;
+constexpr int kLayoutCpuPacked = 2;
+constexpr int kLayoutMla = 3;
+constexpr int kNumLayouts = 4;
+
+constexpr int kKey = 0;
+constexpr int kValue = 1;
+
+// Shape of one layer's K or V cache, in elements.
+struct PagedGeometry {
+  int layout;
+  int64_t block_size;
+  int64_t num_heads;
+  int64_t head_size;
+  int64_t pack;  // x of CPU_PACKED keys (elements per 16 bytes); 1 for other layouts
+
+  LMC_HD int64_t hidden() const { return num_heads * head_size; }
+  LMC_HD int64_t block_elems() const { return block_size * num_heads * head_size; }
+};
+
+LMC_HD PagedGeometry make_geometry(int layout, int64_t block_size, int64_t num_heads,
+                                   int64_t head_size, int64_t element_size) {
+  PagedGeometry g;
+  g.layout = layout;
+  g.block_size = block_size;
+  g.num_heads = num_heads;
+  g.head_size = head_size;
+  g.pack = layout == kLayoutCpuPacked ? 16 / element_size : 1;
+  return g;
+}
+
+// Element offset of (slot, head h, dim d) inside one layer's K (kv == kKey) or V cache.
+LMC_HD int64_t cache_offset(const PagedGeometry& g, int kv, int64_t slot, int64_t h,
+                            int64_t d) {
+  const int64_t block = slot / g.block_size;
+  const int64_t off = slot - block * g.block_size;
+  const int64_t base = block * g.block_elems();
+  switch (g.layout) {
+    case kLayoutCpuIpex:
+      return base + (h * g.block_size + off) * g.head_size + d;
+    case kLayoutCpuPacked:
+      if (kv == kKey) {
+        const int64_t group = d / g.pack;
+        return base + ((h * (g.head_size / g.pack) + group) * g.block_size + off) * g.pack +
+               (d - group * g.pack);
+      }
+      return base + (h * g.head_size + d) * g.block_size + off;
+    default:  // FLASH and MLA (MLA has one head): token rows are contiguous
+      return base + (off * g.num_heads + h) * g.head_size + d;
+  }
+}
+
+// Distance in elements between slot s and slot s + 1 of the same block (same h, d).
+LMC_HD int64_t cache_token_stride(const PagedGeometry& g, int kv) {
+  switch (g.layout) {
+    case kLayoutCpuIpex:
+      return g.head_size;
+    case kLayoutCpuPacked:
+      return kv == kKey ? g.pack : 1;
+    default:
+      return g.hidden();
+  }
+}
+
+// Distance in elements between dim d and d + 1 of the same slot and head, where they are not
+// in the same contiguous run (only CPU_PACKED V is strided; everything else is 1).
+LMC_HD int64_t cache_dim_stride(const PagedGeometry& g, int kv) {
+  return (g.layout == kLayoutCpuPacked && kv == kValue) ? g.block_size : 1;
+}
+
+// Length of the runs of consecutive (h, d) elements of one slot that are also consecutive in
+// the cache. A run starts at a (h, d) whose flat index h * head_size + d is a multiple of it.
+LMC_HD int64_t cache_run_elems(const PagedGeometry& g, int kv) {
+  switch (g.layout) {
+    case kLayoutCpuIpex:
+      return g.head_size;
+    case kLayoutCpuPacked:
+      return kv == kKey ? g.pack : 1;
+    default:
+      return g.hidden();
+  }
+}
+
+// Shape of the contiguous object [num_kv, num_layers, num_tokens, hidden].
+struct ObjectGeometry {
+  int64_t num_layers;
+  int64_t num_tokens;
+  int64_t hidden;
+};
+
+// Element offset of (kv, layer, token, flat hidden index i = h * head_size + d) in the object.
+LMC_HD int64_t object_offset(const ObjectGeometry& o, int kv, int64_t layer, int64_t token,
+                             int64_t i) {
+  return ((kv * o.num_layers + layer) * o.num_tokens + token) * o.hidden + i;
+}
+
+}  // namespace lmcache

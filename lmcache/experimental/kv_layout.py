@@ -1,0 +1,130 @@
+"""Which paged layout a KV cache tensor has, and how to hand a layer's cache to the kernels.
+
+vLLM stores each layer's KV cache in blocks of `block_size` token slots
+(`slot = block_id * block_size + offset_in_block`), but the order of the
+dimensions inside a block depends on the attention backend. The kernels in
+`lmcache.c_ops` take the layout as an explicit code; `KVLayout` mirrors those
+codes (`csrc/kv_layout.h` holds the matching address arithmetic).
+
+`split_layer_cache` / `split_kv_caches` turn what vLLM hands out per layer
+(one tensor with K and V stacked, a (K, V) pair, or MLA's single latent cache)
+into the per-layer K and V tensors the kernels want.
+"""
+
+from __future__ import annotations
+
+from enum import IntEnum
+from typing import List, Optional, Sequence, Tuple, Union
+
+import torch
+
+LayerCache = Union[torch.Tensor, Sequence[torch.Tensor]]
+
+
+class KVLayout(IntEnum):
+    """Per-block element order of one layer's K (or V) cache; values match `c_ops.LAYOUT_*`.
+
+    ```
+    FLASH       GPU flash-attention: token rows, heads inside a row
+                K, V: [num_blocks, block_size, heads, head_size]
+                block: | tok0: h0 d0..dD | h1 ... | tok1: h0 ... |
+
+    CPU_IPEX    vLLM CPU backend with IPEX: head-major inside a block
+                K, V: [num_blocks, heads, block_size, head_size]
+                block: | h0: tok0 d0..dD | tok1 ... | h1: tok0 ... |
+
+    CPU_PACKED  vLLM CPU backend without IPEX (x = 16 // element_size)
+                K: [num_blocks, heads, head_size // x, block_size, x]
+                   block: | h0: d0..dx-1 of tok0, tok1, ... | dx..d2x-1 of tok0 ... |
+                V: [num_blocks, heads, head_size, block_size]
+                   block: | h0: d0 of tok0..tokB | d1 of tok0..tokB | ... |  (transposed)
+
+    MLA         one latent vector per token, K only
+                [num_blocks, block_size, head_size]
+    ```
+    """
+
+    FLASH = 0
+    CPU_IPEX = 1
+    CPU_PACKED = 2
+    MLA = 3
+
+
+def packed_x(dtype: torch.dtype) -> int:
+    """Elements per 16-byte group of a CPU_PACKED key cache (vLLM's `x`)."""
+    return 16 // torch.empty((), dtype=dtype).element_size()
+
+
+def layout_shape(
+    layout: KVLayout,
+    num_blocks: int,
+    block_size: int,
+    num_heads: int,
+    head_size: int,
+    dtype: torch.dtype,
+    is_value: bool = False,
+) -> Tuple[int, ...]:
+    """The shape of one layer's K (or V, `is_value=True`) cache in `layout`."""
+    layout = KVLayout(layout)
+    if layout == KVLayout.FLASH:
+        return (num_blocks, block_size, num_heads, head_size)
+    if layout == KVLayout.CPU_IPEX:
+        return (num_blocks, num_heads, block_size, head_size)
+    if layout == KVLayout.CPU_PACKED:
+        if is_value:
+            return (num_blocks, num_heads, head_size, block_size)
+        x = packed_x(dtype)
+        if head_size % x:
+            raise ValueError(f"CPU_PACKED needs head_size ({head_size}) to be a multiple of x = {x}")
+        return (num_blocks, num_heads, head_size // x, block_size, x)
+    if is_value:
+        raise ValueError("layout MLA has no value cache")
+    return (num_blocks, block_size, head_size)
+
+
+def split_layer_cache(kv_cache: LayerCache, layout: KVLayout) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """View one layer's cache as (K, V) tensors for the kernels; V is None for MLA.
+
+    Accepted: a (K, V) pair; one tensor with K and V stacked on dim 0 (the CPU
+    backend's `(2, num_blocks, block_size * heads * head_size)`, flash's
+    `(2, num_blocks, block_size, heads, head_size)`); for MLA the latent cache
+    `(num_blocks, block_size, head_size)`. No data is copied.
+    """
+    layout = KVLayout(layout)
+    if layout == KVLayout.MLA:
+        if not isinstance(kv_cache, torch.Tensor) or kv_cache.dim() != 3:
+            raise ValueError(
+                "an MLA layer cache must be one (num_blocks, block_size, head_size) tensor, got "
+                f"{_describe(kv_cache)}"
+            )
+        return kv_cache, None
+    if isinstance(kv_cache, torch.Tensor):
+        if kv_cache.dim() < 2 or kv_cache.shape[0] != 2:
+            raise ValueError(
+                f"a {layout.name} layer cache tensor must stack K and V on dim 0, got shape {tuple(kv_cache.shape)}"
+            )
+        return kv_cache[0], kv_cache[1]
+    if len(kv_cache) != 2:
+        raise ValueError(f"a {layout.name} layer cache pair must be (K, V), got {len(kv_cache)} tensors")
+    key, value = kv_cache
+    return key, value
+
+
+def split_kv_caches(
+    kv_caches: Sequence[LayerCache], layout: KVLayout
+) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
+    """Per-layer K and V lists for `c_ops.multi_layer_kv_transfer` (V list empty for MLA)."""
+    keys: List[torch.Tensor] = []
+    values: List[torch.Tensor] = []
+    for layer_cache in kv_caches:
+        key, value = split_layer_cache(layer_cache, layout)
+        keys.append(key)
+        if value is not None:
+            values.append(value)
+    return keys, values
+
+
+def _describe(obj: object) -> str:
+    if isinstance(obj, torch.Tensor):
+        return f"tensor of shape {tuple(obj.shape)}"
+    return type(obj).__name__

@@ -1,0 +1,290 @@
+"""lmcache.c_ops transfers against a plain torch indexing oracle.
+
+Every layout x dtype x direction, with random non-contiguous blocks, a chunk that starts
+mid-block, odd token counts, a -1 prefix, and the object as a view inside a bigger buffer.
+Bytes are compared (not values), so NaN bit patterns in random fp data are checked too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional, Tuple
+
+import pytest
+import torch
+
+from lmcache import c_ops
+from lmcache.experimental.kv_layout import KVLayout, layout_shape
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.uint8, torch.float8_e4m3fn]
+LAYOUTS = list(KVLayout)
+
+
+@dataclass
+class Case:
+    """One transfer problem: caches, slots and an object placed inside a larger buffer."""
+
+    layout: KVLayout
+    dtype: torch.dtype
+    block_size: int
+    num_heads: int
+    head_size: int
+    keys: List[torch.Tensor]
+    values: List[torch.Tensor]
+    slots: torch.Tensor
+    buffer: torch.Tensor  # flat; obj is a view into it at `offset`
+    offset: int
+    obj: torch.Tensor
+
+    @property
+    def num_kv(self) -> int:
+        return 1 if self.layout == KVLayout.MLA else 2
+
+
+def random_bytes(shape: Tuple[int, ...], dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+    """Random bit patterns of `dtype` (any dtype: the kernels move bytes)."""
+    es = torch.empty((), dtype=dtype).element_size()
+    numel = 1
+    for s in shape:
+        numel *= s
+    raw = torch.randint(0, 256, (numel * es,), dtype=torch.uint8, generator=gen)
+    return raw.view(dtype).view(shape)
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8)
+
+
+def make_slots(num_tokens: int, block_size: int, num_blocks: int, start: int, prefix: int,
+               gen: torch.Generator) -> torch.Tensor:
+    """Slots of tokens at positions start.. in randomly chosen blocks; the first `prefix` are -1."""
+    used = (start + num_tokens + block_size - 1) // block_size
+    blocks = torch.randperm(num_blocks, generator=gen)[:used]
+    pos = torch.arange(start, start + num_tokens)
+    slots = blocks[pos // block_size] * block_size + pos % block_size
+    slots[:prefix] = -1
+    return slots.to(torch.int64)
+
+
+def make_case(layout: KVLayout, dtype: torch.dtype, *, num_layers: int = 3, num_heads: int = 2,
+              head_size: int = 32, block_size: int = 16, num_blocks: int = 12, num_tokens: int = 37,
+              start: int = 3, prefix: int = 5, seed: int = 0) -> Case:
+    gen = torch.Generator().manual_seed(seed)
+    if layout == KVLayout.MLA:
+        num_heads = 1
+    hidden = num_heads * head_size
+    shape_k = layout_shape(layout, num_blocks, block_size, num_heads, head_size, dtype)
+    keys = [random_bytes(shape_k, dtype, gen) for _ in range(num_layers)]
+    values: List[torch.Tensor] = []
+    if layout != KVLayout.MLA:
+        shape_v = layout_shape(layout, num_blocks, block_size, num_heads, head_size, dtype, is_value=True)
+        values = [random_bytes(shape_v, dtype, gen) for _ in range(num_layers)]
+    slots = make_slots(num_tokens, block_size, num_blocks, start, prefix, gen)
+    num_kv = 1 if layout == KVLayout.MLA else 2
+    numel = num_kv * num_layers * num_tokens * hidden
+    offset = 7 * hidden + 3  # deliberately not a multiple of anything useful
+    buffer = random_bytes((offset + numel + 11,), dtype, gen)
+    obj = buffer[offset:offset + numel].view(num_kv, num_layers, num_tokens, hidden)
+    return Case(layout, dtype, block_size, num_heads, head_size, keys, values, slots, buffer, offset, obj)
+
+
+# ---- the oracle: plain torch advanced indexing on each layout's own shape ----
+
+def _indexable(t: torch.Tensor) -> torch.Tensor:
+    """torch has no CPU indexing kernels for fp8: index its bytes instead (same shape)."""
+    return t.view(torch.uint8) if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else t
+
+
+def _gather(cache: torch.Tensor, layout: KVLayout, is_value: bool, slots: torch.Tensor,
+            block_size: int) -> torch.Tensor:
+    """Rows [n, hidden] of the given (non-negative) slots."""
+    cache = _indexable(cache)
+    block, off = slots // block_size, slots % block_size
+    if layout == KVLayout.FLASH:
+        rows = cache[block, off]                      # [n, H, D]
+    elif layout == KVLayout.CPU_IPEX:
+        rows = cache[block, :, off, :]                # [n, H, D]
+    elif layout == KVLayout.CPU_PACKED and not is_value:
+        rows = cache[block, :, :, off, :]             # [n, H, D/x, x]
+    elif layout == KVLayout.CPU_PACKED:
+        rows = cache[block, :, :, off]                # [n, H, D]
+    else:
+        rows = cache[block, off]                      # [n, D]
+    return rows.reshape(slots.numel(), -1)
+
+
+def _scatter(cache: torch.Tensor, layout: KVLayout, is_value: bool, slots: torch.Tensor,
+             block_size: int, rows: torch.Tensor) -> None:
+    cache, rows = _indexable(cache), _indexable(rows)
+    block, off = slots // block_size, slots % block_size
+    if layout == KVLayout.FLASH:
+        cache[block, off] = rows.view(cache[block, off].shape)
+    elif layout == KVLayout.CPU_IPEX:
+        cache[block, :, off, :] = rows.view(cache[block, :, off, :].shape)
+    elif layout == KVLayout.CPU_PACKED and not is_value:
+        cache[block, :, :, off, :] = rows.view(cache[block, :, :, off, :].shape)
+    elif layout == KVLayout.CPU_PACKED:
+        cache[block, :, :, off] = rows.view(cache[block, :, :, off].shape)
+    else:
+        cache[block, off] = rows.view(cache[block, off].shape)
+
+
+def reference_store(c: Case, obj: torch.Tensor) -> None:
+    obj = _indexable(obj)
+    valid = c.slots >= 0
+    if not bool(valid.any()):
+        return
+    for kv, caches in enumerate([c.keys, c.values][:c.num_kv]):
+        for layer, cache in enumerate(caches):
+            obj[kv, layer, valid] = _gather(cache, c.layout, kv == 1, c.slots[valid], c.block_size)
+
+
+def reference_retrieve(c: Case, keys: List[torch.Tensor], values: List[torch.Tensor]) -> None:
+    obj = _indexable(c.obj)
+    valid = c.slots >= 0
+    if not bool(valid.any()):
+        return
+    for kv, caches in enumerate([keys, values][:c.num_kv]):
+        for layer, cache in enumerate(caches):
+            _scatter(cache, c.layout, kv == 1, c.slots[valid], c.block_size, obj[kv, layer, valid])
+
+
+def run_multi(c: Case, to_cache: bool, keys: Optional[List[torch.Tensor]] = None,
+              values: Optional[List[torch.Tensor]] = None) -> None:
+    c_ops.multi_layer_kv_transfer(c.obj, c.keys if keys is None else keys,
+                                  c.values if values is None else values, c.slots, int(c.layout),
+                                  c.block_size, c.num_heads, to_cache)
+
+
+def assert_same_bytes(got: torch.Tensor, want: torch.Tensor) -> None:
+    assert torch.equal(bits(got), bits(want))
+
+
+# ---- correctness ----
+
+@pytest.mark.parametrize("block_size", [5, 16])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda layout: layout.name)
+def test_store_matches_reference(layout: KVLayout, dtype: torch.dtype, block_size: int) -> None:
+    c = make_case(layout, dtype, block_size=block_size)
+    before = c.buffer.clone()
+    want = c.obj.clone()
+    reference_store(c, want)
+    run_multi(c, to_cache=False)
+    assert_same_bytes(c.obj, want)
+    # The -1 prefix rows were not written, nor anything around the object.
+    assert_same_bytes(c.obj[:, :, :5], before[c.offset:c.offset + c.obj.numel()].view(c.obj.shape)[:, :, :5])
+    assert_same_bytes(c.buffer[:c.offset], before[:c.offset])
+    assert_same_bytes(c.buffer[c.offset + c.obj.numel():], before[c.offset + c.obj.numel():])
+
+
+@pytest.mark.parametrize("block_size", [5, 16])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda layout: layout.name)
+def test_retrieve_matches_reference(layout: KVLayout, dtype: torch.dtype, block_size: int) -> None:
+    c = make_case(layout, dtype, block_size=block_size)
+    want_k = [t.clone() for t in c.keys]
+    want_v = [t.clone() for t in c.values]
+    reference_retrieve(c, want_k, want_v)
+    obj_before = c.buffer.clone()
+    run_multi(c, to_cache=True)
+    # Whole caches compared: every slot not named (prefix, other blocks) is untouched.
+    for got, want in zip(c.keys + c.values, want_k + want_v):
+        assert_same_bytes(got, want)
+    assert_same_bytes(c.buffer, obj_before)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda layout: layout.name)
+def test_round_trip_through_other_blocks(layout: KVLayout) -> None:
+    """Store from one set of slots, retrieve into another: the tokens' K/V follow them."""
+    c = make_case(layout, torch.bfloat16, num_tokens=33, prefix=0, start=0)
+    run_multi(c, to_cache=False)
+    first = c.obj.clone()
+    gen = torch.Generator().manual_seed(1)
+    c.slots = make_slots(33, c.block_size, 12, 0, 0, gen)
+    run_multi(c, to_cache=True)
+    c.obj.zero_()
+    run_multi(c, to_cache=False)
+    assert_same_bytes(c.obj, first)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda layout: layout.name)
+def test_accepts_flat_and_cpu_backend_views(layout: KVLayout) -> None:
+    """A (2, num_blocks, X) CPU cache hands over kv[0] / kv[1]; flat caches work too."""
+    c = make_case(layout, torch.float16)
+    want = c.obj.clone()
+    reference_store(c, want)
+    two_d = [t.view(t.shape[0], -1) for t in c.keys]
+    flat_v = [t.view(-1) for t in c.values]
+    run_multi(c, to_cache=False, keys=two_d, values=flat_v)
+    assert_same_bytes(c.obj, want)
+
+
+@pytest.mark.parametrize("num_tokens,prefix", [(1, 0), (1, 1), (16, 16), (17, 0), (64, 0)])
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda layout: layout.name)
+def test_token_counts_and_all_skipped(layout: KVLayout, num_tokens: int, prefix: int) -> None:
+    c = make_case(layout, torch.float32, num_tokens=num_tokens, prefix=prefix, start=0,
+                  num_blocks=8)
+    want = c.obj.clone()
+    reference_store(c, want)
+    run_multi(c, to_cache=False)
+    assert_same_bytes(c.obj, want)
+
+
+def test_consecutive_blocks_merge_into_long_runs() -> None:
+    """Slots running straight across block boundaries (blocks 2, 3, 4 in order)."""
+    c = make_case(KVLayout.FLASH, torch.float32, num_tokens=40, prefix=0, start=0)
+    c.slots = torch.arange(32, 72, dtype=torch.int64)
+    want = c.obj.clone()
+    reference_store(c, want)
+    run_multi(c, to_cache=False)
+    assert_same_bytes(c.obj, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.uint8], ids=str)
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda layout: layout.name)
+def test_single_layer_matches_multi_layer(layout: KVLayout, dtype: torch.dtype) -> None:
+    c = make_case(layout, dtype)
+    want = c.obj.clone()
+    reference_store(c, want)
+    for layer in range(len(c.keys)):
+        value = c.values[layer] if c.values else None
+        obj_layer = c.obj[:, layer].contiguous()
+        c_ops.single_layer_kv_transfer(obj_layer, c.keys[layer], value, c.slots, int(layout),
+                                       c.block_size, c.num_heads, False)
+        assert_same_bytes(obj_layer[:, c.slots >= 0], want[:, layer][:, c.slots >= 0])
+        # Retrieve the layer into fresh caches and compare with the oracle.
+        new_k = torch.zeros_like(c.keys[layer])
+        new_v = torch.zeros_like(value) if value is not None else None
+        c_ops.single_layer_kv_transfer(obj_layer, new_k, new_v, c.slots, int(layout),
+                                       c.block_size, c.num_heads, True)
+        ref_k = torch.zeros_like(c.keys[layer])
+        ref_v = [torch.zeros_like(value)] if value is not None else []
+        sub = Case(layout, dtype, c.block_size, c.num_heads, c.head_size, [], [], c.slots,
+                   obj_layer.view(-1), 0, obj_layer.unsqueeze(1))
+        reference_retrieve(sub, [ref_k], ref_v)
+        assert_same_bytes(new_k, ref_k)
+        if new_v is not None:
+            assert_same_bytes(new_v, ref_v[0])
+
+
+def test_layout_constants_match_python_enum() -> None:
+    assert c_ops.LAYOUT_FLASH == KVLayout.FLASH == 0
+    assert c_ops.LAYOUT_CPU_IPEX == KVLayout.CPU_IPEX == 1
+    assert c_ops.LAYOUT_CPU_PACKED == KVLayout.CPU_PACKED == 2
+    assert c_ops.LAYOUT_MLA == KVLayout.MLA == 3
+
+
+def test_uses_several_threads_consistently() -> None:
+    """Same bytes with 1 and 2 intra-op threads (work split differs)."""
+    results = []
+    old = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            c = make_case(KVLayout.CPU_PACKED, torch.bfloat16, num_layers=4, num_tokens=61)
+            run_multi(c, to_cache=False)
+            results.append(c.obj.clone())
+    finally:
+        torch.set_num_threads(old)
+    assert_same_bytes(results[0], results[1])
