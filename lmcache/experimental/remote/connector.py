@@ -1,0 +1,68 @@
+"""What every remote store looks like to the remote tier: bytes in, bytes out, keyed by strings.
+
+A connector knows one kind of server (`lm://`, Redis, Redis Cluster) and nothing about KV
+caches; the serde turns memory objects into the bytes it moves, and the remote backend adds
+the asynchrony, health tracking and backoff.
+
+Errors split in two on purpose:
+- a store that answered but would not keep a value (too large, out of memory) is a normal
+  outcome: `put` returns False and the caller counts a dropped put;
+- a store that could not be reached or did not answer in time raises `RemoteUnavailableError`,
+  which the backend turns into "tier down, everything is a miss until it comes back".
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Optional, Sequence, Tuple, Union
+
+Buffer = Union[bytes, bytearray, memoryview]
+
+
+class RemoteUnavailableError(ConnectionError):
+    """The remote store could not be reached or did not answer in time."""
+
+
+class RemoteConnector(ABC):
+    """A byte store behind a network connection; safe to call from several threads."""
+
+    @abstractmethod
+    def exists(self, key: str) -> bool:
+        """Whether `key` is stored now."""
+
+    @abstractmethod
+    def get(self, key: str) -> Optional[Buffer]:
+        """The value under `key`, or None if absent."""
+
+    @abstractmethod
+    def put(self, key: str, value: Buffer) -> bool:
+        """Store `value`; True once the server acknowledged it, False if it refused it."""
+
+    @abstractmethod
+    def delete(self, key: str) -> bool:
+        """Remove `key`; True when something was removed."""
+
+    @abstractmethod
+    def batched_exists(self, keys: Sequence[str]) -> list[bool]:
+        """`exists` for many keys in one round trip (or one pipeline)."""
+
+    @abstractmethod
+    def batched_get(self, keys: Sequence[str]) -> list[Optional[Buffer]]:
+        """`get` for many keys, pipelined; results in the order of `keys`."""
+
+    @abstractmethod
+    def batched_put(self, items: Sequence[Tuple[str, Buffer]]) -> list[bool]:
+        """`put` for many values, pipelined; one acknowledgement per item, in order."""
+
+    @abstractmethod
+    def ping(self) -> None:
+        """Raise `RemoteUnavailableError` unless the server answers now."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Close every pooled connection; the connector must not be used afterwards."""
+
+    @property
+    @abstractmethod
+    def url(self) -> str:
+        """Where this connector points, for log lines (no credentials)."""

@@ -1,0 +1,255 @@
+"""Client of our `lm://` server (`lmcache.server`): pooled TCP connections, pipelined batches.
+
+Each call borrows one connection from a small pool, sends its request frames and reads the
+answers in order. Batches are pipelined in windows of `PIPELINE_WINDOW` requests: every
+request of a window is sent before the first answer is read, which hides the round trip
+while keeping what both sides buffer small (so neither can block the other).
+
+A connection that fails is closed, never returned to the pool. A failure on a connection that
+had been idle in the pool (typically: the server restarted since) empties the pool and the
+request is retried once on a fresh connection - every operation here is idempotent - so a
+server restart costs no error at all when the server is back by the time of the next request.
+Timeouts are not retried: they already cost their full wait.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+from dataclasses import dataclass
+from typing import Optional, Sequence, Tuple
+
+from lmcache.experimental.remote.connector import Buffer, RemoteConnector, RemoteUnavailableError
+from lmcache.logging import init_logger
+from lmcache.server.protocol import (
+    DEFAULT_MAX_PAYLOAD_BYTES,
+    HEADER_SIZE,
+    MAX_KEY_BYTES,
+    Op,
+    ProtocolError,
+    Status,
+    pack_header,
+    parse_header,
+    recv_exact,
+)
+
+logger = init_logger(__name__)
+
+PIPELINE_WINDOW = 32
+# Payloads at least this large are sent on their own instead of being joined to the header.
+_ZERO_COPY_BYTES = 64 * 1024
+
+
+@dataclass(frozen=True)
+class _Request:
+    op: Op
+    key: bytes = b""
+    payload: Optional[Buffer] = None
+
+
+@dataclass(frozen=True)
+class _Reply:
+    status: Status
+    payload: Optional[bytearray]
+
+
+class _ConnectionPool:
+    """Idle connections to one server; a connection is used by one thread at a time."""
+
+    def __init__(self, host: str, port: int, max_idle: int, connect_timeout: float) -> None:
+        self._address = (host, port)
+        self._max_idle = max_idle
+        self._connect_timeout = connect_timeout
+        self._idle: list[socket.socket] = []
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def acquire(self) -> Tuple[socket.socket, bool]:
+        """A connection and whether it was reused from the pool."""
+        with self._lock:
+            if self._closed:
+                raise RemoteUnavailableError("connector is closed")
+            if self._idle:
+                return self._idle.pop(), True
+        try:
+            sock = socket.create_connection(self._address, timeout=self._connect_timeout)
+        except OSError as err:
+            raise RemoteUnavailableError(
+                f"cannot connect to lm://{self._address[0]}:{self._address[1]}: {err}"
+            ) from err
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return sock, False
+
+    def release(self, sock: socket.socket) -> None:
+        with self._lock:
+            if not self._closed and len(self._idle) < self._max_idle:
+                self._idle.append(sock)
+                return
+        sock.close()
+
+    def clear(self) -> None:
+        """Close every idle connection (they are suspect after a failure)."""
+        with self._lock:
+            idle, self._idle = self._idle, []
+        for sock in idle:
+            sock.close()
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+        self.clear()
+
+
+class LMServerConnector(RemoteConnector):
+    """`lm://host:port`: puts are acknowledged one by one, gets and exists are pipelined."""
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        timeout: float = 10.0,
+        lookup_timeout: float = 1.0,
+        pool_size: int = 4,
+        max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
+    ) -> None:
+        if timeout <= 0 or lookup_timeout <= 0:
+            raise ValueError(f"timeouts must be positive, got {timeout} and {lookup_timeout}")
+        self._host = host
+        self._port = port
+        self._timeout = timeout
+        self._lookup_timeout = lookup_timeout
+        self._max_payload = max_payload_bytes
+        self._pool = _ConnectionPool(host, port, pool_size, connect_timeout=lookup_timeout)
+
+    @property
+    def url(self) -> str:
+        return f"lm://{self._host}:{self._port}"
+
+    def exists(self, key: str) -> bool:
+        return self.batched_exists([key])[0]
+
+    def get(self, key: str) -> Optional[Buffer]:
+        return self.batched_get([key])[0]
+
+    def put(self, key: str, value: Buffer) -> bool:
+        return self.batched_put([(key, value)])[0]
+
+    def delete(self, key: str) -> bool:
+        reply = self._call([_Request(Op.DELETE, _key_bytes(key))], self._timeout)[0]
+        return reply.status == Status.OK
+
+    def batched_exists(self, keys: Sequence[str]) -> list[bool]:
+        requests = [_Request(Op.EXISTS, _key_bytes(k)) for k in keys]
+        return [r.status == Status.OK for r in self._call(requests, self._lookup_timeout)]
+
+    def batched_get(self, keys: Sequence[str]) -> list[Optional[Buffer]]:
+        requests = [_Request(Op.GET, _key_bytes(k)) for k in keys]
+        replies = self._call(requests, self._timeout)
+        return [r.payload if r.status == Status.OK else None for r in replies]
+
+    def batched_put(self, items: Sequence[Tuple[str, Buffer]]) -> list[bool]:
+        results: list[bool] = [False] * len(items)
+        requests: list[_Request] = []
+        slots: list[int] = []
+        for i, (key, value) in enumerate(items):
+            size = memoryview(value).nbytes
+            if size > self._max_payload:
+                logger.warning(
+                    "not storing %s on %s: %d bytes exceed the %d-byte frame limit",
+                    key,
+                    self.url,
+                    size,
+                    self._max_payload,
+                )
+                continue
+            requests.append(_Request(Op.PUT, _key_bytes(key), value))
+            slots.append(i)
+        for slot, reply in zip(slots, self._call(requests, self._timeout)):
+            results[slot] = reply.status == Status.OK
+        return results
+
+    def ping(self) -> None:
+        self._call([_Request(Op.PING)], self._lookup_timeout)
+
+    def info(self) -> dict[str, int]:
+        """The server's counters (entries, bytes used, evictions, protocol errors, ...)."""
+        reply = self._call([_Request(Op.INFO)], self._timeout)[0]
+        return json.loads(bytes(reply.payload or b"{}"))
+
+    def close(self) -> None:
+        self._pool.close()
+
+    def _call(self, requests: Sequence[_Request], timeout: float) -> list[_Reply]:
+        if not requests:
+            return []
+        sock, reused = self._pool.acquire()
+        try:
+            replies = self._exchange(sock, requests, timeout)
+        except socket.timeout as err:
+            sock.close()
+            raise RemoteUnavailableError(f"{self.url} did not answer within {timeout} s") from err
+        except (OSError, ProtocolError) as err:
+            sock.close()
+            self._pool.clear()
+            if not reused:
+                raise RemoteUnavailableError(f"{self.url}: {err}") from err
+            logger.debug("pooled connection to %s failed (%s); retrying on a new one", self.url, err)
+            sock, _ = self._pool.acquire()
+            try:
+                replies = self._exchange(sock, requests, timeout)
+            except socket.timeout as err2:
+                sock.close()
+                raise RemoteUnavailableError(f"{self.url} did not answer within {timeout} s") from err2
+            except (OSError, ProtocolError) as err2:
+                sock.close()
+                raise RemoteUnavailableError(f"{self.url}: {err2}") from err2
+        self._pool.release(sock)
+        return replies
+
+    def _exchange(
+        self, sock: socket.socket, requests: Sequence[_Request], timeout: float
+    ) -> list[_Reply]:
+        sock.settimeout(timeout)
+        replies: list[_Reply] = []
+        for start in range(0, len(requests), PIPELINE_WINDOW):
+            window = requests[start : start + PIPELINE_WINDOW]
+            self._send_window(sock, window)
+            for request in window:
+                replies.append(self._read_reply(sock, request.op))
+        return replies
+
+    def _send_window(self, sock: socket.socket, window: Sequence[_Request]) -> None:
+        pending: list[bytes] = []
+        for request in window:
+            size = 0 if request.payload is None else memoryview(request.payload).nbytes
+            pending.append(pack_header(request.op, Status.OK, len(request.key), size))
+            pending.append(request.key)
+            if size >= _ZERO_COPY_BYTES:
+                sock.sendall(b"".join(pending))
+                pending.clear()
+                sock.sendall(request.payload)  # type: ignore[arg-type]
+            elif size:
+                pending.append(bytes(request.payload))  # type: ignore[arg-type]
+        if pending:
+            sock.sendall(b"".join(pending))
+
+    def _read_reply(self, sock: socket.socket, op: Op) -> _Reply:
+        header = parse_header(
+            recv_exact(sock, HEADER_SIZE, "a reply header"), self._max_payload, is_request=False
+        )
+        recv_exact(sock, header.key_len, "a reply key")
+        payload = recv_exact(sock, header.payload_len, "a reply payload") if header.payload_len else None
+        if header.op == Op.ERROR:
+            reason = bytes(payload or b"").decode("utf-8", "replace")
+            raise ProtocolError(f"server rejected the request: {reason}")
+        if header.op != op:
+            raise ProtocolError(f"reply to {op.name} came back as {header.op.name}")
+        return _Reply(header.status, payload if header.status == Status.OK else None)
+
+
+def _key_bytes(key: str) -> bytes:
+    raw = key.encode("utf-8")
+    if not raw or len(raw) > MAX_KEY_BYTES:
+        raise ValueError(f"remote key must be 1..{MAX_KEY_BYTES} UTF-8 bytes, got {len(raw)}: {key[:80]!r}")
+    return raw

@@ -1,0 +1,277 @@
+"""Connector over a real Redis (`redis://`, `rediss://`) or Redis Cluster (`redis-cluster://`).
+
+Keys are `key_prefix + key`, so one model's chunks can be listed (`SCAN MATCH prefix*`) or
+dropped together; an optional TTL expires chunks nobody reads. Batches go through one
+pipeline (Redis Cluster pipelines split per node by themselves), so a multi-chunk get or
+put costs one round trip per node instead of one per chunk.
+
+What Redis refuses is a dropped put, never an error for the request:
+- values longer than the server's `proto-max-bulk-len` (512 MB unless configured) are refused
+  here, before sending, with a message naming the limit and the chunk;
+- a write under `maxmemory` with the default `noeviction` policy gets an `OOM` reply: that put
+  is counted as refused and logged (once per burst), the others in the pipeline still land.
+
+Connection loss and timeouts raise `RemoteUnavailableError`. redis-py's own retries are turned
+off: the remote backend owns retry and backoff, and a retry loop inside a lookup is exactly
+what must not stall a request.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Optional, Sequence, Tuple
+
+import redis
+from redis.backoff import NoBackoff
+from redis.cluster import ClusterNode, RedisCluster
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisClusterException, RedisError, ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.retry import Retry
+
+from lmcache.experimental.remote.connector import Buffer, RemoteConnector, RemoteUnavailableError
+from lmcache.logging import init_logger
+
+logger = init_logger(__name__)
+
+# Redis's default `proto-max-bulk-len`; used when `CONFIG GET` is not allowed (managed Redis).
+DEFAULT_PROTO_MAX_BULK_LEN = 512 * 1024 * 1024
+# Log one OOM line per this many refused puts, so a full Redis does not flood the log.
+_OOM_LOG_EVERY = 100
+
+# What redis-py raises when the server is gone or slow (cluster errors include "no node").
+_UNAVAILABLE = (RedisConnectionError, RedisTimeoutError, RedisClusterException, OSError)
+
+
+class RedisConnector(RemoteConnector):
+    """A Redis server or cluster as a `RemoteConnector`."""
+
+    def __init__(
+        self,
+        hosts: Sequence[Tuple[str, int]],
+        cluster: bool = False,
+        ssl: bool = False,
+        key_prefix: str = "",
+        ttl_s: Optional[float] = None,
+        timeout: float = 10.0,
+        lookup_timeout: float = 1.0,
+        pool_size: int = 8,
+        max_value_bytes: Optional[int] = None,
+    ) -> None:
+        if not hosts:
+            raise ValueError("RedisConnector needs at least one host")
+        if not cluster and len(hosts) != 1:
+            raise ValueError(f"plain Redis takes one host, got {list(hosts)}")
+        if ttl_s is not None and ttl_s <= 0:
+            raise ValueError(f"ttl_s must be positive or None, got {ttl_s}")
+        self._hosts = tuple(hosts)
+        self._cluster = cluster
+        self._ssl = ssl
+        self._prefix = key_prefix
+        self._ttl_ms = None if ttl_s is None else max(1, int(ttl_s * 1000))
+        self._timeout = timeout
+        self._lookup_timeout = lookup_timeout
+        self._pool_size = pool_size
+        self._max_value_override = max_value_bytes
+        self._max_value: Optional[int] = None
+        self._lock = threading.Lock()
+        # Two clients over separate pools: lookups must fail fast, data transfers may take longer.
+        self._data_client: Any = None
+        self._lookup_client: Any = None
+        self._oom_refusals = 0
+        self._oversize_refusals = 0
+
+    @property
+    def url(self) -> str:
+        scheme = "redis-cluster" if self._cluster else ("rediss" if self._ssl else "redis")
+        return f"{scheme}://" + ",".join(f"{h}:{p}" for h, p in self._hosts)
+
+    @property
+    def refused_puts(self) -> int:
+        """Puts Redis would not take (OOM replies plus values over the size limit)."""
+        return self._oom_refusals + self._oversize_refusals
+
+    def exists(self, key: str) -> bool:
+        return self.batched_exists([key])[0]
+
+    def get(self, key: str) -> Optional[Buffer]:
+        return self.batched_get([key])[0]
+
+    def put(self, key: str, value: Buffer) -> bool:
+        return self.batched_put([(key, value)])[0]
+
+    def delete(self, key: str) -> bool:
+        client, _ = self._clients()
+        try:
+            return bool(client.delete(self._prefix + key))
+        except _UNAVAILABLE as err:
+            raise self._unavailable(err) from err
+
+    def batched_exists(self, keys: Sequence[str]) -> list[bool]:
+        if not keys:
+            return []
+        _, lookup = self._clients()
+        replies = self._run(lookup, [("EXISTS", self._prefix + k) for k in keys])
+        return [isinstance(r, int) and r > 0 for r in replies]
+
+    def batched_get(self, keys: Sequence[str]) -> list[Optional[Buffer]]:
+        if not keys:
+            return []
+        data, _ = self._clients()
+        replies = self._run(data, [("GET", self._prefix + k) for k in keys])
+        out: list[Optional[Buffer]] = []
+        for key, reply in zip(keys, replies):
+            if isinstance(reply, Exception):
+                logger.warning("GET %s on %s failed: %s", key, self.url, reply)
+                out.append(None)
+            else:
+                out.append(reply)
+        return out
+
+    def batched_put(self, items: Sequence[Tuple[str, Buffer]]) -> list[bool]:
+        if not items:
+            return []
+        data, _ = self._clients()
+        limit = self._value_limit(data)
+        results = [False] * len(items)
+        commands: list[tuple] = []
+        slots: list[int] = []
+        for i, (key, value) in enumerate(items):
+            size = memoryview(value).nbytes
+            if size > limit:
+                self._oversize_refusals += 1
+                logger.warning(
+                    "not storing %s on %s: %d bytes exceed the server's proto-max-bulk-len of %d "
+                    "(raise it in redis.conf, or use a smaller chunk_size)",
+                    key,
+                    self.url,
+                    size,
+                    limit,
+                )
+                continue
+            command: tuple = ("SET", self._prefix + key, value)
+            if self._ttl_ms is not None:
+                command += ("PX", self._ttl_ms)
+            commands.append(command)
+            slots.append(i)
+        for slot, reply in zip(slots, self._run(data, commands)):
+            if isinstance(reply, ResponseError) and str(reply).startswith("OOM"):
+                self._oom_refusals += 1
+                if self._oom_refusals % _OOM_LOG_EVERY == 1:
+                    logger.warning(
+                        "%s is out of memory (maxmemory reached, policy noeviction): put of %s "
+                        "dropped (%d OOM refusals so far)",
+                        self.url,
+                        items[slot][0],
+                        self._oom_refusals,
+                    )
+            elif isinstance(reply, Exception):
+                logger.warning("SET %s on %s failed: %s", items[slot][0], self.url, reply)
+            else:
+                results[slot] = bool(reply)
+        return results
+
+    def ping(self) -> None:
+        _, lookup = self._clients()
+        try:
+            lookup.ping()
+        except _UNAVAILABLE as err:
+            raise self._unavailable(err) from err
+
+    def close(self) -> None:
+        with self._lock:
+            clients = [c for c in (self._data_client, self._lookup_client) if c is not None]
+            self._data_client = self._lookup_client = None
+        for client in clients:
+            try:
+                client.close()
+            except RedisError as err:
+                logger.debug("closing %s: %s", self.url, err)
+
+    def _clients(self) -> Tuple[Any, Any]:
+        """(data client, lookup client), created on first use (a cluster client connects then)."""
+        with self._lock:
+            if self._data_client is None:
+                try:
+                    self._data_client = self._make_client(self._timeout)
+                    self._lookup_client = self._make_client(self._lookup_timeout)
+                except _UNAVAILABLE as err:
+                    self._data_client = self._lookup_client = None
+                    raise self._unavailable(err) from err
+            return self._data_client, self._lookup_client
+
+    def _make_client(self, socket_timeout: float) -> Any:
+        common = dict(
+            socket_timeout=socket_timeout,
+            socket_connect_timeout=self._lookup_timeout,
+            retry=Retry(NoBackoff(), 0),
+            ssl=self._ssl,
+        )
+        if self._cluster:
+            return RedisCluster(
+                startup_nodes=[ClusterNode(h, p) for h, p in self._hosts],
+                max_connections=self._pool_size,
+                **common,
+            )
+        host, port = self._hosts[0]
+        pool_cls = redis.SSLConnection if self._ssl else redis.Connection
+        pool = redis.BlockingConnectionPool(
+            connection_class=pool_cls,
+            max_connections=self._pool_size,
+            timeout=socket_timeout,
+            host=host,
+            port=port,
+            socket_timeout=socket_timeout,
+            socket_connect_timeout=self._lookup_timeout,
+            retry=Retry(NoBackoff(), 0),
+        )
+        return redis.Redis(connection_pool=pool)
+
+    def _value_limit(self, client: Any) -> int:
+        """Largest value Redis accepts: the override, else the server's proto-max-bulk-len."""
+        if self._max_value_override is not None:
+            return self._max_value_override
+        if self._max_value is None:
+            try:
+                reply = client.config_get("proto-max-bulk-len")
+                values = _config_values(reply)
+                self._max_value = min(values) if values else DEFAULT_PROTO_MAX_BULK_LEN
+            except ResponseError:
+                # CONFIG is often disabled on managed Redis: assume the default.
+                self._max_value = DEFAULT_PROTO_MAX_BULK_LEN
+            except _UNAVAILABLE as err:
+                raise self._unavailable(err) from err
+        return self._max_value
+
+    def _run(self, client: Any, commands: Sequence[tuple]) -> list[Any]:
+        """Execute `commands` in one pipeline; per-command errors come back as exceptions."""
+        if not commands:
+            return []
+        try:
+            pipe = client.pipeline(transaction=False)
+            for command in commands:
+                pipe.execute_command(*command)
+            replies = pipe.execute(raise_on_error=False)
+        except _UNAVAILABLE as err:
+            raise self._unavailable(err) from err
+        for reply in replies:
+            if isinstance(reply, _UNAVAILABLE):
+                raise self._unavailable(reply)
+        return list(replies)
+
+    def _unavailable(self, err: BaseException) -> RemoteUnavailableError:
+        return RemoteUnavailableError(f"{self.url}: {type(err).__name__}: {err}")
+
+
+def _config_values(reply: Any) -> list[int]:
+    """The integer values of a `CONFIG GET` reply (a dict, or per-node dicts for a cluster)."""
+    if isinstance(reply, dict) and reply and all(isinstance(v, dict) for v in reply.values()):
+        return [v for sub in reply.values() for v in _config_values(sub)]
+    out: list[int] = []
+    if isinstance(reply, dict):
+        for value in reply.values():
+            try:
+                out.append(int(value))
+            except (TypeError, ValueError):
+                continue
+    return out

@@ -1,0 +1,107 @@
+"""`lmcache_server [HOST] PORT` / `python -m lmcache.server [HOST] PORT`: run the `lm://` server.
+
+HOST defaults to 127.0.0.1: the server has no authentication, so listening on other
+interfaces is something to ask for explicitly (`lmcache_server 0.0.0.0 65432`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+from typing import Optional, Sequence
+
+from lmcache.logging import init_logger
+from lmcache.server.protocol import DEFAULT_MAX_PAYLOAD_BYTES, HARD_MAX_PAYLOAD_BYTES
+from lmcache.server.server import LMCacheServer, ServerConfig
+
+logger = init_logger(__name__)
+
+DEFAULT_HOST = "127.0.0.1"
+
+
+def _parse_args(argv: Optional[Sequence[str]]) -> ServerConfig:
+    parser = argparse.ArgumentParser(
+        prog="lmcache_server",
+        description="KV-chunk server for LMCache's lm:// remote tier.",
+    )
+    parser.add_argument(
+        "address",
+        nargs="+",
+        metavar="[HOST] PORT",
+        help=f"interface to bind (default {DEFAULT_HOST}) and TCP port (0 = any free port)",
+    )
+    parser.add_argument(
+        "--max-size-gb",
+        type=float,
+        default=4.0,
+        help="memory for stored chunks; least recently used chunks are evicted beyond it",
+    )
+    parser.add_argument(
+        "--max-frame-mb",
+        type=float,
+        default=DEFAULT_MAX_PAYLOAD_BYTES / (1 << 20),
+        help="largest payload one frame may carry; larger frames close the connection",
+    )
+    parser.add_argument("--max-connections", type=int, default=256)
+    parser.add_argument(
+        "--frame-timeout",
+        type=float,
+        default=30.0,
+        help="seconds a started frame may stall before the connection is closed",
+    )
+    args = parser.parse_args(argv)
+    if len(args.address) == 1:
+        host, port_text = DEFAULT_HOST, args.address[0]
+    elif len(args.address) == 2:
+        host, port_text = args.address
+    else:
+        parser.error(f"expected [HOST] PORT, got {' '.join(args.address)}")
+    try:
+        port = int(port_text)
+    except ValueError:
+        parser.error(f"PORT must be an integer, got {port_text!r}")
+    max_payload = int(args.max_frame_mb * (1 << 20))
+    if not 0 < max_payload <= HARD_MAX_PAYLOAD_BYTES:
+        parser.error(
+            f"--max-frame-mb must be in (0, {HARD_MAX_PAYLOAD_BYTES >> 20}], got {args.max_frame_mb}"
+        )
+    if args.max_size_gb <= 0:
+        parser.error(f"--max-size-gb must be positive, got {args.max_size_gb}")
+    try:
+        return ServerConfig(
+            host=host,
+            port=port,
+            max_size_bytes=int(args.max_size_gb * 1e9),
+            max_payload_bytes=max_payload,
+            max_connections=args.max_connections,
+            frame_timeout_s=args.frame_timeout,
+        )
+    except ValueError as err:
+        parser.error(str(err))
+    raise AssertionError("unreachable")
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Console-script entry point; returns the process exit code."""
+    config = _parse_args(argv)
+    server = LMCacheServer(config)
+    try:
+        server.start()
+    except OSError as err:
+        logger.error("%s", err)
+        return 1
+
+    def _stop(signum: int, _frame: object) -> None:
+        logger.info("signal %d: shutting down", signum)
+        server.shutdown()
+
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, _stop)
+    server.serve_forever()
+    server.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,182 @@
+"""Wire protocol of the `lm://` server: versioned, typed, length-prefixed, size-checked frames.
+
+Every message in either direction is one frame::
+
+    +-------+---------+----+--------+---------+-------------+-----------+---------------+
+    | magic | version | op | status | key_len | payload_len | key bytes | payload bytes |
+    |  4 B  |   1 B   | 1B |  2 B   |   4 B   |     8 B     |  key_len  |  payload_len  |
+    +-------+---------+----+--------+---------+-------------+-----------+---------------+
+
+all integers big-endian. A request carries `status == 0`; the reply to it echoes the op and
+sets the status. Requests on one connection are answered in order, so a client may pipeline.
+
+Operations:
+- `PING`: no key, no payload -> `OK`.
+- `PUT key payload` -> `OK` (stored) or `REFUSED` (larger than the server's whole store).
+  Every put is answered, so a client knows which writes landed.
+- `GET key` -> `OK` + payload, or `NOT_FOUND`.
+- `EXISTS key` -> `OK` or `NOT_FOUND`.
+- `DELETE key` -> `OK` (was there) or `NOT_FOUND`.
+- `INFO` -> `OK` + a JSON object of server statistics.
+
+Anything else (bad magic, unknown version or op, a key or payload over the limits, a payload on
+an op that takes none) is a `ProtocolError`: the server answers an `ERROR` frame with status
+`BAD_REQUEST` and the reason as UTF-8 payload (best effort) and closes that connection. There is no pickle: values are opaque bytes.
+"""
+
+from __future__ import annotations
+
+import enum
+import socket
+import struct
+from dataclasses import dataclass
+from typing import Optional, Union
+
+MAGIC = b"LMCS"
+PROTOCOL_VERSION = 1
+HEADER = struct.Struct("!4sBBHIQ")
+HEADER_SIZE = HEADER.size
+
+# Keys are `CacheEngineKey` strings (format, model name, sizes, a 32-hex-digit hash).
+MAX_KEY_BYTES = 4096
+# The hard ceiling no configuration can raise: one frame never carries more than this.
+HARD_MAX_PAYLOAD_BYTES = 4 << 30
+# What server and client accept by default; a 256-token chunk of a 70B model is ~80 MB.
+DEFAULT_MAX_PAYLOAD_BYTES = 1 << 30
+
+Buffer = Union[bytes, bytearray, memoryview]
+
+
+class Op(enum.IntEnum):
+    """Frame types; `ERROR` only appears in the server's reply to a broken request."""
+
+    ERROR = 0
+    PING = 1
+    PUT = 2
+    GET = 3
+    EXISTS = 4
+    DELETE = 5
+    INFO = 6
+
+
+class Status(enum.IntEnum):
+    """Reply codes (a request carries `OK`, i.e. 0)."""
+
+    OK = 0
+    NOT_FOUND = 1
+    REFUSED = 2
+    BAD_REQUEST = 3
+
+
+# Ops that name a key, and the one op whose request carries a payload.
+_KEYED_OPS = frozenset({Op.PUT, Op.GET, Op.EXISTS, Op.DELETE})
+_PAYLOAD_REQUEST_OPS = frozenset({Op.PUT})
+
+
+class ProtocolError(Exception):
+    """A frame that breaks the protocol; the connection it came on cannot be trusted any more."""
+
+
+class TruncatedFrameError(ProtocolError):
+    """The peer closed the connection in the middle of a frame."""
+
+
+@dataclass(frozen=True)
+class FrameHeader:
+    """The fixed-size part of a frame, already checked against the limits."""
+
+    op: Op
+    status: Status
+    key_len: int
+    payload_len: int
+
+
+def pack_header(op: Op, status: Status, key_len: int, payload_len: int) -> bytes:
+    """Encode a frame header; refuses values the receiver would reject anyway."""
+    if key_len > MAX_KEY_BYTES:
+        raise ProtocolError(f"key of {key_len} bytes exceeds the {MAX_KEY_BYTES}-byte key limit")
+    if payload_len > HARD_MAX_PAYLOAD_BYTES:
+        raise ProtocolError(
+            f"payload of {payload_len} bytes exceeds the hard frame limit of "
+            f"{HARD_MAX_PAYLOAD_BYTES} bytes"
+        )
+    return HEADER.pack(MAGIC, PROTOCOL_VERSION, int(op), int(status), key_len, payload_len)
+
+
+def parse_header(raw: Buffer, max_payload_bytes: int, is_request: bool) -> FrameHeader:
+    """Decode and validate a header; raises `ProtocolError` naming what is wrong."""
+    if len(raw) != HEADER_SIZE:
+        raise ProtocolError(f"header must be {HEADER_SIZE} bytes, got {len(raw)}")
+    magic, version, op_code, status_code, key_len, payload_len = HEADER.unpack(raw)
+    if magic != MAGIC:
+        raise ProtocolError(f"bad magic {bytes(magic)!r}, expected {MAGIC!r}")
+    if version != PROTOCOL_VERSION:
+        raise ProtocolError(
+            f"protocol version {version} not supported (this side speaks {PROTOCOL_VERSION})"
+        )
+    try:
+        op = Op(op_code)
+    except ValueError:
+        raise ProtocolError(f"unknown op code {op_code}") from None
+    try:
+        status = Status(status_code)
+    except ValueError:
+        raise ProtocolError(f"unknown status code {status_code}") from None
+    if key_len > MAX_KEY_BYTES:
+        raise ProtocolError(f"key length {key_len} exceeds the {MAX_KEY_BYTES}-byte limit")
+    limit = min(max_payload_bytes, HARD_MAX_PAYLOAD_BYTES)
+    if payload_len > limit:
+        raise ProtocolError(f"payload length {payload_len} exceeds the frame limit of {limit} bytes")
+    if is_request:
+        if op == Op.ERROR:
+            raise ProtocolError("ERROR is not a request op")
+        if status != Status.OK:
+            raise ProtocolError(f"request carries status {status.name}, expected OK")
+        if op in _KEYED_OPS and key_len == 0:
+            raise ProtocolError(f"{op.name} request without a key")
+        if op not in _KEYED_OPS and key_len != 0:
+            raise ProtocolError(f"{op.name} request must not carry a key")
+        if op not in _PAYLOAD_REQUEST_OPS and payload_len != 0:
+            raise ProtocolError(f"{op.name} request must not carry a payload")
+    return FrameHeader(op=op, status=status, key_len=key_len, payload_len=payload_len)
+
+
+def recv_exact_into(sock: socket.socket, view: memoryview) -> int:
+    """Fill `view` from `sock`; returns the byte count read before EOF (== len(view) if complete)."""
+    got = 0
+    total = len(view)
+    while got < total:
+        n = sock.recv_into(view[got:], total - got)
+        if n == 0:
+            return got
+        got += n
+    return got
+
+
+def recv_exact(sock: socket.socket, size: int, what: str) -> bytearray:
+    """Read exactly `size` bytes or raise `TruncatedFrameError` naming the part that was cut."""
+    buf = bytearray(size)
+    if size:
+        got = recv_exact_into(sock, memoryview(buf))
+        if got != size:
+            raise TruncatedFrameError(f"connection closed after {got} of {size} bytes of {what}")
+    return buf
+
+
+def send_frame(
+    sock: socket.socket,
+    op: Op,
+    status: Status = Status.OK,
+    key: bytes = b"",
+    payload: Optional[Buffer] = None,
+) -> None:
+    """Send one frame; large payloads go out without being copied into the header buffer."""
+    payload_len = 0 if payload is None else memoryview(payload).nbytes
+    header = pack_header(op, status, len(key), payload_len)
+    if payload_len and payload_len > 64 * 1024:
+        sock.sendall(header + key)
+        sock.sendall(payload)  # type: ignore[arg-type]
+    elif payload_len:
+        sock.sendall(header + key + bytes(payload))  # type: ignore[arg-type]
+    else:
+        sock.sendall(header + key)
