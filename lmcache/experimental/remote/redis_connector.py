@@ -25,7 +25,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.cluster import ClusterNode, RedisCluster
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisClusterException, RedisError, ResponseError
+from redis.exceptions import OutOfMemoryError, RedisClusterException, RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
@@ -155,7 +155,9 @@ class RedisConnector(RemoteConnector):
             commands.append(command)
             slots.append(i)
         for slot, reply in zip(slots, self._run(data, commands)):
-            if isinstance(reply, ResponseError) and str(reply).startswith("OOM"):
+            if isinstance(reply, OutOfMemoryError) or (
+                isinstance(reply, ResponseError) and str(reply).startswith("OOM")
+            ):
                 self._oom_refusals += 1
                 if self._oom_refusals % _OOM_LOG_EVERY == 1:
                     logger.warning(
