@@ -25,6 +25,8 @@ def _want_cuda() -> bool:
 
 
 def _extension():
+    # The rpath lets `import lmcache.c_ops` find libc10/libtorch even before torch is imported.
+    link_args = ["-fopenmp"] + [f"-Wl,-rpath,{d}" for d in cpp_extension.library_paths()]
     cpu_sources = sorted(glob("csrc/*.cpp") + glob("csrc/cpu/*.cpp"))
     cxx_flags = ["-O3", "-std=c++17", "-fopenmp"]
     include_dirs = [os.path.join(ROOT, "csrc")]
@@ -35,14 +37,14 @@ def _extension():
             include_dirs=include_dirs,
             define_macros=[("LMCACHE_WITH_CUDA", "1")],
             extra_compile_args={"cxx": cxx_flags, "nvcc": ["-O3", "-std=c++17"]},
-            extra_link_args=["-fopenmp"],
+            extra_link_args=link_args,
         )
     return cpp_extension.CppExtension(
         "lmcache.c_ops",
         cpu_sources,
         include_dirs=include_dirs,
         extra_compile_args=cxx_flags,
-        extra_link_args=["-fopenmp"],
+        extra_link_args=link_args,
     )
 
 
