@@ -1,0 +1,64 @@
+"""Storage tiers and the factory that builds them from the engine config.
+
+`create_storage_manager` is the one place that decides which tiers exist and in which order
+(fastest first): the CPU tier ("Hot", when `local_cpu`), the local disk tier (when
+`local_disk` is set), then remote tiers. Everything else talks to tiers through
+`StorageBackendInterface` and the `StorageManager`.
+"""
+
+from typing import List, Optional
+
+from lmcache.config import LMCacheEngineMetadata
+from lmcache.experimental.config import LMCacheEngineConfig
+from lmcache.experimental.memory_management import MemoryAllocatorInterface
+from lmcache.experimental.stats import EngineStats
+from lmcache.experimental.storage_backend.abstract_backend import StorageBackendInterface
+from lmcache.experimental.storage_backend.local_cpu_backend import LocalCPUBackend
+from lmcache.experimental.storage_backend.local_disk_backend import LocalDiskBackend
+from lmcache.experimental.storage_backend.storage_manager import StorageManager
+
+GB = 1024**3
+
+__all__ = [
+    "GB",
+    "LocalCPUBackend",
+    "LocalDiskBackend",
+    "StorageBackendInterface",
+    "StorageManager",
+    "create_storage_backends",
+    "create_storage_manager",
+]
+
+
+def create_storage_backends(
+    config: LMCacheEngineConfig,
+    metadata: LMCacheEngineMetadata,
+    local_cpu_backend: LocalCPUBackend,
+    stats: EngineStats,
+) -> List[StorageBackendInterface]:
+    """The configured tiers, fastest first (the CPU tier only when it keeps objects)."""
+    tiers: List[StorageBackendInterface] = []
+    if local_cpu_backend.keeps_objects:
+        tiers.append(local_cpu_backend)
+    if config.local_disk is not None and config.max_local_disk_size > 0:
+        tiers.append(
+            LocalDiskBackend(
+                config.local_disk,
+                int(config.max_local_disk_size * GB),
+                local_cpu_backend,
+                stats.tier(LocalDiskBackend.__name__),
+            )
+        )
+    return tiers
+
+
+def create_storage_manager(
+    config: LMCacheEngineConfig,
+    metadata: LMCacheEngineMetadata,
+    memory_allocator: MemoryAllocatorInterface,
+    stats: Optional[EngineStats] = None,
+) -> StorageManager:
+    """The CPU tier over `memory_allocator` plus every configured tier, in one manager."""
+    stats = stats if stats is not None else EngineStats()
+    cpu = LocalCPUBackend(memory_allocator, keep_objects=config.local_cpu, stats=stats.tier("Hot"))
+    return StorageManager(cpu, create_storage_backends(config, metadata, cpu, stats), stats)

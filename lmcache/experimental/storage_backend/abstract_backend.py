@@ -1,0 +1,49 @@
+"""The one interface every storage tier (CPU, disk, remote) implements.
+
+The storage manager and the engine only talk to tiers through it, so adding a tier never adds a
+branch on a backend's name elsewhere. Reference-count rules (see docs/design.md): a tier that
+keeps an object takes its own reference; `get_blocking` hands the caller one reference.
+"""
+
+from abc import ABC, abstractmethod
+from typing import Optional
+
+from lmcache.experimental.memory_management import MemoryObj
+from lmcache.utils import CacheEngineKey
+
+
+class StorageBackendInterface(ABC):
+    """A place chunks can be put into and read back from, keyed by `CacheEngineKey`."""
+
+    @property
+    def tier_name(self) -> str:
+        """The name `search_range` uses for this tier (the class name unless overridden)."""
+        return type(self).__name__
+
+    @abstractmethod
+    def contains(self, key: CacheEngineKey) -> bool:
+        """Whether `get_blocking(key)` would find the chunk now (stored or still being written)."""
+
+    @abstractmethod
+    def exists_in_put_tasks(self, key: CacheEngineKey) -> bool:
+        """Whether a put of `key` was submitted and has not finished yet."""
+
+    @abstractmethod
+    def submit_put_task(self, key: CacheEngineKey, obj: MemoryObj) -> None:
+        """Keep a copy of `obj` under `key`; takes its own reference. Slow tiers return at once."""
+
+    @abstractmethod
+    def submit_prefetch_task(self, key: CacheEngineKey) -> bool:
+        """Start bringing `key` into the CPU tier; True when a prefetch was started."""
+
+    @abstractmethod
+    def get_blocking(self, key: CacheEngineKey) -> Optional[MemoryObj]:
+        """The chunk under `key`, or None on a miss; the caller owns one reference of it."""
+
+    @abstractmethod
+    def remove(self, key: CacheEngineKey) -> bool:
+        """Drop `key` from this tier; True when something was removed."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Finish pending writes and release the tier's resources."""

@@ -1,0 +1,291 @@
+"""The self-describing byte format of one stored chunk: a bounded binary header, then the payload.
+
+Used on disk (one file per chunk) and on the wire (remote tiers), so that a reader can reject a
+chunk that is truncated, corrupted, written by something else, or not the chunk it asked for
+- a cache may lose entries but must never hand back wrong ones. Nothing here is pickle.
+
+Header layout (little-endian)::
+
+    +------+---------+------------+-----+------+-----------+-----------+-------------+----------+
+    |magic | version | header_len | fmt | ndim | dtype_len | key_len   | payload_len | checksum |
+    | 4s   | u16     | u32        | u8  | u8   | u8        | u16       | u64         | 8s       |
+    +------+---------+------------+-----+------+-----------+-----------+-------------+----------+
+    | dims: ndim x i64 | dtype name (ascii) | key string (utf-8) |     then payload_len bytes
+    +------------------+--------------------+--------------------+
+
+`checksum` is BLAKE2b with an 8-byte digest over the payload. Decoding never raises for bad
+input: it logs why and returns None, which every caller treats as a miss.
+"""
+
+import hashlib
+import math
+import struct
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import BinaryIO, Callable, Mapping, Optional, Sequence, Tuple, Union
+
+import torch
+
+from lmcache.experimental.memory_management import MemoryFormat, MemoryObj
+from lmcache.logging import init_logger
+from lmcache.utils import CacheEngineKey
+
+logger = init_logger(__name__)
+
+MAGIC = b"LMCK"
+VERSION = 1
+MAX_HEADER_BYTES = 4096
+MAX_NDIM = 8
+CHECKSUM_BYTES = 8
+
+_PREFIX = struct.Struct("<4sHI")  # magic, version, header_len
+_FIXED = struct.Struct("<BBBHQ8s")  # fmt, ndim, dtype_len, key_len, payload_len, checksum
+_MIN_HEADER = _PREFIX.size + _FIXED.size
+
+# Only these dtypes can appear in a header; a name is looked up here, never evaluated.
+_DTYPES: Mapping[str, torch.dtype] = MappingProxyType(
+    {
+        str(dt).removeprefix("torch."): dt
+        for dt in (
+            torch.float16,
+            torch.bfloat16,
+            torch.float32,
+            torch.float64,
+            torch.int8,
+            torch.uint8,
+            torch.int16,
+            torch.int32,
+            torch.int64,
+            torch.bool,
+            torch.float8_e4m3fn,
+            torch.float8_e5m2,
+        )
+    }
+)
+
+Buffer = Union[bytes, bytearray, memoryview]
+
+
+@dataclass(frozen=True)
+class ChunkHeader:
+    """What a chunk says about itself; `size` is the header's own length in bytes."""
+
+    key: str
+    shape: Tuple[int, ...]
+    dtype: Optional[torch.dtype]
+    fmt: MemoryFormat
+    payload_len: int
+    checksum: bytes
+    size: int
+
+
+def dtype_name(dtype: Optional[torch.dtype]) -> str:
+    """The header name of `dtype` ("" for untyped byte objects)."""
+    if dtype is None:
+        return ""
+    name = str(dtype).removeprefix("torch.")
+    if name not in _DTYPES:
+        raise ValueError(f"dtype {dtype} cannot be stored in a chunk header")
+    return name
+
+
+def payload_checksum(payload: Buffer) -> bytes:
+    """BLAKE2b-64 of the payload bytes."""
+    return hashlib.blake2b(payload, digest_size=CHECKSUM_BYTES).digest()
+
+
+def _key_str(key: Union[CacheEngineKey, str]) -> str:
+    return key if isinstance(key, str) else key.to_string()
+
+
+def encode_header(
+    key: Union[CacheEngineKey, str],
+    shape: Sequence[int],
+    dtype: Optional[torch.dtype],
+    fmt: MemoryFormat,
+    payload: Buffer,
+) -> bytes:
+    """Build the header for `payload` (its checksum is computed here).
+
+    Raises ValueError when the key, shape or dtype cannot be represented - a programming error,
+    not bad input from a file.
+    """
+    key_bytes = _key_str(key).encode("utf-8")
+    dtype_bytes = dtype_name(dtype).encode("ascii")
+    dims = tuple(int(d) for d in shape)
+    if len(dims) > MAX_NDIM:
+        raise ValueError(f"shape {dims} has more than {MAX_NDIM} dimensions")
+    payload_len = memoryview(payload).nbytes
+    header_len = _MIN_HEADER + 8 * len(dims) + len(dtype_bytes) + len(key_bytes)
+    if header_len > MAX_HEADER_BYTES:
+        raise ValueError(f"chunk header for key {_key_str(key)!r} would exceed {MAX_HEADER_BYTES} bytes")
+    return b"".join(
+        (
+            _PREFIX.pack(MAGIC, VERSION, header_len),
+            _FIXED.pack(
+                int(fmt.value),
+                len(dims),
+                len(dtype_bytes),
+                len(key_bytes),
+                payload_len,
+                payload_checksum(payload),
+            ),
+            struct.pack(f"<{len(dims)}q", *dims),
+            dtype_bytes,
+            key_bytes,
+        )
+    )
+
+
+def header_length(prefix: Buffer) -> Optional[int]:
+    """Total header length announced by the first `_PREFIX.size` bytes, or None if foreign."""
+    prefix = memoryview(prefix)
+    if prefix.nbytes < _PREFIX.size:
+        logger.warning("chunk header truncated: %d bytes", prefix.nbytes)
+        return None
+    magic, version, header_len = _PREFIX.unpack_from(prefix, 0)
+    if magic != MAGIC:
+        logger.warning("not a chunk: magic %r", bytes(magic))
+        return None
+    if version != VERSION:
+        logger.warning("chunk format version %d is not %d", version, VERSION)
+        return None
+    if not _MIN_HEADER <= header_len <= MAX_HEADER_BYTES:
+        logger.warning("chunk header length %d out of bounds", header_len)
+        return None
+    return header_len
+
+
+def decode_header(buf: Buffer) -> Optional[ChunkHeader]:
+    """Parse the header at the start of `buf` (which may continue with the payload)."""
+    view = memoryview(buf).cast("B")
+    header_len = header_length(view[: _PREFIX.size])
+    if header_len is None:
+        return None
+    if view.nbytes < header_len:
+        logger.warning("chunk header truncated: %d of %d bytes", view.nbytes, header_len)
+        return None
+    fmt_value, ndim, dtype_len, key_len, payload_len, checksum = _FIXED.unpack_from(view, _PREFIX.size)
+    if ndim > MAX_NDIM or _MIN_HEADER + 8 * ndim + dtype_len + key_len != header_len:
+        logger.warning("chunk header fields do not add up to its length %d", header_len)
+        return None
+    try:
+        fmt = MemoryFormat(fmt_value)
+    except ValueError:
+        logger.warning("chunk header names unknown memory format %d", fmt_value)
+        return None
+    pos = _MIN_HEADER
+    shape = struct.unpack_from(f"<{ndim}q", view, pos)
+    pos += 8 * ndim
+    try:
+        name = bytes(view[pos : pos + dtype_len]).decode("ascii")
+        key = bytes(view[pos + dtype_len : pos + dtype_len + key_len]).decode("utf-8")
+    except UnicodeDecodeError:
+        logger.warning("chunk header has undecodable dtype or key text")
+        return None
+    if name and name not in _DTYPES:
+        logger.warning("chunk header names unknown dtype %r", name)
+        return None
+    dtype = _DTYPES[name] if name else None
+    if any(d < 0 for d in shape):
+        logger.warning("chunk header has a negative dimension: %s", shape)
+        return None
+    if dtype is not None and math.prod(shape) * dtype.itemsize != payload_len:
+        logger.warning("chunk header: shape %s of %s does not match payload %d bytes", shape, dtype, payload_len)
+        return None
+    return ChunkHeader(key, tuple(shape), dtype, fmt, payload_len, bytes(checksum), header_len)
+
+
+def read_header(f: BinaryIO) -> Optional[ChunkHeader]:
+    """Read exactly one header from the current position of `f` (never more than the bound)."""
+    prefix = f.read(_PREFIX.size)
+    header_len = header_length(prefix)
+    if header_len is None:
+        return None
+    rest = f.read(header_len - _PREFIX.size)
+    return decode_header(prefix + rest)
+
+
+def header_matches(
+    header: ChunkHeader,
+    key: Optional[Union[CacheEngineKey, str]] = None,
+    shape: Optional[Sequence[int]] = None,
+    dtype: Optional[torch.dtype] = None,
+    fmt: Optional[MemoryFormat] = None,
+) -> bool:
+    """True when the header describes what the caller asked for (None = don't care)."""
+    wanted = {
+        "key": None if key is None else _key_str(key),
+        "shape": None if shape is None else tuple(int(d) for d in shape),
+        "dtype": dtype,
+        "fmt": fmt,
+    }
+    for field, want in wanted.items():
+        if want is not None and getattr(header, field) != want:
+            logger.warning(
+                "chunk %s: header %s is %s, expected %s", header.key, field, getattr(header, field), want
+            )
+            return False
+    return True
+
+
+def verify_payload(header: ChunkHeader, payload: Buffer) -> bool:
+    """True when `payload` has the header's length and checksum."""
+    view = memoryview(payload)
+    if view.nbytes != header.payload_len:
+        logger.warning("chunk %s: payload is %d bytes, header says %d", header.key, view.nbytes, header.payload_len)
+        return False
+    if payload_checksum(view) != header.checksum:
+        logger.warning("chunk %s: payload checksum mismatch", header.key)
+        return False
+    return True
+
+
+def memory_obj_payload(obj: MemoryObj) -> memoryview:
+    """The object's payload bytes (exactly `get_size()` of them)."""
+    return memoryview(obj.byte_array).cast("B")[: obj.get_size()]
+
+
+def encode_memory_obj(key: Union[CacheEngineKey, str], obj: MemoryObj) -> bytes:
+    """Header + payload of `obj` as one bytes object (for the wire)."""
+    payload = memory_obj_payload(obj)
+    meta = obj.metadata
+    return encode_header(key, meta.shape, meta.dtype, meta.fmt, payload) + payload
+
+
+def decode_into(
+    buf: Buffer,
+    allocate: Callable[[torch.Size, Optional[torch.dtype], MemoryFormat], Optional[MemoryObj]],
+    key: Optional[Union[CacheEngineKey, str]] = None,
+    shape: Optional[Sequence[int]] = None,
+    dtype: Optional[torch.dtype] = None,
+    fmt: Optional[MemoryFormat] = None,
+) -> Optional[MemoryObj]:
+    """Check a whole encoded chunk and copy its payload into a freshly allocated object.
+
+    Returns None (after logging) when the chunk is bad, is not what was asked for, or memory is
+    full. The caller owns the one reference of the returned object.
+    """
+    view = memoryview(buf).cast("B")
+    header = decode_header(view)
+    if header is None or not header_matches(header, key, shape, dtype, fmt):
+        return None
+    if view.nbytes != header.size + header.payload_len:
+        logger.warning(
+            "chunk %s: %d bytes, header announces %d", header.key, view.nbytes, header.size + header.payload_len
+        )
+        return None
+    payload = view[header.size :]
+    if not verify_payload(header, payload):
+        return None
+    obj = allocate(torch.Size(header.shape), header.dtype, header.fmt)
+    if obj is None:
+        logger.warning("chunk %s: no memory to load %d bytes", header.key, header.payload_len)
+        return None
+    target = memory_obj_payload(obj)
+    if target.nbytes != payload.nbytes:
+        logger.warning("chunk %s: allocated %d bytes for a %d-byte payload", header.key, target.nbytes, payload.nbytes)
+        obj.ref_count_down()
+        return None
+    target[:] = payload
+    return obj

@@ -1,0 +1,452 @@
+"""The local disk tier: one self-describing file per chunk, written off the serving thread.
+
+- Writes go to a background writer thread (started on the first put, not at construction);
+  the serving thread only queues them. Until a write lands, the pending object stays readable.
+- A file is written to a temporary name and `os.replace`d into place, so a reader sees either
+  nothing or a whole file. Its name comes from a hash of the key string, never from user text.
+- Every file starts with a `chunk_format` header. A file that is truncated, corrupted, foreign
+  or not what the index expects is a miss and is deleted.
+- The index (key -> file) is rebuilt on start from the directory's headers, so a new process
+  finds what an earlier one wrote. Total file size is bounded; the least recently used files go.
+- Prefetch reads a file on a background reader thread into the CPU tier.
+"""
+
+import asyncio
+import hashlib
+import os
+import threading
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+from lmcache.experimental.memory_management import MemoryFormat, MemoryObj
+from lmcache.experimental.stats import TierStats
+from lmcache.experimental.storage_backend import chunk_format
+from lmcache.experimental.storage_backend.abstract_backend import StorageBackendInterface
+from lmcache.experimental.storage_backend.local_cpu_backend import LocalCPUBackend
+from lmcache.logging import init_logger
+from lmcache.utils import CacheEngineKey
+
+logger = init_logger(__name__)
+
+FILE_SUFFIX = ".lmck"
+TMP_SUFFIX = ".tmp"
+
+
+@dataclass(frozen=True)
+class DiskEntry:
+    """What the index knows about one chunk file."""
+
+    path: str
+    file_size: int
+    shape: Tuple[int, ...]
+    dtype: Optional[torch.dtype]
+    fmt: MemoryFormat
+
+
+@dataclass
+class _PutTask:
+    """A queued write; it holds one reference of `obj` until the write is done or dropped."""
+
+    obj: MemoryObj
+    cancelled: bool = False
+
+
+def file_name_for(key: CacheEngineKey) -> str:
+    """The chunk file name of `key`: a 128-bit hash of its string form."""
+    return hashlib.blake2b(key.to_string().encode("utf-8"), digest_size=16).hexdigest() + FILE_SUFFIX
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class LocalDiskBackend(StorageBackendInterface):
+    """Chunk files under `path`, at most `max_size_bytes` of them (headers included)."""
+
+    def __init__(
+        self,
+        path: str,
+        max_size_bytes: int,
+        local_cpu_backend: LocalCPUBackend,
+        stats: Optional[TierStats] = None,
+    ) -> None:
+        if max_size_bytes <= 0:
+            raise ValueError(f"LocalDiskBackend max_size_bytes must be positive, got {max_size_bytes}")
+        self._dir = os.path.abspath(path)
+        os.makedirs(self._dir, exist_ok=True)
+        self._max_bytes = max_size_bytes
+        self._cpu = local_cpu_backend
+        self._stats = stats if stats is not None else TierStats()
+        self._lock = threading.Lock()
+        self._index: "OrderedDict[CacheEngineKey, DiskEntry]" = OrderedDict()
+        self._used_bytes = 0
+        self._put_tasks: Dict[CacheEngineKey, _PutTask] = {}
+        self._prefetch_tasks: Dict[CacheEngineKey, Future] = {}
+        self._writer_pool: Optional[ThreadPoolExecutor] = None
+        self._reader_pool: Optional[ThreadPoolExecutor] = None
+        self._tmp_seq = 0
+        self._closed = False
+        self._rebuild_index()
+
+    # ---- index ---------------------------------------------------------------------------
+
+    @property
+    def path(self) -> str:
+        return self._dir
+
+    @property
+    def used_bytes(self) -> int:
+        with self._lock:
+            return self._used_bytes
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._index)
+
+    def keys(self) -> List[CacheEngineKey]:
+        """Keys with a finished file, least recently used first."""
+        with self._lock:
+            return list(self._index)
+
+    def key_to_path(self, key: CacheEngineKey) -> str:
+        return os.path.join(self._dir, file_name_for(key))
+
+    def _rebuild_index(self) -> None:
+        """Index every valid chunk file in the directory (oldest first); delete bad ones."""
+        found: List[Tuple[float, CacheEngineKey, DiskEntry]] = []
+        for name in os.listdir(self._dir):
+            path = os.path.join(self._dir, name)
+            if name.endswith(TMP_SUFFIX) and name.startswith("."):
+                self._remove_stale_tmp(name, path)
+            elif name.endswith(FILE_SUFFIX):
+                scanned = self._scan_file(name, path)
+                if scanned is None:
+                    self._stats.record_error()
+                    self._unlink(path)
+                else:
+                    found.append(scanned)
+        found.sort(key=lambda item: item[0])
+        with self._lock:
+            for _, key, entry in found:
+                self._index[key] = entry
+                self._used_bytes += entry.file_size
+            self._make_room(0)
+        if found:
+            logger.info("disk tier %s: found %d chunks (%d bytes)", self._dir, len(found), self._used_bytes)
+
+    def _scan_file(self, name: str, path: str) -> Optional[Tuple[float, CacheEngineKey, DiskEntry]]:
+        try:
+            with open(path, "rb") as f:
+                header = chunk_format.read_header(f)
+                st = os.fstat(f.fileno())
+        except OSError as err:
+            logger.warning("disk tier: cannot read %s: %s", path, err)
+            return None
+        if header is None:
+            logger.warning("disk tier: %s has no valid chunk header; removing it", path)
+            return None
+        try:
+            key = CacheEngineKey.from_string(header.key)
+        except ValueError as err:
+            logger.warning("disk tier: %s: %s; removing it", path, err)
+            return None
+        if file_name_for(key) != name or st.st_size != header.size + header.payload_len:
+            logger.warning("disk tier: %s does not match its header (name or length); removing it", path)
+            return None
+        entry = DiskEntry(path, st.st_size, header.shape, header.dtype, header.fmt)
+        return st.st_mtime, key, entry
+
+    def _remove_stale_tmp(self, name: str, path: str) -> None:
+        """Delete a temporary file whose writer process is gone (a crash mid-write)."""
+        parts = name.split(".")
+        # "." + file name + "." + pid + "." + seq + ".tmp" -> ["", hash, "lmck", pid, seq, "tmp"]
+        pid = int(parts[3]) if len(parts) == 6 and parts[3].isdigit() else None
+        if pid is None or pid == os.getpid() or not _pid_alive(pid):
+            self._unlink(path)
+
+    def _unlink(self, path: str) -> None:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        except OSError as err:
+            logger.warning("disk tier: cannot remove %s: %s", path, err)
+
+    def _make_room(self, nbytes: int) -> None:
+        """Evict least recently used files until `nbytes` more fit (caller holds the lock)."""
+        while self._index and self._used_bytes + nbytes > self._max_bytes:
+            _, entry = self._index.popitem(last=False)
+            self._used_bytes -= entry.file_size
+            self._unlink(entry.path)
+            self._stats.record_eviction(entry.file_size)
+
+    def insert_key(self, key: CacheEngineKey, memory_obj: MemoryObj) -> None:
+        """Index the finished file of `key` holding `memory_obj`'s chunk, evicting to fit."""
+        meta = memory_obj.metadata
+        path = self.key_to_path(key)
+        entry = DiskEntry(path, os.path.getsize(path), tuple(meta.shape), meta.dtype, meta.fmt)
+        with self._lock:
+            self._insert_locked(key, entry)
+
+    def _insert_locked(self, key: CacheEngineKey, entry: DiskEntry) -> None:
+        old = self._index.pop(key, None)
+        if old is not None:
+            self._used_bytes -= old.file_size
+        self._make_room(entry.file_size)
+        self._index[key] = entry
+        self._used_bytes += entry.file_size
+
+    # ---- interface -------------------------------------------------------------------------
+
+    def contains(self, key: CacheEngineKey) -> bool:
+        with self._lock:
+            return key in self._index or key in self._put_tasks
+
+    def exists_in_put_tasks(self, key: CacheEngineKey) -> bool:
+        with self._lock:
+            return key in self._put_tasks
+
+    def submit_put_task(self, key: CacheEngineKey, obj: MemoryObj) -> None:
+        """Queue a write of `obj` (returns at once); a chunk already on disk is not rewritten."""
+        if obj.get_size() > self._max_bytes:
+            logger.warning("disk tier: chunk %s (%d bytes) exceeds the tier size", key.chunk_hash, obj.get_size())
+            return
+        with self._lock:
+            if self._closed or key in self._index or key in self._put_tasks:
+                return
+            task = _PutTask(obj)
+            obj.ref_count_up()
+            self._put_tasks[key] = task
+            self._writer().submit(self._run_put_task, key, task)
+
+    def _run_put_task(self, key: CacheEngineKey, task: _PutTask) -> None:
+        try:
+            self._save(key, task)
+        finally:
+            with self._lock:
+                if self._put_tasks.get(key) is task:
+                    del self._put_tasks[key]
+            task.obj.ref_count_down()
+
+    def _save(self, key: CacheEngineKey, task: Optional[_PutTask], obj: Optional[MemoryObj] = None) -> bool:
+        """Write one chunk file atomically and index it; False (logged) when it failed."""
+        obj = task.obj if task is not None else obj
+        assert obj is not None
+        path = self.key_to_path(key)
+        with self._lock:
+            self._tmp_seq += 1
+            tmp = os.path.join(self._dir, f".{os.path.basename(path)}.{os.getpid()}.{self._tmp_seq}{TMP_SUFFIX}")
+        try:
+            payload = chunk_format.memory_obj_payload(obj)
+            meta = obj.metadata
+            header = chunk_format.encode_header(key, meta.shape, meta.dtype, meta.fmt, payload)
+            with open(tmp, "wb") as f:
+                f.write(header)
+                f.write(payload)
+            entry = DiskEntry(path, len(header) + payload.nbytes, tuple(meta.shape), meta.dtype, meta.fmt)
+            with self._lock:
+                if task is not None and task.cancelled:
+                    self._unlink(tmp)
+                    return False
+                os.replace(tmp, path)
+                self._insert_locked(key, entry)
+        except (OSError, ValueError) as err:
+            logger.warning("disk tier: writing chunk %s failed: %s", key.chunk_hash, err)
+            self._stats.record_error()
+            self._unlink(tmp)
+            return False
+        self._stats.record_write(payload.nbytes)
+        return True
+
+    def get_blocking(self, key: CacheEngineKey) -> Optional[MemoryObj]:
+        with self._lock:
+            task = self._put_tasks.get(key)
+            if task is not None and not task.cancelled:
+                # Still queued for writing: the object is right here in memory.
+                task.obj.ref_count_up()
+                return task.obj
+            prefetch = self._prefetch_tasks.get(key)
+        if prefetch is not None:
+            prefetch.result()
+            obj = self._cpu.get_blocking(key)
+            if obj is not None:
+                return obj
+        return self._load_indexed(key)
+
+    def _load_indexed(self, key: CacheEngineKey) -> Optional[MemoryObj]:
+        """Read `key`'s file; drop it from the index and disk when it turns out to be bad."""
+        with self._lock:
+            entry = self._index.get(key)
+            if entry is None:
+                return None
+            self._index.move_to_end(key)
+        obj, bad = self._read_file(entry.path, entry.dtype, entry.shape, entry.fmt, key)
+        if bad:
+            self._stats.record_error()
+            with self._lock:
+                if self._index.get(key) is entry:
+                    del self._index[key]
+                    self._used_bytes -= entry.file_size
+                    self._unlink(entry.path)
+        if obj is not None:
+            self._stats.record_read(obj.get_size())
+        return obj
+
+    def _read_file(
+        self,
+        path: str,
+        dtype: Optional[torch.dtype],
+        shape: Optional[Tuple[int, ...]],
+        fmt: Optional[MemoryFormat],
+        key: Optional[CacheEngineKey],
+    ) -> Tuple[Optional[MemoryObj], bool]:
+        """(object or None, whether the file is bad). Memory being full is a miss, not bad."""
+        obj: Optional[MemoryObj] = None
+        try:
+            with open(path, "rb") as f:
+                header = chunk_format.read_header(f)
+                if header is None or not chunk_format.header_matches(header, key, shape, dtype, fmt):
+                    logger.warning("disk tier: %s is not the expected chunk", path)
+                    return None, True
+                obj = self._cpu.allocate(torch.Size(header.shape), header.dtype, header.fmt)
+                if obj is None:
+                    logger.info("disk tier: no memory to load %s", path)
+                    return None, False
+                payload = chunk_format.memory_obj_payload(obj)
+                got = 0
+                while got < payload.nbytes:
+                    n = f.readinto(payload[got:])
+                    if not n:
+                        break
+                    got += n
+                intact = got == header.payload_len and not f.read(1)
+            if intact and chunk_format.verify_payload(header, payload):
+                return obj, False
+            logger.warning("disk tier: %s is truncated or corrupted", path)
+            bad = True
+        except FileNotFoundError:
+            bad = False  # evicted or removed by another process meanwhile: a plain miss
+        except OSError as err:
+            logger.warning("disk tier: cannot read %s: %s", path, err)
+            bad = True
+        if obj is not None:
+            obj.ref_count_down()
+        return None, bad
+
+    def load_bytes_from_disk(
+        self,
+        path: str,
+        dtype: Optional[torch.dtype],
+        shape: Optional[Tuple[int, ...]],
+        fmt: Optional[MemoryFormat],
+        key: Optional[CacheEngineKey] = None,
+    ) -> Optional[MemoryObj]:
+        """Read one chunk file into a new object if it is intact and matches (None = don't care)."""
+        obj, _ = self._read_file(path, dtype, None if shape is None else tuple(shape), fmt, key)
+        return obj
+
+    def load_disk(
+        self,
+        path: str,
+        backend: str = "bytes",
+        dtype: Optional[torch.dtype] = None,
+        shape: Optional[Tuple[int, ...]] = None,
+        fmt: Optional[MemoryFormat] = None,
+    ) -> Optional[MemoryObj]:
+        """Read a chunk file with the named reader; only the "bytes" (chunk_format) one exists."""
+        if backend != "bytes":
+            raise ValueError(f"LocalDiskBackend.load_disk: unknown backend {backend!r} (only 'bytes')")
+        return self.load_bytes_from_disk(path, dtype, shape, fmt)
+
+    async def async_save_bytes_to_disk(self, key: CacheEngineKey, memory_obj: MemoryObj) -> bool:
+        """Write `memory_obj` under `key` on the writer thread; the caller keeps its reference."""
+        loop = asyncio.get_running_loop()
+        with self._lock:
+            pool = self._writer()
+        return await loop.run_in_executor(pool, self._save, key, None, memory_obj)
+
+    async def async_load_bytes_from_disk(
+        self,
+        path: str,
+        dtype: Optional[torch.dtype],
+        shape: Optional[Tuple[int, ...]],
+        fmt: Optional[MemoryFormat],
+        key: Optional[CacheEngineKey] = None,
+    ) -> Optional[MemoryObj]:
+        """`load_bytes_from_disk` on the reader thread."""
+        loop = asyncio.get_running_loop()
+        with self._lock:
+            pool = self._reader()
+        return await loop.run_in_executor(pool, self.load_bytes_from_disk, path, dtype, shape, fmt, key)
+
+    def submit_prefetch_task(self, key: CacheEngineKey) -> bool:
+        """Start reading `key` into the CPU tier; False if not on disk or already there/going."""
+        if not self._cpu.keeps_objects or self._cpu.contains(key):
+            return False
+        with self._lock:
+            if self._closed or key not in self._index or key in self._prefetch_tasks:
+                return False
+            future: Future = Future()
+            self._prefetch_tasks[key] = future
+            self._reader().submit(self._run_prefetch, key, future)
+        return True
+
+    def _run_prefetch(self, key: CacheEngineKey, future: Future) -> None:
+        try:
+            obj = self._load_indexed(key)
+            if obj is not None:
+                self._cpu.submit_put_task(key, obj)
+                obj.ref_count_down()
+        except Exception as err:  # a failed prefetch is only a lost optimisation
+            logger.warning("disk tier: prefetch of chunk %s failed: %s", key.chunk_hash, err)
+            self._stats.record_error()
+        finally:
+            with self._lock:
+                self._prefetch_tasks.pop(key, None)
+            future.set_result(None)
+
+    def remove(self, key: CacheEngineKey) -> bool:
+        with self._lock:
+            removed = False
+            task = self._put_tasks.pop(key, None)
+            if task is not None:
+                task.cancelled = True  # the writer drops it; it still releases its reference
+                removed = True
+            entry = self._index.pop(key, None)
+            if entry is not None:
+                self._used_bytes -= entry.file_size
+                self._unlink(entry.path)
+                removed = True
+            return removed
+
+    def close(self) -> None:
+        """Wait for queued writes and prefetches, then refuse new ones."""
+        with self._lock:
+            self._closed = True
+            pools = [p for p in (self._writer_pool, self._reader_pool) if p is not None]
+        for pool in pools:
+            pool.shutdown(wait=True)
+
+    # ---- threads ---------------------------------------------------------------------------
+
+    def _writer(self) -> ThreadPoolExecutor:
+        """The single writer thread, created on first use (caller holds the lock)."""
+        if self._writer_pool is None:
+            self._writer_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lmcache-disk-write")
+        return self._writer_pool
+
+    def _reader(self) -> ThreadPoolExecutor:
+        """The single prefetch thread, created on first use (caller holds the lock)."""
+        if self._reader_pool is None:
+            self._reader_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lmcache-disk-read")
+        return self._reader_pool

@@ -1,0 +1,158 @@
+"""The tiers in one ordered list (fastest first) behind one small API for the engine.
+
+Writes go to every tier; reads come from the fastest tier that has the chunk, and a hit in a
+lower tier is promoted into the CPU tier. A tier that raises is logged and counted, and the
+operation degrades to a miss or a dropped put: a cache problem never reaches the serving path.
+Allocation goes through the CPU tier, which evicts idle objects to make room.
+"""
+
+import threading
+from typing import Iterable, List, Optional, Sequence, Set
+
+import torch
+
+from lmcache.experimental.memory_management import MemoryFormat, MemoryObj
+from lmcache.experimental.stats import EngineStats
+from lmcache.experimental.storage_backend.abstract_backend import StorageBackendInterface
+from lmcache.experimental.storage_backend.local_cpu_backend import LocalCPUBackend
+from lmcache.logging import init_logger
+from lmcache.utils import CacheEngineKey
+
+logger = init_logger(__name__)
+
+
+class StorageManager:
+    """Ordered tiers plus the CPU tier that allocates (it is in `tiers` only if it keeps objects)."""
+
+    def __init__(
+        self,
+        local_cpu_backend: LocalCPUBackend,
+        tiers: Sequence[StorageBackendInterface],
+        stats: Optional[EngineStats] = None,
+    ) -> None:
+        names = [t.tier_name for t in tiers]
+        if len(set(names)) != len(names):
+            raise ValueError(f"StorageManager: tier names must be unique, got {names}")
+        self._cpu = local_cpu_backend
+        self._tiers: List[StorageBackendInterface] = list(tiers)
+        self._stats = stats if stats is not None else EngineStats()
+        self._lock = threading.Lock()
+        self._warned_names: Set[str] = set()
+        self._closed = False
+
+    @property
+    def tier_names(self) -> List[str]:
+        """Names usable in `search_range`, fastest tier first."""
+        return [t.tier_name for t in self._tiers]
+
+    @property
+    def tiers(self) -> List[StorageBackendInterface]:
+        return list(self._tiers)
+
+    def _selected(self, search_range: Optional[Iterable[str]]) -> List[StorageBackendInterface]:
+        if search_range is None:
+            return self._tiers
+        wanted = set(search_range)
+        unknown = wanted.difference(self.tier_names)
+        with self._lock:
+            fresh = unknown - self._warned_names
+            self._warned_names |= fresh
+        if fresh:
+            logger.warning("search_range names tiers that are not configured: %s (have %s)", sorted(fresh), self.tier_names)
+        return [t for t in self._tiers if t.tier_name in wanted]
+
+    def _tier_failed(self, tier: StorageBackendInterface, what: str, key: CacheEngineKey, err: Exception) -> None:
+        logger.warning("tier %s failed to %s chunk %s: %r", tier.tier_name, what, key.chunk_hash, err)
+        self._stats.tier(tier.tier_name).record_error()
+
+    def allocate(
+        self, shape: torch.Size, dtype: Optional[torch.dtype], fmt: MemoryFormat = MemoryFormat.KV_BLOB
+    ) -> Optional[MemoryObj]:
+        """A fresh object (caller owns one reference), evicting idle CPU-tier objects if needed."""
+        try:
+            return self._cpu.allocate(shape, dtype, fmt)
+        except Exception as err:  # an allocator failure is a skipped store, never a crash
+            logger.warning("allocating %s %s failed: %r", tuple(shape), dtype, err)
+            return None
+
+    def contains(self, key: CacheEngineKey, search_range: Optional[Iterable[str]] = None) -> bool:
+        for tier in self._selected(search_range):
+            try:
+                if tier.contains(key):
+                    return True
+            except Exception as err:
+                self._tier_failed(tier, "look up", key, err)
+        return False
+
+    def put(self, key: CacheEngineKey, obj: MemoryObj) -> int:
+        """Hand `obj` to every tier that lacks `key`; the number of tiers that took it."""
+        taken = 0
+        for tier in self._tiers:
+            try:
+                if not tier.contains(key):
+                    tier.submit_put_task(key, obj)
+                taken += 1
+            except Exception as err:
+                self._tier_failed(tier, "store", key, err)
+        return taken
+
+    def get(self, key: CacheEngineKey, search_range: Optional[Iterable[str]] = None) -> Optional[MemoryObj]:
+        """The chunk from the fastest selected tier that has it (caller owns one reference)."""
+        for tier in self._selected(search_range):
+            try:
+                obj = tier.get_blocking(key)
+            except Exception as err:
+                self._tier_failed(tier, "read", key, err)
+                continue
+            if obj is None:
+                continue
+            if tier is not self._cpu and self._cpu in self._tiers:
+                self._promote(key, obj)
+            return obj
+        return None
+
+    def _promote(self, key: CacheEngineKey, obj: MemoryObj) -> None:
+        try:
+            self._cpu.submit_put_task(key, obj)
+        except Exception as err:
+            self._tier_failed(self._cpu, "promote", key, err)
+
+    def prefetch(self, key: CacheEngineKey) -> bool:
+        """Start bringing `key` into the CPU tier; True if some tier has it (there or on its way)."""
+        if self._cpu in self._tiers and self._cpu.contains(key):
+            return True
+        for tier in self._tiers:
+            if tier is self._cpu:
+                continue
+            try:
+                if tier.contains(key):
+                    tier.submit_prefetch_task(key)
+                    return True
+            except Exception as err:
+                self._tier_failed(tier, "prefetch", key, err)
+        return False
+
+    def remove(self, key: CacheEngineKey) -> int:
+        """Drop `key` from every tier; the number of tiers that had it."""
+        removed = 0
+        for tier in self._tiers:
+            try:
+                removed += int(tier.remove(key))
+            except Exception as err:
+                self._tier_failed(tier, "remove", key, err)
+        return removed
+
+    def close(self) -> None:
+        """Flush every tier's pending writes (slowest first), then release the CPU tier."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        for tier in reversed(self._tiers):
+            if tier is self._cpu:
+                continue
+            try:
+                tier.close()
+            except Exception as err:
+                logger.warning("closing tier %s failed: %r", tier.tier_name, err)
+        self._cpu.close()

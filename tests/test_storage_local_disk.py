@@ -1,0 +1,213 @@
+"""The local disk tier: background atomic writes, headers, bad files as misses, a rebuilt index,
+the size bound, prefetch into the CPU tier."""
+
+import asyncio
+import os
+import subprocess
+import sys
+import threading
+
+import pytest
+import torch
+
+from lmcache.experimental.memory_management import HostMemoryAllocator, MemoryFormat
+from lmcache.experimental.stats import TierStats
+from lmcache.experimental.storage_backend import chunk_format
+from lmcache.experimental.storage_backend.local_cpu_backend import LocalCPUBackend
+from lmcache.experimental.storage_backend.local_disk_backend import LocalDiskBackend, file_name_for
+from lmcache.utils import CacheEngineKey
+
+SHAPE = torch.Size([2, 2, 4, 16])  # 512 bytes of bfloat16
+
+
+def key(i: int) -> CacheEngineKey:
+    return CacheEngineKey("vllm", "org/model", 1, 0, f"{i:08x}")
+
+
+@pytest.fixture
+def cpu() -> LocalCPUBackend:
+    return LocalCPUBackend(HostMemoryAllocator(64 * 1024))
+
+
+def make_obj(cpu: LocalCPUBackend, i: int):
+    obj = cpu.allocate(SHAPE, torch.bfloat16, MemoryFormat.KV_BLOB)
+    gen = torch.Generator().manual_seed(i)
+    obj.tensor.copy_(torch.randn(SHAPE, generator=gen).to(torch.bfloat16))
+    return obj
+
+
+def expected(i: int) -> torch.Tensor:
+    return torch.randn(SHAPE, generator=torch.Generator().manual_seed(i)).to(torch.bfloat16)
+
+
+def store(disk: LocalDiskBackend, cpu: LocalCPUBackend, *ids: int) -> None:
+    for i in ids:
+        obj = make_obj(cpu, i)
+        disk.submit_put_task(key(i), obj)
+        obj.ref_count_down()
+
+
+def disk_tier(path, cpu, max_bytes=1 << 20, stats=None) -> LocalDiskBackend:
+    return LocalDiskBackend(str(path), max_bytes, cpu, stats)
+
+
+def test_write_then_read_back_bit_exact(tmp_path, cpu):
+    disk = disk_tier(tmp_path, cpu)
+    store(disk, cpu, 1, 2)
+    disk.close()  # waits for the writer
+    assert sorted(os.listdir(tmp_path)) == sorted([file_name_for(key(1)), file_name_for(key(2))])
+    for i in (1, 2):
+        obj = disk.get_blocking(key(i))
+        assert torch.equal(obj.tensor, expected(i)) and obj.get_ref_count() == 1
+        obj.ref_count_down()
+    with open(tmp_path / file_name_for(key(1)), "rb") as f:
+        header = chunk_format.read_header(f)
+    assert header.key == key(1).to_string() and header.shape == tuple(SHAPE) and header.dtype == torch.bfloat16
+
+
+def test_writes_run_on_a_background_thread(tmp_path, cpu):
+    disk = disk_tier(tmp_path, cpu)
+    writers = []
+    release = threading.Event()
+    real_save = disk._save
+
+    def slow_save(*args):
+        writers.append(threading.current_thread().name)
+        release.wait()
+        return real_save(*args)
+
+    disk._save = slow_save
+    store(disk, cpu, 7)  # returns although the write is blocked
+    assert disk.exists_in_put_tasks(key(7)) and disk.contains(key(7))
+    pending = disk.get_blocking(key(7))  # served from memory while the write is pending
+    assert torch.equal(pending.tensor, expected(7))
+    pending.ref_count_down()
+    release.set()
+    disk.close()
+    assert writers and writers[0] != threading.current_thread().name and writers[0].startswith("lmcache-disk-write")
+    assert not disk.exists_in_put_tasks(key(7)) and os.path.exists(disk.key_to_path(key(7)))
+
+
+def test_index_survives_a_restart_in_lru_order(tmp_path, cpu):
+    disk = disk_tier(tmp_path, cpu)
+    for i in range(3):
+        store(disk, cpu, i)
+        disk.close()
+        os.utime(disk.key_to_path(key(i)), (1000 + i, 1000 + i))
+        disk = disk_tier(tmp_path, cpu)
+    again = disk_tier(tmp_path, cpu)
+    assert again.keys() == [key(0), key(1), key(2)]
+    obj = again.get_blocking(key(1))
+    assert torch.equal(obj.tensor, expected(1))
+    obj.ref_count_down()
+
+
+def test_a_second_process_reads_the_cache(tmp_path, cpu):
+    disk = disk_tier(tmp_path / "cache", cpu)
+    store(disk, cpu, 5)
+    disk.close()
+    script = f"""
+import torch
+from lmcache.experimental.memory_management import HostMemoryAllocator
+from lmcache.experimental.storage_backend.local_cpu_backend import LocalCPUBackend
+from lmcache.experimental.storage_backend.local_disk_backend import LocalDiskBackend
+from lmcache.utils import CacheEngineKey
+disk = LocalDiskBackend({str(tmp_path / "cache")!r}, 1 << 20, LocalCPUBackend(HostMemoryAllocator(1 << 16)))
+obj = disk.get_blocking(CacheEngineKey("vllm", "org/model", 1, 0, "{5:08x}"))
+ref = torch.randn({list(SHAPE)}, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+print("HIT" if obj is not None and torch.equal(obj.tensor, ref) else "MISS")
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "HIT", out.stderr
+
+
+def test_corrupted_file_is_a_miss_and_removed(tmp_path, cpu):
+    stats = TierStats()
+    disk = disk_tier(tmp_path, cpu, stats=stats)
+    store(disk, cpu, 1)
+    disk.close()
+    path = disk.key_to_path(key(1))
+    with open(path, "r+b") as f:
+        f.seek(-3, os.SEEK_END)
+        byte = f.read(1)
+        f.seek(-3, os.SEEK_END)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    assert disk.get_blocking(key(1)) is None
+    assert not os.path.exists(path) and not disk.contains(key(1))
+    assert stats.snapshot().errors == 1
+    assert cpu.memory_allocator.pool.num_live_objects() == 0  # the rejected read freed its object
+
+
+def test_bad_files_found_at_start_are_removed_and_others_left_alone(tmp_path, cpu):
+    disk = disk_tier(tmp_path, cpu)
+    store(disk, cpu, 1, 2, 3)
+    disk.close()
+    with open(disk.key_to_path(key(1)), "r+b") as f:  # truncated
+        f.truncate(os.path.getsize(disk.key_to_path(key(1))) - 10)
+    os.replace(disk.key_to_path(key(2)), tmp_path / file_name_for(key(9)))  # header names another key
+    (tmp_path / ("0" * 32 + ".lmck")).write_bytes(b"\x80\x04\x95 not a chunk")  # foreign, our suffix
+    (tmp_path / "notes.txt").write_text("user file")  # not ours: untouched
+    dead_tmp = tmp_path / f".{file_name_for(key(4))}.999999999.1.tmp"  # writer long gone
+    dead_tmp.write_bytes(b"partial")
+    again = disk_tier(tmp_path, cpu)
+    assert again.keys() == [key(3)]
+    assert sorted(os.listdir(tmp_path)) == sorted([file_name_for(key(3)), "notes.txt"])
+
+
+def test_size_bound_evicts_least_recently_used_files(tmp_path, cpu):
+    disk = disk_tier(tmp_path, cpu)
+    store(disk, cpu, 0, 1)
+    disk.close()
+    one_file = os.path.getsize(disk.key_to_path(key(0)))  # header + payload
+    disk = disk_tier(tmp_path, cpu, max_bytes=2 * one_file + one_file // 2)
+    disk.get_blocking(key(0)).ref_count_down()  # 0 is now the most recent
+    store(disk, cpu, 2)
+    disk.close()
+    assert disk.keys() == [key(0), key(2)]
+    assert not os.path.exists(disk.key_to_path(key(1)))
+    assert disk.used_bytes <= 2 * one_file
+
+
+def test_prefetch_brings_a_chunk_into_the_cpu_tier(tmp_path, cpu):
+    disk = disk_tier(tmp_path, cpu)
+    store(disk, cpu, 4)
+    disk.close()
+    disk = disk_tier(tmp_path, cpu)
+    assert not cpu.contains(key(4))
+    assert disk.submit_prefetch_task(key(4))
+    assert not disk.submit_prefetch_task(key(99))  # not on disk
+    obj = disk.get_blocking(key(4))  # waits for the prefetch, then serves it from RAM
+    assert torch.equal(obj.tensor, expected(4))
+    obj.ref_count_down()
+    disk.close()
+    assert cpu.contains(key(4))
+    assert not disk.submit_prefetch_task(key(4))  # already in the CPU tier
+
+
+def test_remove_deletes_the_file(tmp_path, cpu):
+    disk = disk_tier(tmp_path, cpu)
+    store(disk, cpu, 1)
+    disk.close()
+    assert disk.remove(key(1)) and not disk.remove(key(1))
+    assert os.listdir(tmp_path) == [] and disk.used_bytes == 0
+
+
+def test_async_save_and_load(tmp_path, cpu):
+    disk = disk_tier(tmp_path, cpu)
+    obj = make_obj(cpu, 3)
+
+    async def roundtrip():
+        assert await disk.async_save_bytes_to_disk(key(3), obj)
+        return await disk.async_load_bytes_from_disk(disk.key_to_path(key(3)), torch.bfloat16, tuple(SHAPE), MemoryFormat.KV_BLOB, key(3))
+
+    back = asyncio.run(roundtrip())
+    assert torch.equal(back.tensor, expected(3)) and disk.contains(key(3))
+    back.ref_count_down()
+    obj.ref_count_down()
+    loaded = disk.load_disk(disk.key_to_path(key(3)), dtype=torch.bfloat16)
+    assert torch.equal(loaded.tensor, expected(3))
+    loaded.ref_count_down()
+    assert disk.load_bytes_from_disk(disk.key_to_path(key(3)), torch.float16, None, None) is None  # wrong dtype
+    with pytest.raises(ValueError, match="backend"):
+        disk.load_disk(disk.key_to_path(key(3)), backend="safetensors")
+    disk.close()

@@ -1,0 +1,148 @@
+"""Storage manager: ordered tiers, write-to-all, fastest read with promotion, search_range,
+failing tiers as misses, flush on close; and the factory that builds tiers from the config."""
+
+import os
+from typing import Optional
+
+import pytest
+import torch
+
+from lmcache.config import LMCacheEngineMetadata
+from lmcache.experimental.config import LMCacheEngineConfig
+from lmcache.experimental.memory_management import HostMemoryAllocator, MemoryFormat, MemoryObj
+from lmcache.experimental.stats import EngineStats
+from lmcache.experimental.storage_backend import (
+    LocalCPUBackend,
+    LocalDiskBackend,
+    StorageBackendInterface,
+    StorageManager,
+    create_storage_manager,
+)
+from lmcache.utils import CacheEngineKey
+
+SHAPE = torch.Size([2, 1, 4, 64])  # 2 KiB of float32
+
+
+def key(i: int) -> CacheEngineKey:
+    return CacheEngineKey("vllm", "m", 1, 0, f"{i:04x}")
+
+
+class BrokenTier(StorageBackendInterface):
+    """A tier whose every call fails, as a remote one might."""
+
+    def contains(self, key) -> bool:
+        raise ConnectionError("down")
+
+    def exists_in_put_tasks(self, key) -> bool:
+        raise ConnectionError("down")
+
+    def submit_put_task(self, key, obj) -> None:
+        raise ConnectionError("down")
+
+    def submit_prefetch_task(self, key) -> bool:
+        raise ConnectionError("down")
+
+    def get_blocking(self, key) -> Optional[MemoryObj]:
+        raise ConnectionError("down")
+
+    def remove(self, key) -> bool:
+        raise ConnectionError("down")
+
+    def close(self) -> None:
+        raise ConnectionError("down")
+
+
+def build(tmp_path, extra=(), cpu_objects: int = 8):
+    stats = EngineStats()
+    cpu = LocalCPUBackend(HostMemoryAllocator(cpu_objects * 2048), stats=stats.tier("Hot"))
+    disk = LocalDiskBackend(str(tmp_path), 1 << 20, cpu, stats.tier("LocalDiskBackend"))
+    return StorageManager(cpu, [cpu, disk, *extra], stats), cpu, disk, stats
+
+
+def put(manager: StorageManager, i: int) -> None:
+    obj = manager.allocate(SHAPE, torch.float32, MemoryFormat.KV_BLOB)
+    obj.tensor.fill_(float(i))
+    assert manager.put(key(i), obj) >= 2
+    obj.ref_count_down()
+
+
+def test_writes_every_tier_reads_fastest_and_promotes(tmp_path):
+    manager, cpu, disk, stats = build(tmp_path)
+    assert manager.tier_names == ["Hot", "LocalDiskBackend"]
+    put(manager, 1)
+    disk.close()  # let the write land (the manager keeps working)
+    assert cpu.contains(key(1)) and os.path.exists(disk.key_to_path(key(1)))
+    cpu.remove(key(1))
+    obj = manager.get(key(1))  # from disk...
+    assert torch.all(obj.tensor == 1.0)
+    obj.ref_count_down()
+    assert cpu.contains(key(1))  # ...and promoted
+    snap = stats.snapshot()
+    assert snap.tiers["LocalDiskBackend"].chunks_read == 1 and snap.tiers["Hot"].chunks_written == 2
+
+
+def test_search_range_limits_where_it_looks(tmp_path):
+    manager, cpu, disk, _ = build(tmp_path)
+    put(manager, 1)
+    disk.close()
+    cpu.remove(key(1))
+    assert not manager.contains(key(1), ["Hot"])
+    assert manager.contains(key(1), ["LocalDiskBackend"])
+    assert manager.contains(key(1), None)
+    assert manager.get(key(1), ["Hot"]) is None
+    assert not manager.contains(key(1), ["RemoteBackend"])  # not configured: nothing there
+
+
+def test_a_failing_tier_is_a_miss_not_an_error(tmp_path):
+    manager, cpu, disk, stats = build(tmp_path, extra=[BrokenTier()])
+    put(manager, 1)  # the broken tier's put is logged and counted
+    assert manager.get(key(2)) is None
+    assert not manager.contains(key(2))
+    assert manager.remove(key(1)) == 2
+    manager.close()
+    assert stats.snapshot().tiers["BrokenTier"].errors >= 4
+
+
+def test_prefetch_through_the_manager(tmp_path):
+    manager, cpu, disk, _ = build(tmp_path)
+    put(manager, 3)
+    disk.close()
+    cpu.remove(key(3))
+    manager2, cpu2, disk2, _ = build(tmp_path)
+    assert manager2.prefetch(key(3))
+    assert not manager2.prefetch(key(4))
+    disk2.close()  # waits for the prefetch
+    assert cpu2.contains(key(3))
+    manager2.close()
+    assert not cpu2.contains(key(3))  # close released the CPU tier's objects
+
+
+def test_close_flushes_pending_writes(tmp_path):
+    manager, cpu, disk, _ = build(tmp_path)
+    for i in range(5):
+        put(manager, i)
+    manager.close()
+    assert sorted(LocalDiskBackend(str(tmp_path), 1 << 20, cpu).keys(), key=lambda k: k.chunk_hash) == [key(i) for i in range(5)]
+
+
+def test_tier_names_must_be_unique(tmp_path):
+    cpu = LocalCPUBackend(HostMemoryAllocator(4096))
+    with pytest.raises(ValueError, match="unique"):
+        StorageManager(cpu, [cpu, cpu])
+
+
+def test_factory_builds_tiers_from_config(tmp_path):
+    meta = LMCacheEngineMetadata("m", 1, 0, "vllm", torch.float32, (1, 2, 4, 1, 64))
+    allocator = HostMemoryAllocator(1 << 16)
+    cpu_only = LMCacheEngineConfig.from_defaults(remote_url=None)
+    assert create_storage_manager(cpu_only, meta, allocator).tier_names == ["Hot"]
+    both = LMCacheEngineConfig.from_defaults(remote_url=None, local_disk=str(tmp_path), max_local_disk_size=0.01)
+    assert create_storage_manager(both, meta, allocator).tier_names == ["Hot", "LocalDiskBackend"]
+    disk_only = LMCacheEngineConfig.from_defaults(
+        remote_url=None, local_cpu=False, local_disk=f"file://{tmp_path}", max_local_disk_size=0.01
+    )
+    manager = create_storage_manager(disk_only, meta, allocator)
+    assert manager.tier_names == ["LocalDiskBackend"]
+    obj = manager.allocate(torch.Size([2, 1, 4, 64]), torch.float32)  # the CPU tier still allocates
+    assert obj is not None
+    obj.ref_count_down()
