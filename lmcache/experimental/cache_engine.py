@@ -1,0 +1,256 @@
+"""`LMCacheEngine` (store / retrieve / lookup / prefetch) and `LMCacheEngineBuilder` (one engine
+per name, per process).
+
+Store: tokens -> chunks and keys (token database) -> for each chunk not cached yet, a memory
+object from the CPU tier's allocator, filled by the connector, handed to every tier.
+Retrieve: chunk by chunk from the fastest tier that has it, into the serving engine's KV cache
+by the connector, stopping at the first missing chunk.
+
+A cache problem (memory full, a tier failing, a bad chunk on disk) never raises into the serving
+path: it is logged, counted, and becomes a skipped store or a miss. Caller errors (a bad mask,
+missing connector kwargs) still raise.
+"""
+
+import threading
+from typing import Dict, List, Optional, Sequence
+
+import torch
+
+from lmcache.config import LMCacheEngineMetadata
+from lmcache.experimental.config import LMCacheEngineConfig
+from lmcache.experimental.gpu_connector import GPUConnectorInterface
+from lmcache.experimental.memory_management import MemoryAllocatorInterface, MemoryFormat, MixedMemoryAllocator
+from lmcache.experimental.stats import EngineStats, EngineStatsSnapshot
+from lmcache.experimental.storage_backend import GB, StorageManager, create_storage_manager
+from lmcache.experimental.token_database import ChunkedTokenDatabase, TokenDatabase
+from lmcache.logging import init_logger
+
+logger = init_logger(__name__)
+
+
+def _num_selected(tokens: Sequence[int], mask: Optional[torch.Tensor]) -> int:
+    return len(tokens) if mask is None else int(mask.sum())
+
+
+class LMCacheEngine:
+    """Moves KV caches between the serving engine (through a GPU connector) and the tiers.
+
+    Store takes KV out of the serving engine's cache into CPU memory objects and hands them to
+    the tiers (slow tiers write in the background). Retrieve fetches the objects back from the
+    fastest tier that has them and writes them into the serving engine's cache. Prefetch asks
+    slower tiers to bring chunks into the CPU tier ahead of a retrieve.
+    """
+
+    def __init__(
+        self,
+        config: LMCacheEngineConfig,
+        metadata: LMCacheEngineMetadata,
+        memory_allocator: MemoryAllocatorInterface,
+        token_database: TokenDatabase,
+        gpu_connector: GPUConnectorInterface,
+    ) -> None:
+        self.config = config
+        self.metadata = metadata
+        self.memory_allocator = memory_allocator
+        self.token_database = token_database
+        self.gpu_connector = gpu_connector
+        self._stats = EngineStats()
+        self.storage_manager: StorageManager = create_storage_manager(config, metadata, memory_allocator, self._stats)
+        self._close_lock = threading.Lock()
+        self._closed = False
+
+    def store(
+        self,
+        tokens: torch.Tensor,
+        mask: Optional[torch.Tensor] = None,
+        *,
+        cache_salt: Optional[str] = None,
+        **kwargs,
+    ) -> None:
+        """Store the KV of the tokens the mask selects (mask FFF...TTT; None = all).
+
+        `kwargs` go to the GPU connector (e.g. `kvcaches`, `slot_mapping`). Chunks already cached
+        are skipped. When memory is full even after eviction, the rest is not stored (logged).
+        Raises ValueError if the number of Falses in the mask is not a multiple of the chunk size.
+        """
+        chunks = self.token_database.process_tokens(tokens, mask, cache_salt=cache_salt or "")
+        requested = _num_selected(tokens, mask)
+        stored = skipped = dropped = 0
+        full = False
+        for start, end, key in chunks:
+            n = end - start
+            if full:
+                dropped += n
+                continue
+            if self.storage_manager.contains(key):
+                skipped += n
+                continue
+            obj = self.storage_manager.allocate(self.gpu_connector.get_shape(n), self.metadata.kv_dtype, MemoryFormat.KV_BLOB)
+            if obj is None:
+                logger.warning(
+                    "memory full: not storing tokens [%d, %d) of %d (chunk %s and later)",
+                    start, len(tokens), len(tokens), key.chunk_hash,
+                )
+                full = True
+                dropped += n
+                continue
+            try:
+                self.gpu_connector.from_gpu(obj, start, end, **kwargs)
+                if self.storage_manager.put(key, obj) > 0:
+                    stored += n
+                else:
+                    dropped += n
+            finally:
+                obj.ref_count_down()
+        self._stats.record_store(requested, stored, skipped, dropped)
+        logger.debug("store: %d tokens requested, %d stored, %d already cached, %d dropped", requested, stored, skipped, dropped)
+
+    def retrieve(
+        self,
+        tokens: torch.Tensor,
+        mask: Optional[torch.Tensor] = None,
+        *,
+        cache_salt: Optional[str] = None,
+        **kwargs,
+    ) -> torch.Tensor:
+        """Load cached KV for the tokens the mask selects into the serving engine's cache.
+
+        Stops at the first chunk no tier has. Returns a CPU bool tensor as long as `tokens`, True
+        for every token whose KV was loaded. Raises ValueError if the number of Falses in the
+        mask is not a multiple of the chunk size.
+        """
+        chunks = self.token_database.process_tokens(tokens, mask, cache_salt=cache_salt or "")
+        ret_mask = torch.zeros(len(tokens), dtype=torch.bool, device="cpu")
+        requested = _num_selected(tokens, mask)
+        hit = 0
+        for start, end, key in chunks:
+            obj = self.storage_manager.get(key)
+            if obj is None:
+                break
+            try:
+                expected = self.gpu_connector.get_shape(end - start)
+                meta = obj.metadata
+                if meta.shape != expected or meta.dtype != self.metadata.kv_dtype:
+                    logger.warning(
+                        "chunk %s has shape %s %s, expected %s %s: treating it as a miss",
+                        key.chunk_hash, list(meta.shape), meta.dtype, list(expected), self.metadata.kv_dtype,
+                    )
+                    self.storage_manager.remove(key)
+                    break
+                self.gpu_connector.to_gpu(obj, start, end, **kwargs)
+            finally:
+                obj.ref_count_down()
+            ret_mask[start:end] = True
+            hit += end - start
+        self._stats.record_retrieve(requested, hit)
+        logger.debug("retrieve: %d tokens requested, %d loaded", requested, hit)
+        return ret_mask
+
+    def lookup(
+        self,
+        tokens: torch.Tensor,
+        search_range: Optional[List[str]] = None,
+        *,
+        cache_salt: Optional[str] = None,
+    ) -> int:
+        """How many leading tokens are cached, searching the tiers named in `search_range`
+        (a subset of ["Hot", "LocalDiskBackend", ...]; None = all tiers)."""
+        if search_range is not None and (
+            isinstance(search_range, str) or not all(isinstance(name, str) for name in search_range)
+        ):
+            raise ValueError(f"search_range must be a list of tier names, got {search_range!r}")
+        hit = 0
+        for _, end, key in self.token_database.process_tokens(tokens, cache_salt=cache_salt or ""):
+            if not self.storage_manager.contains(key, search_range):
+                break
+            hit = end
+        self._stats.record_lookup(len(tokens), hit)
+        return hit
+
+    def prefetch(
+        self,
+        tokens: torch.Tensor,
+        mask: Optional[torch.Tensor] = None,
+        *,
+        cache_salt: Optional[str] = None,
+    ) -> None:
+        """Start loading the selected chunks from slower tiers into the CPU tier (returns at once),
+        up to the first chunk no tier has."""
+        for _, _, key in self.token_database.process_tokens(tokens, mask, cache_salt=cache_salt or ""):
+            if not self.storage_manager.prefetch(key):
+                break
+
+    def stats(self) -> EngineStatsSnapshot:
+        """A snapshot of the engine's and its tiers' counters."""
+        return self._stats.snapshot()
+
+    def close(self) -> None:
+        """Wait for pending writes of every tier, then release the CPU tier's objects."""
+        with self._close_lock:
+            if self._closed:
+                return
+            self._closed = True
+        self.storage_manager.close()
+
+
+class LMCacheEngineBuilder:
+    """One engine per instance id in this process (vLLM's connectors find it by name)."""
+
+    _lock = threading.Lock()
+    _instances: Dict[str, LMCacheEngine] = {}
+
+    @classmethod
+    def get_or_create(
+        cls,
+        instance_id: str,
+        config: LMCacheEngineConfig,
+        metadata: LMCacheEngineMetadata,
+        gpu_connector: GPUConnectorInterface,
+        *,
+        memory_allocator: Optional[MemoryAllocatorInterface] = None,
+        token_database: Optional[TokenDatabase] = None,
+    ) -> LMCacheEngine:
+        """The engine named `instance_id`, built on first call (with a host-memory allocator of
+        `max_local_cpu_size` GB and a `ChunkedTokenDatabase` unless given).
+
+        Raises ValueError if the engine exists with a different config or metadata.
+        """
+        with cls._lock:
+            engine = cls._instances.get(instance_id)
+            if engine is not None:
+                if engine.config != config:
+                    raise ValueError(f"LMCache engine {instance_id!r} already exists with a different config")
+                if engine.metadata != metadata:
+                    raise ValueError(f"LMCache engine {instance_id!r} already exists with different metadata")
+                return engine
+            if memory_allocator is None:
+                memory_allocator = cls._build_allocator(config)
+            if token_database is None:
+                token_database = ChunkedTokenDatabase(config, metadata)
+            engine = LMCacheEngine(config, metadata, memory_allocator, token_database, gpu_connector)
+            cls._instances[instance_id] = engine
+            logger.info("created LMCache engine %r (tiers: %s)", instance_id, engine.storage_manager.tier_names)
+            return engine
+
+    @staticmethod
+    def _build_allocator(config: LMCacheEngineConfig) -> MemoryAllocatorInterface:
+        size = int(config.max_local_cpu_size * GB)
+        if size <= 0:
+            raise ValueError(
+                f"max_local_cpu_size={config.max_local_cpu_size!r}: must be > 0, every chunk is staged in host memory"
+            )
+        return MixedMemoryAllocator(size)
+
+    @classmethod
+    def get(cls, instance_id: str) -> Optional[LMCacheEngine]:
+        """The engine named `instance_id`, or None."""
+        with cls._lock:
+            return cls._instances.get(instance_id)
+
+    @classmethod
+    def destroy(cls, instance_id: str) -> None:
+        """Close the engine named `instance_id` (waiting for its pending writes) and forget it."""
+        with cls._lock:
+            engine = cls._instances.pop(instance_id, None)
+        if engine is not None:
+            engine.close()
