@@ -1,0 +1,55 @@
+"""Remote stores for the remote tier: connectors (`lm://`, `redis://`, `rediss://`,
+`redis-cluster://`) behind one byte-level interface, and the serdes that fill them.
+
+`create_connector(url)` is the one place that maps a `remote_url` to a connector class; the
+URL grammar is the config's (`lmcache.experimental.config.parse_remote_url`).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from lmcache.experimental.config import parse_remote_url
+from lmcache.experimental.remote.connector import RemoteConnector, RemoteUnavailableError
+
+__all__ = ["RemoteConnector", "RemoteUnavailableError", "create_connector", "redis_key_prefix"]
+
+
+def redis_key_prefix(model_name: str) -> str:
+    """The Redis key prefix of one model's chunks: `lmcache:<model>:`."""
+    return f"lmcache:{model_name}:"
+
+
+def create_connector(
+    url: str,
+    key_prefix: str = "",
+    timeout: float = 10.0,
+    lookup_timeout: float = 1.0,
+    pool_size: int = 4,
+    ttl_s: Optional[float] = None,
+) -> RemoteConnector:
+    """A connector for `url`; nothing is connected until the first call.
+
+    `key_prefix` and `ttl_s` apply to Redis (the `lm://` server keys by the full chunk key and
+    bounds its memory with LRU instead of expiry).
+    """
+    parsed = parse_remote_url(url)
+    if parsed.scheme == "lm":
+        from lmcache.experimental.remote.lm_connector import LMServerConnector
+
+        host, port = parsed.hosts[0]
+        return LMServerConnector(
+            host, port, timeout=timeout, lookup_timeout=lookup_timeout, pool_size=pool_size
+        )
+    from lmcache.experimental.remote.redis_connector import RedisConnector
+
+    return RedisConnector(
+        parsed.hosts,
+        cluster=parsed.scheme == "redis-cluster",
+        ssl=parsed.scheme == "rediss",
+        key_prefix=key_prefix,
+        ttl_s=ttl_s,
+        timeout=timeout,
+        lookup_timeout=lookup_timeout,
+        pool_size=pool_size,
+    )

@@ -49,6 +49,19 @@ def create_storage_backends(
                 stats.tier(LocalDiskBackend.__name__),
             )
         )
+    if config.remote_url is not None:
+        # Imported here: the remote tier pulls in connectors and serdes that import this package.
+        from lmcache.experimental.storage_backend.remote_backend import RemoteBackend
+
+        tiers.append(
+            RemoteBackend(
+                config.remote_url,
+                config.remote_serde or "naive",
+                metadata,
+                local_cpu_backend,
+                stats.tier(RemoteBackend.__name__),
+            )
+        )
     return tiers
 
 

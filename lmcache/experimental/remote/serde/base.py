@@ -1,0 +1,37 @@
+"""The serde interface shared by `naive` and `cachegen`."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Callable, Optional, Union
+
+import torch
+
+from lmcache.experimental.memory_management import MemoryFormat, MemoryObj
+from lmcache.utils import CacheEngineKey
+
+Buffer = Union[bytes, bytearray, memoryview]
+KeyLike = Union[CacheEngineKey, str]
+# (shape, dtype, fmt) -> a fresh object the caller owns, or None when memory is full.
+AllocateFn = Callable[[torch.Size, Optional[torch.dtype], MemoryFormat], Optional[MemoryObj]]
+
+
+class Serde(ABC):
+    """Turns one chunk into self-checking bytes and back."""
+
+    name: str = ""
+
+    @abstractmethod
+    def encode(self, key: KeyLike, obj: MemoryObj) -> bytes:
+        """The complete stored value for `obj` under `key` (header included)."""
+
+    @abstractmethod
+    def decode(
+        self,
+        key: KeyLike,
+        data: Buffer,
+        allocate: AllocateFn,
+        dtype: Optional[torch.dtype] = None,
+    ) -> Optional[MemoryObj]:
+        """A new object holding the chunk, or None (logged) when `data` is not a valid chunk
+        of this serde for `key` (and of `dtype`, when given) or memory is full."""

@@ -1,0 +1,479 @@
+"""The remote tier: chunks on an `lm://` server or Redis, shared by every instance pointing there.
+
+- Puts never block the serving thread: they take a reference and go into a bounded queue
+  that one background thread drains in pipelined batches (serde encoding happens there too).
+  A full queue drops the put and counts it; every put the server acknowledges, refuses or
+  loses is counted, so a lost put is a number, not an assumption.
+- `contains` (what lookup uses) asks the server `exists` under a short timeout; `get_blocking`
+  fetches and decodes, and `batched_get_blocking` fetches many chunks in one pipeline. A chunk
+  still waiting in the put queue is answered from memory.
+- Health: the first connection error or timeout marks the tier down and logs it once. While
+  down, lookups and gets return a miss at once and puts are dropped (counted), so a dead or
+  stalled server costs a request at most one timeout, after which it simply recomputes. The
+  background thread probes the server with exponential backoff and, when it answers, logs
+  that the tier is back: puts and hits resume on their own, through fresh connections.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, fields
+from typing import Dict, List, Optional, Sequence
+
+from lmcache.config import LMCacheEngineMetadata
+from lmcache.experimental.memory_management import MemoryFormat, MemoryObj
+from lmcache.experimental.remote import create_connector, redis_key_prefix
+from lmcache.experimental.remote.connector import RemoteConnector, RemoteUnavailableError
+from lmcache.experimental.remote.serde import Serde, create_serde
+from lmcache.experimental.stats import TierStats
+from lmcache.experimental.storage_backend.abstract_backend import StorageBackendInterface
+from lmcache.experimental.storage_backend.local_cpu_backend import LocalCPUBackend
+from lmcache.logging import init_logger
+from lmcache.utils import CacheEngineKey
+
+logger = init_logger(__name__)
+
+# Log one "queue full" line per this many dropped puts.
+_DROP_LOG_EVERY = 100
+
+
+@dataclass(frozen=True)
+class RemoteBackendOptions:
+    """Knobs of the remote tier; the defaults suit a server on the same host or LAN."""
+
+    put_queue_size: int = 256  # chunks waiting to be written; beyond it puts are dropped
+    put_batch_size: int = 8  # chunks per pipelined write
+    timeout_s: float = 10.0  # one get or put batch
+    lookup_timeout_s: float = 1.0  # exists, ping and connect: what a request may wait at most
+    pool_size: int = 4  # pooled connections per connector
+    backoff_initial_s: float = 0.2  # first retry after the tier went down
+    backoff_max_s: float = 10.0  # retries never wait longer than this
+    ttl_s: Optional[float] = None  # Redis only: expire chunks after this long
+    flush_timeout_s: float = 30.0  # close() waits this long for queued puts
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if value is not None and value <= 0:
+                raise ValueError(f"RemoteBackendOptions.{f.name} must be positive, got {value}")
+
+
+@dataclass(frozen=True)
+class RemoteStatsSnapshot:
+    """What happened to puts and gets of the remote tier since it was created."""
+
+    puts_acknowledged: int = 0  # the server confirmed it stored the chunk
+    puts_refused: int = 0  # the server answered "no" (too large, out of memory)
+    puts_lost: int = 0  # sent, but the connection failed before the acknowledgement
+    puts_dropped_queue_full: int = 0
+    puts_dropped_tier_down: int = 0
+    gets_hit: int = 0
+    gets_miss: int = 0
+    gets_rejected: int = 0  # returned bytes failed the header/checksum/shape checks
+    gets_failed: int = 0  # connection error or timeout
+    lookups_failed: int = 0
+    times_down: int = 0  # transitions to "down"
+    times_recovered: int = 0  # transitions back to "up"
+
+
+class _Counters:
+    """Thread-safe counters behind `RemoteStatsSnapshot`."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._counts: Dict[str, int] = {f.name: 0 for f in fields(RemoteStatsSnapshot)}
+
+    def add(self, name: str, delta: int = 1) -> int:
+        with self._lock:
+            self._counts[name] += delta
+            return self._counts[name]
+
+    def snapshot(self) -> RemoteStatsSnapshot:
+        with self._lock:
+            return RemoteStatsSnapshot(**self._counts)
+
+
+class _Health:
+    """Up/down state with exponential backoff between reconnection probes."""
+
+    def __init__(self, url: str, options: RemoteBackendOptions, counters: _Counters) -> None:
+        self._url = url
+        self._options = options
+        self._counters = counters
+        self._lock = threading.Lock()
+        self._up = True
+        self._down_since = 0.0
+        self._backoff = options.backoff_initial_s
+        self._next_probe = 0.0
+
+    @property
+    def up(self) -> bool:
+        return self._up
+
+    def seconds_to_probe(self) -> float:
+        with self._lock:
+            return max(0.0, self._next_probe - time.monotonic())
+
+    def mark_down(self, reason: str) -> None:
+        with self._lock:
+            now = time.monotonic()
+            if self._up:
+                self._up = False
+                self._down_since = now
+                self._backoff = self._options.backoff_initial_s
+                self._counters.add("times_down")
+                logger.warning(
+                    "remote tier %s is down (%s): lookups miss and requests recompute; "
+                    "reconnecting in the background",
+                    self._url,
+                    reason,
+                )
+            else:
+                self._backoff = min(self._backoff * 2, self._options.backoff_max_s)
+                logger.debug("remote tier %s still down (%s); next probe in %.1f s", self._url, reason, self._backoff)
+            self._next_probe = now + self._backoff
+
+    def mark_up(self) -> None:
+        with self._lock:
+            if self._up:
+                return
+            self._up = True
+            self._counters.add("times_recovered")
+            logger.warning(
+                "remote tier %s is back after %.1f s: puts and hits resume",
+                self._url,
+                time.monotonic() - self._down_since,
+            )
+
+
+@dataclass
+class _PutTask:
+    key: CacheEngineKey
+    obj: MemoryObj
+
+
+class RemoteBackend(StorageBackendInterface):
+    """A `RemoteConnector` plus a serde behind the tier interface."""
+
+    def __init__(
+        self,
+        url: str,
+        serde: str,
+        metadata: LMCacheEngineMetadata,
+        local_cpu_backend: LocalCPUBackend,
+        stats: Optional[TierStats] = None,
+        options: Optional[RemoteBackendOptions] = None,
+        connector: Optional[RemoteConnector] = None,
+    ) -> None:
+        self._options = options if options is not None else RemoteBackendOptions()
+        opts = self._options
+        self._connector = connector if connector is not None else create_connector(
+            url,
+            key_prefix=redis_key_prefix(metadata.model_name),
+            timeout=opts.timeout_s,
+            lookup_timeout=opts.lookup_timeout_s,
+            pool_size=opts.pool_size,
+            ttl_s=opts.ttl_s,
+        )
+        self._serde: Serde = create_serde(serde)
+        self._metadata = metadata
+        self._cpu = local_cpu_backend
+        self._stats = stats if stats is not None else TierStats()
+        self._counters = _Counters()
+        self._health = _Health(self._connector.url, opts, self._counters)
+        self._queue: "queue.Queue[_PutTask]" = queue.Queue(maxsize=opts.put_queue_size)
+        self._lock = threading.Lock()
+        self._pending: Dict[CacheEngineKey, MemoryObj] = {}
+        self._stop = threading.Event()
+        self._closed = False
+        self._worker: Optional[threading.Thread] = None
+        self._prefetch_pool: Optional[ThreadPoolExecutor] = None
+        self._prefetching: set[CacheEngineKey] = set()
+
+    @property
+    def url(self) -> str:
+        return self._connector.url
+
+    @property
+    def is_up(self) -> bool:
+        return self._health.up
+
+    def remote_stats(self) -> RemoteStatsSnapshot:
+        return self._counters.snapshot()
+
+    # ---- lookups and reads (serving thread) ----------------------------------------------
+
+    def contains(self, key: CacheEngineKey) -> bool:
+        self._ensure_worker()
+        if self.exists_in_put_tasks(key):
+            return True
+        if not self._health.up:
+            return False
+        try:
+            return self._connector.exists(key.to_string())
+        except RemoteUnavailableError as err:
+            self._counters.add("lookups_failed")
+            self._health.mark_down(str(err))
+            return False
+
+    def exists_in_put_tasks(self, key: CacheEngineKey) -> bool:
+        with self._lock:
+            return key in self._pending
+
+    def get_blocking(self, key: CacheEngineKey) -> Optional[MemoryObj]:
+        return self.batched_get_blocking([key])[0]
+
+    def batched_get_blocking(self, keys: Sequence[CacheEngineKey]) -> List[Optional[MemoryObj]]:
+        """`get_blocking` for many chunks in one pipelined round trip; caller owns each result."""
+        self._ensure_worker()
+        results: List[Optional[MemoryObj]] = [None] * len(keys)
+        remote_slots: List[int] = []
+        with self._lock:
+            for i, key in enumerate(keys):
+                queued = self._pending.get(key)
+                if queued is not None:
+                    queued.ref_count_up()
+                    results[i] = queued
+                else:
+                    remote_slots.append(i)
+        if not remote_slots or not self._health.up:
+            return results
+        try:
+            blobs = self._connector.batched_get([keys[i].to_string() for i in remote_slots])
+        except RemoteUnavailableError as err:
+            self._counters.add("gets_failed", len(remote_slots))
+            self._stats.record_error()
+            self._health.mark_down(str(err))
+            return results
+        for i, blob in zip(remote_slots, blobs):
+            if blob is None:
+                self._counters.add("gets_miss")
+                continue
+            obj = self._decode(keys[i], blob)
+            if obj is not None:
+                self._counters.add("gets_hit")
+                self._stats.record_read(obj.get_size())
+                results[i] = obj
+        return results
+
+    def _decode(self, key: CacheEngineKey, blob) -> Optional[MemoryObj]:
+        try:
+            obj = self._serde.decode(key, blob, self._cpu.allocate, dtype=self._metadata.kv_dtype)
+        except Exception as err:  # a chunk we cannot read is a miss, whatever went wrong
+            logger.warning("remote chunk %s could not be decoded: %r", key.chunk_hash, err)
+            obj = None
+        if obj is not None and not self._shape_ok(obj):
+            logger.warning(
+                "remote chunk %s has shape %s, which does not fit this model's KV %s: miss",
+                key.chunk_hash,
+                tuple(obj.metadata.shape),
+                self._metadata.kv_shape,
+            )
+            obj.ref_count_down()
+            obj = None
+        if obj is None:
+            self._counters.add("gets_rejected")
+            self._stats.record_error()
+        return obj
+
+    def _shape_ok(self, obj: MemoryObj) -> bool:
+        if obj.metadata.fmt != MemoryFormat.KV_BLOB:
+            return True
+        shape = tuple(obj.metadata.shape)
+        meta = self._metadata
+        hidden = meta.kv_shape[4] if meta.use_mla else meta.hidden_size
+        return (
+            len(shape) == 4
+            and shape[0] == meta.kv_shape[1]
+            and shape[1] == meta.num_layers
+            and 0 < shape[2] <= meta.chunk_size
+            and shape[3] == hidden
+        )
+
+    # ---- writes (serving thread enqueues, worker sends) -----------------------------------
+
+    def submit_put_task(self, key: CacheEngineKey, obj: MemoryObj) -> None:
+        self._ensure_worker()
+        if not self._health.up:
+            self._counters.add("puts_dropped_tier_down")
+            return
+        with self._lock:
+            if self._closed or key in self._pending:
+                return
+            obj.ref_count_up()
+            try:
+                self._queue.put_nowait(_PutTask(key, obj))
+            except queue.Full:
+                obj.ref_count_down()
+                dropped = self._counters.add("puts_dropped_queue_full")
+                if dropped % _DROP_LOG_EVERY == 1:
+                    logger.warning(
+                        "remote tier %s: put queue full (%d chunks), dropping puts (%d so far)",
+                        self.url,
+                        self._options.put_queue_size,
+                        dropped,
+                    )
+                return
+            self._pending[key] = obj
+
+    def _ensure_worker(self) -> None:
+        """Start the background thread on first use (never at construction or import)."""
+        if self._worker is not None:
+            return
+        with self._lock:
+            if self._worker is None and not self._closed:
+                self._worker = threading.Thread(target=self._run_worker, name="lmcache-remote-put", daemon=True)
+                self._worker.start()
+
+    def _run_worker(self) -> None:
+        while not self._stop.is_set():
+            if not self._health.up:
+                self._drop_queued("puts_dropped_tier_down")
+                if self._stop.wait(min(self._health.seconds_to_probe(), 0.5)):
+                    break
+                if self._health.seconds_to_probe() == 0.0:
+                    self._probe()
+                continue
+            try:
+                first = self._queue.get(timeout=0.2)
+            except queue.Empty:
+                continue
+            batch = [first]
+            while len(batch) < self._options.put_batch_size:
+                try:
+                    batch.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
+            self._send(batch)
+        self._drop_queued("puts_dropped_tier_down")
+
+    def _probe(self) -> None:
+        try:
+            self._connector.ping()
+        except RemoteUnavailableError as err:
+            self._health.mark_down(str(err))
+        else:
+            self._health.mark_up()
+
+    def _send(self, batch: List[_PutTask]) -> None:
+        encoded: List[tuple] = []
+        sent: List[_PutTask] = []
+        for task in batch:
+            try:
+                encoded.append((task.key.to_string(), self._serde.encode(task.key, task.obj)))
+                sent.append(task)
+            except Exception as err:  # a chunk we cannot encode is a dropped put
+                logger.warning("remote tier: cannot encode chunk %s: %r", task.key.chunk_hash, err)
+                self._counters.add("puts_refused")
+                self._stats.record_error()
+        try:
+            acks = self._connector.batched_put(encoded) if encoded else []
+        except RemoteUnavailableError as err:
+            self._counters.add("puts_lost", len(sent))
+            self._stats.record_error()
+            self._health.mark_down(str(err))
+            acks = [False] * len(sent)
+        else:
+            for task, ok in zip(sent, acks):
+                if ok:
+                    self._counters.add("puts_acknowledged")
+                    self._stats.record_write(task.obj.get_size())
+                else:
+                    self._counters.add("puts_refused")
+        self._finish(batch)
+
+    def _finish(self, batch: List[_PutTask]) -> None:
+        with self._lock:
+            for task in batch:
+                if self._pending.get(task.key) is task.obj:
+                    del self._pending[task.key]
+        for task in batch:
+            task.obj.ref_count_down()
+
+    def _drop_queued(self, counter: str) -> None:
+        dropped: List[_PutTask] = []
+        while True:
+            try:
+                dropped.append(self._queue.get_nowait())
+            except queue.Empty:
+                break
+        if dropped:
+            self._counters.add(counter, len(dropped))
+            self._finish(dropped)
+
+    # ---- prefetch, remove, close ----------------------------------------------------------
+
+    def submit_prefetch_task(self, key: CacheEngineKey) -> bool:
+        """Fetch `key` into the CPU tier on a background thread; False if that cannot help."""
+        if not self._cpu.keeps_objects or self._cpu.contains(key) or not self._health.up:
+            return False
+        with self._lock:
+            if self._closed or key in self._prefetching:
+                return False
+            if self._prefetch_pool is None:
+                self._prefetch_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lmcache-remote-prefetch")
+            self._prefetching.add(key)
+            self._prefetch_pool.submit(self._run_prefetch, key)
+        return True
+
+    def _run_prefetch(self, key: CacheEngineKey) -> None:
+        try:
+            obj = self.get_blocking(key)
+            if obj is not None:
+                self._cpu.submit_put_task(key, obj)
+                obj.ref_count_down()
+        except Exception as err:  # a failed prefetch is only a lost optimisation
+            logger.warning("remote tier: prefetch of chunk %s failed: %r", key.chunk_hash, err)
+        finally:
+            with self._lock:
+                self._prefetching.discard(key)
+
+    def remove(self, key: CacheEngineKey) -> bool:
+        if not self._health.up:
+            return False
+        try:
+            return self._connector.delete(key.to_string())
+        except RemoteUnavailableError as err:
+            self._health.mark_down(str(err))
+            return False
+
+    def flush(self, timeout_s: Optional[float] = None) -> bool:
+        """Wait until every queued put was sent (or dropped); True if the queue drained in time."""
+        deadline = time.monotonic() + (timeout_s if timeout_s is not None else self._options.flush_timeout_s)
+        while time.monotonic() < deadline:
+            with self._lock:
+                if not self._pending:
+                    return True
+            time.sleep(0.01)
+        return False
+
+    def close(self) -> None:
+        """Flush queued puts (bounded by `flush_timeout_s`), stop the threads, close connections."""
+        if self._closed:
+            return
+        drained = self.flush()
+        with self._lock:
+            self._closed = True
+            pool = self._prefetch_pool
+        if not drained:
+            logger.warning("remote tier %s: closing with puts still queued; they are dropped", self.url)
+        self._stop.set()
+        if self._worker is not None:
+            self._worker.join(timeout=self._options.timeout_s + 1)
+        self._drop_queued("puts_dropped_tier_down")
+        if pool is not None:
+            pool.shutdown(wait=True)
+        self._connector.close()
+        stats = self._counters.snapshot()
+        logger.info(
+            "remote tier %s closed: %d puts acknowledged, %d refused, %d lost, %d dropped; %d hits",
+            self.url,
+            stats.puts_acknowledged,
+            stats.puts_refused,
+            stats.puts_lost,
+            stats.puts_dropped_queue_full + stats.puts_dropped_tier_down,
+            stats.gets_hit,
+        )

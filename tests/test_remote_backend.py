@@ -1,0 +1,286 @@
+"""The remote tier over real servers: sharing, serdes, async puts, health, faults, recovery."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from typing import Callable, Iterator, Optional
+
+import pytest
+import torch
+from redis_fixture import (  # noqa: F401
+    LMServerProcess,
+    RedisServer,
+    free_port,
+    lmcache_log,
+    redis_cluster,
+    redis_server,
+)
+
+from lmcache.config import LMCacheEngineMetadata
+from lmcache.experimental.memory_management import HostMemoryAllocator, MemoryFormat, MemoryObj
+from lmcache.experimental.remote.connector import RemoteUnavailableError
+from lmcache.experimental.remote.lm_connector import LMServerConnector
+from lmcache.experimental.remote.serde.cachegen import error_bound
+from lmcache.experimental.storage_backend.local_cpu_backend import LocalCPUBackend
+from lmcache.experimental.storage_backend.remote_backend import RemoteBackend, RemoteBackendOptions
+from lmcache.server import LMCacheServer, ServerConfig
+from lmcache.utils import CacheEngineKey
+
+LAYERS, HEADS, HEAD_SIZE, CHUNK = 4, 2, 64, 256
+FAST = RemoteBackendOptions(lookup_timeout_s=0.5, timeout_s=2.0, backoff_initial_s=0.05, backoff_max_s=0.2)
+
+
+def _metadata(layers: int = LAYERS, dtype: torch.dtype = torch.float16) -> LMCacheEngineMetadata:
+    return LMCacheEngineMetadata("tiny", 1, 0, "vllm", dtype, (layers, 2, CHUNK, HEADS, HEAD_SIZE))
+
+
+def _key(i: int) -> CacheEngineKey:
+    return CacheEngineKey("vllm", "tiny", 1, 0, f"{i:032x}")
+
+
+def _cpu() -> LocalCPUBackend:
+    return LocalCPUBackend(HostMemoryAllocator(256 << 20))
+
+
+def _chunk(cpu: LocalCPUBackend, seed: int, tokens: int = CHUNK, dtype=torch.float16) -> MemoryObj:
+    obj = cpu.allocate(torch.Size([2, LAYERS, tokens, HEADS * HEAD_SIZE]), dtype, MemoryFormat.KV_BLOB)
+    assert obj is not None and obj.tensor is not None
+    gen = torch.Generator().manual_seed(seed)
+    obj.tensor.copy_(torch.randn(obj.tensor.shape, generator=gen) * 2)
+    return obj
+
+
+def _backend(url: str, serde: str = "naive", options: RemoteBackendOptions = FAST, **kwargs) -> RemoteBackend:
+    return RemoteBackend(url, serde, kwargs.pop("metadata", _metadata()), kwargs.pop("cpu", _cpu()), options=options, **kwargs)
+
+
+def _wait_for(cond: Callable[[], bool], timeout: float = 15.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.02)
+    return cond()
+
+
+@pytest.fixture
+def lm_server() -> Iterator[LMCacheServer]:
+    srv = LMCacheServer(ServerConfig(port=0, max_size_bytes=512 << 20))
+    srv.start_in_thread()
+    yield srv
+    srv.shutdown()
+
+
+def _lm_url(srv: LMCacheServer) -> str:
+    host, port = srv.address
+    return f"lm://{host}:{port}"
+
+
+@pytest.fixture(params=["lm", "redis", "redis-cluster"])
+def remote_url(request, tmp_path) -> Iterator[str]:
+    if request.param == "lm":
+        srv = LMCacheServer(ServerConfig(port=0, max_size_bytes=512 << 20))
+        srv.start_in_thread()
+        yield _lm_url(srv)
+        srv.shutdown()
+    elif request.param == "redis":
+        server = RedisServer(tmp_path / "redis").start()
+        yield server.url
+        server.stop()
+    else:
+        yield request.getfixturevalue("redis_cluster").url
+
+
+@pytest.mark.parametrize("serde", ["naive", "cachegen"])
+def test_second_instance_hits_what_the_first_stored(remote_url: str, serde: str) -> None:
+    writer_cpu = _cpu()
+    writer = _backend(remote_url, serde, cpu=writer_cpu)
+    chunks = {i: _chunk(writer_cpu, seed=i, tokens=CHUNK if i < 3 else 100) for i in range(4)}
+    for i, obj in chunks.items():
+        writer.submit_put_task(_key(i), obj)
+    writer.close()
+    assert writer.remote_stats().puts_acknowledged == 4
+
+    reader = _backend(remote_url, serde)
+    assert all(reader.contains(_key(i)) for i in chunks) and not reader.contains(_key(99))
+    got = reader.batched_get_blocking([_key(i) for i in chunks] + [_key(99)])
+    assert got[-1] is None
+    for (i, want), obj in zip(chunks.items(), got):
+        assert obj is not None and obj.tensor is not None
+        assert obj.tensor.shape == want.tensor.shape and obj.tensor.dtype == want.tensor.dtype
+        if serde == "naive":
+            assert torch.equal(obj.tensor, want.tensor)
+        else:
+            err = (obj.tensor.float() - want.tensor.float()).abs()
+            assert bool((err <= error_bound(want.tensor, 8, 6, 32)).all())
+            assert not torch.equal(obj.tensor, want.tensor)  # lossy by design
+        obj.ref_count_down()
+    single = reader.get_blocking(_key(0))
+    assert single is not None
+    single.ref_count_down()
+    assert reader.remote_stats().gets_hit == 5
+    reader.close()
+
+
+def test_pending_puts_are_served_from_memory_and_a_full_queue_drops(lm_server) -> None:
+    gate = threading.Event()
+
+    class GatedConnector(LMServerConnector):
+        def batched_put(self, items):
+            gate.wait(timeout=30)
+            return super().batched_put(items)
+
+    host, port = lm_server.address
+    options = RemoteBackendOptions(put_queue_size=2, put_batch_size=1, lookup_timeout_s=2)
+    cpu = _cpu()
+    backend = _backend(_lm_url(lm_server), options=options, cpu=cpu, connector=GatedConnector(host, port))
+    objs = [_chunk(cpu, seed=i) for i in range(6)]
+    for i, obj in enumerate(objs):
+        backend.submit_put_task(_key(i), obj)
+    # One put is held by the worker at the gate, two wait in the queue: the rest were dropped.
+    assert _wait_for(lambda: backend.remote_stats().puts_dropped_queue_full >= 3)
+    assert backend.exists_in_put_tasks(_key(0)) and backend.contains(_key(0))
+    early = backend.get_blocking(_key(0))
+    assert early is not None and torch.equal(early.tensor, objs[0].tensor)
+    early.ref_count_down()
+    gate.set()
+    backend.close()
+    stats = backend.remote_stats()
+    assert stats.puts_acknowledged + stats.puts_dropped_queue_full == 6
+    assert all(obj.get_ref_count() == 1 for obj in objs)  # the tier released every reference
+
+
+def test_dead_server_is_a_fast_miss_and_logged(lmcache_log) -> None:  # noqa: F811
+    cpu = _cpu()
+    backend = _backend(f"lm://127.0.0.1:{free_port()}", cpu=cpu)
+    obj = _chunk(cpu, seed=1)
+    assert not backend.contains(_key(1))
+    assert backend.get_blocking(_key(1)) is None
+    backend.submit_put_task(_key(1), obj)
+    assert not backend.is_up
+    assert "is down" in lmcache_log.text and "requests recompute" in lmcache_log.text
+    stats = backend.remote_stats()
+    assert stats.times_down == 1 and stats.lookups_failed == 1 and stats.puts_dropped_tier_down >= 1
+    backend.close()
+    assert obj.get_ref_count() == 1
+
+
+def test_black_hole_server_times_out_once_then_misses_at_once() -> None:
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(16)  # accepts through the backlog, never answers
+    try:
+        options = RemoteBackendOptions(lookup_timeout_s=0.3, timeout_s=0.5, backoff_initial_s=60)
+        backend = _backend(f"lm://127.0.0.1:{listener.getsockname()[1]}", options=options)
+        assert not backend.contains(_key(1))
+        assert not backend.is_up
+        # Down: no more waiting on the server, for lookups or reads.
+        assert not backend.contains(_key(2)) and backend.get_blocking(_key(2)) is None
+        assert backend.remote_stats().lookups_failed == 1
+        backend.close()
+    finally:
+        listener.close()
+
+
+def test_server_killed_mid_run_then_restarted_resumes_on_its_own(tmp_path, lmcache_log) -> None:  # noqa: F811
+    server = LMServerProcess(log_path=tmp_path / "server.log").start()
+    cpu = _cpu()
+    backend = _backend(server.url, cpu=cpu)
+    try:
+        backend.submit_put_task(_key(1), _chunk(cpu, seed=1))
+        assert backend.flush() and backend.contains(_key(1))
+        server.kill()
+        assert not backend.contains(_key(1))  # miss, not an error
+        assert backend.get_blocking(_key(1)) is None
+        backend.submit_put_task(_key(2), _chunk(cpu, seed=2))
+        assert "is down" in lmcache_log.text
+        server.start()  # same port, empty memory
+        assert _wait_for(lambda: backend.is_up)
+        assert "is back" in lmcache_log.text
+        obj = _chunk(cpu, seed=3)
+        backend.submit_put_task(_key(3), obj)
+        assert backend.flush() and backend.contains(_key(3))
+        hit = backend.get_blocking(_key(3))
+        assert hit is not None and torch.equal(hit.tensor, obj.tensor)
+        hit.ref_count_down()
+        stats = backend.remote_stats()
+        assert stats.times_down == 1 and stats.times_recovered == 1 and stats.puts_acknowledged == 2
+    finally:
+        backend.close()
+        server.stop()
+
+
+def test_corrupt_foreign_and_misshapen_chunks_are_misses(lm_server) -> None:
+    url = _lm_url(lm_server)
+    cpu = _cpu()
+    writer = _backend(url, "cachegen", cpu=cpu)
+    writer.submit_put_task(_key(1), _chunk(cpu, seed=1))
+    writer.close()
+    naive_reader = _backend(url, "naive")
+    assert naive_reader.contains(_key(1)) and naive_reader.get_blocking(_key(1)) is None
+
+    raw = LMServerConnector(*lm_server.address)
+    good = _backend(url, "naive", cpu=cpu)
+    good.submit_put_task(_key(2), _chunk(cpu, seed=2))
+    good.flush()
+    blob = bytearray(raw.get(_key(2).to_string()))
+    blob[-1] ^= 0xFF
+    assert raw.put(_key(2).to_string(), blob)
+    assert good.get_blocking(_key(2)) is None  # checksum mismatch
+    assert raw.put(_key(3).to_string(), b"not a chunk at all")
+    assert good.get_blocking(_key(3)) is None
+    # A chunk stored under another key's name is not handed out for it.
+    good.submit_put_task(_key(4), _chunk(cpu, seed=4))
+    good.flush()
+    assert raw.put(_key(5).to_string(), raw.get(_key(4).to_string()))
+    assert good.get_blocking(_key(5)) is None
+
+    other_model = _backend(url, "naive", metadata=_metadata(layers=LAYERS + 1))
+    assert other_model.get_blocking(_key(4)) is None
+    other_dtype = _backend(url, "naive", metadata=_metadata(dtype=torch.bfloat16))
+    assert other_dtype.get_blocking(_key(4)) is None
+    assert good.remote_stats().gets_rejected == 3
+    for b in (naive_reader, good, other_model, other_dtype):
+        b.close()
+    raw.close()
+
+
+def test_redis_out_of_memory_is_a_counted_refusal(tmp_path) -> None:
+    server = RedisServer(tmp_path / "r", extra_args=("--maxmemory", "4mb")).start()
+    cpu = _cpu()
+    # One chunk per write: Redis counts a pipeline's pending input against maxmemory too.
+    backend = _backend(server.url, cpu=cpu, options=RemoteBackendOptions(put_batch_size=1))
+    try:
+        for i in range(12):
+            backend.submit_put_task(_key(i), _chunk(cpu, seed=i))
+        assert backend.flush()
+        stats = backend.remote_stats()
+        assert stats.puts_refused >= 1 and stats.puts_acknowledged >= 1
+        assert stats.puts_refused + stats.puts_acknowledged == 12
+        assert backend.is_up  # a full Redis is not a dead Redis
+    finally:
+        backend.close()
+        server.stop()
+
+
+def test_prefetch_brings_a_chunk_into_the_cpu_tier(lm_server) -> None:
+    url = _lm_url(lm_server)
+    cpu = _cpu()
+    writer = _backend(url, cpu=cpu)
+    obj = _chunk(cpu, seed=7)
+    writer.submit_put_task(_key(7), obj)
+    writer.close()
+    reader_cpu = _cpu()
+    reader = _backend(url, cpu=reader_cpu)
+    assert reader.submit_prefetch_task(_key(7))
+    assert _wait_for(lambda: reader_cpu.contains(_key(7)))
+    hit: Optional[MemoryObj] = reader_cpu.get_blocking(_key(7))
+    assert hit is not None and torch.equal(hit.tensor, obj.tensor)
+    hit.ref_count_down()
+    reader.close()
+
+
+def test_unavailable_error_is_a_connection_error() -> None:
+    assert issubclass(RemoteUnavailableError, ConnectionError)
