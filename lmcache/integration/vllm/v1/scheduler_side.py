@@ -1,0 +1,205 @@
+"""The scheduler side of the v1 door: lookups, load promises, per-step store plans, the log line.
+
+vLLM calls, per step:
+- `get_num_new_matched_tokens(request, num_computed_tokens)` for each waiting request it tries
+  to schedule: LMCache's cached prefix beyond vLLM's own hit (one token less when the whole
+  prompt is cached: vLLM must compute at least one token to sample);
+- `update_state_after_alloc(request, num_external_tokens)` once blocks are allocated;
+- `build_connector_meta(scheduler_output)` once per step: trackers are created or extended and
+  every request that loads or stores this step gets a `ReqMeta`;
+- `request_finished(request, block_ids)`: one log line per request; blocks are freed at once
+  because stores finish inside the step (`wait_for_save`).
+
+No engine lives here: lookups and the worker's counters go through a `WorkerChannel`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Optional, Sequence
+
+from lmcache.integration.vllm.v1.request_policy import DoorSettings, RequestPolicy, request_policy
+from lmcache.integration.vllm.v1.request_state import (
+    LMCacheConnectorMetadata,
+    LoadSpec,
+    RequestCounters,
+    RequestTracker,
+    make_req_meta,
+    plan_save,
+)
+from lmcache.integration.vllm.v1.worker_channel import ChannelError, WorkerChannel
+from lmcache.logging import init_logger
+
+if TYPE_CHECKING:
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+logger = init_logger(__name__)
+
+
+@dataclass
+class RequestStats:
+    """What the scheduler side learnt about one request, for its log line."""
+
+    prompt_tokens: int
+    vllm_cached_tokens: int  # vLLM's own prefix-cache hit
+    lmcache_hit_tokens: int = 0  # LMCache's cached prefix at lookup
+
+
+def format_request_line(req_id: str, stats: RequestStats, counters: RequestCounters, reason: str) -> str:
+    """The per-request log line (tests parse it: keep the key=value fields stable)."""
+    line = (
+        f"LMCache request {req_id}: prompt_tokens={stats.prompt_tokens} "
+        f"vllm_cached_tokens={stats.vllm_cached_tokens} lmcache_hit_tokens={stats.lmcache_hit_tokens} "
+        f"loaded_tokens={counters.loaded_tokens} stored_tokens={counters.stored_tokens}"
+    )
+    return f"{line} (not stored: {reason})" if reason else line
+
+
+def _single_group(block_ids: Sequence[Sequence[int]], req_id: str) -> list[int]:
+    """vLLM gives one block list per KV cache group; LMCache handles models with one group."""
+    if len(block_ids) != 1:
+        raise NotImplementedError(
+            f"request {req_id}: {len(block_ids)} KV cache groups (hybrid attention); "
+            "LMCache supports models with a single KV cache group"
+        )
+    return list(block_ids[0])
+
+
+class LMCacheSchedulerSide:
+    """Scheduler-side bookkeeping for every request between its first lookup and its end."""
+
+    def __init__(self, settings: DoorSettings, channel: WorkerChannel) -> None:
+        self.settings = settings
+        self._channel = channel
+        # The live vLLM requests (their token lists grow as they decode).
+        self._requests: dict[str, "Request"] = {}
+        self._policies: dict[str, RequestPolicy] = {}
+        self._stats: dict[str, RequestStats] = {}
+        self._load_specs: dict[str, LoadSpec] = {}
+        self._trackers: dict[str, RequestTracker] = {}
+
+    # ----- before scheduling -------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> int:
+        """Tokens LMCache can load beyond vLLM's own `num_computed_tokens` (0 for none)."""
+        req_id = request.request_id
+        self._requests[req_id] = request
+        policy = self._policies.get(req_id)
+        if policy is None:
+            policy = self._policies[req_id] = request_policy(request, self.settings)
+        prompt = request.prompt_token_ids
+        stats = self._stats[req_id] = RequestStats(len(prompt), num_computed_tokens)
+        self._load_specs.pop(req_id, None)
+        if not policy.use_cache:
+            return 0
+        num_lookup = len(prompt) - self.settings.skip_last_n_tokens
+        if num_lookup <= 0:
+            return 0
+        try:
+            hit = self._channel.lookup(prompt[:num_lookup], policy.cache_salt)
+        except ChannelError as err:
+            logger.error("request %s: LMCache lookup failed, computing it all: %s", req_id, err)
+            return 0
+        stats.lmcache_hit_tokens = hit
+        # vLLM must compute at least the last prompt token to sample from it.
+        claimed = len(prompt) - 1 if hit >= len(prompt) else hit
+        if claimed <= num_computed_tokens:
+            return 0
+        self._load_specs[req_id] = LoadSpec(vllm_cached_tokens=num_computed_tokens, lmcache_cached_tokens=hit)
+        return claimed - num_computed_tokens
+
+    def update_state_after_alloc(self, request: "Request", num_external_tokens: int) -> None:
+        """vLLM allocated blocks: the load goes ahead only if it allocated for LMCache's tokens."""
+        spec = self._load_specs.get(request.request_id)
+        if spec is None:
+            return
+        if num_external_tokens == 0:
+            del self._load_specs[request.request_id]
+            return
+        promised = min(spec.lmcache_cached_tokens, len(request.prompt_token_ids) - 1) - spec.vllm_cached_tokens
+        if num_external_tokens != promised:
+            raise RuntimeError(
+                f"request {request.request_id}: vLLM allocated {num_external_tokens} external tokens, "
+                f"LMCache promised {promised}"
+            )
+        spec.can_load = True
+
+    # ----- every step ----------------------------------------------------------------------------
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> LMCacheConnectorMetadata:
+        """Track this step's tokens and blocks; plan each request's load and store."""
+        meta = LMCacheConnectorMetadata()
+        for req_id in scheduler_output.finished_req_ids:
+            self._forget(req_id)
+        for new_req in scheduler_output.scheduled_new_reqs:
+            req_id = new_req.req_id
+            policy, stats = self._policies.get(req_id), self._stats.get(req_id)
+            if policy is None or stats is None:
+                logger.warning("request %s was scheduled without an LMCache lookup; not caching it", req_id)
+                continue
+            total = new_req.num_computed_tokens + scheduler_output.num_scheduled_tokens[req_id]
+            tracker = RequestTracker(
+                req_id=req_id,
+                prompt_len=len(new_req.prompt_token_ids),
+                token_ids=list(new_req.prompt_token_ids[:total]),
+                block_ids=_single_group(new_req.block_ids, req_id),
+                num_saved_tokens=stats.lmcache_hit_tokens,
+                cache_salt=policy.cache_salt,
+                may_save=policy.may_save,
+            )
+            self._trackers[req_id] = tracker
+            self._plan(meta, tracker, self._load_specs.pop(req_id, None))
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            tracker, request = self._trackers.get(req_id), self._requests.get(req_id)
+            if tracker is None or request is None:
+                continue
+            # Speculative tokens are scheduled but not part of the request's tokens yet.
+            total = min(cached.num_computed_tokens[i] + scheduler_output.num_scheduled_tokens[req_id], request.num_tokens)
+            new_blocks = _single_group(cached.new_block_ids[i], req_id)
+            load_spec: Optional[LoadSpec] = None
+            if cached.resumed_from_preemption[i]:
+                tracker.resume(request.all_token_ids[:total], new_blocks)
+                load_spec = self._load_specs.pop(req_id, None)
+            else:
+                tracker.extend(request.all_token_ids[tracker.num_tokens : total], new_blocks)
+            self._plan(meta, tracker, load_spec)
+        return meta
+
+    def _plan(self, meta: LMCacheConnectorMetadata, tracker: RequestTracker, load_spec: Optional[LoadSpec]) -> None:
+        save_spec = plan_save(tracker, self.settings)
+        req_meta = make_req_meta(tracker, load_spec, save_spec, self.settings.block_size)
+        if save_spec is not None:
+            tracker.num_saved_tokens = save_spec.num_tokens
+        if req_meta is not None:
+            meta.requests.append(req_meta)
+
+    # ----- at the end -----------------------------------------------------------------------------
+
+    def request_finished(self, request: "Request", block_ids: Sequence[int]) -> tuple[bool, Optional[dict[str, Any]]]:
+        """Log the request's line and forget it; its blocks can be freed now."""
+        req_id = request.request_id
+        stats = self._stats.get(req_id)
+        if stats is not None:
+            try:
+                counters = self._channel.pop_request_counters(req_id)
+            except ChannelError as err:
+                logger.error("request %s: cannot read the worker's LMCache counters: %s", req_id, err)
+                counters = RequestCounters()
+            policy = self._policies.get(req_id)
+            reason = "" if policy is None else policy.reason
+            logger.info("%s", format_request_line(req_id, stats, counters, reason))
+        self._forget(req_id)
+        return False, None
+
+    def _forget(self, req_id: str) -> None:
+        for table in (self._requests, self._policies, self._stats, self._load_specs, self._trackers):
+            table.pop(req_id, None)
+
+    def num_tracked_requests(self) -> int:
+        """Requests with scheduler-side state (tests check nothing leaks)."""
+        return len(set(self._requests) | set(self._trackers) | set(self._load_specs) | set(self._stats))
+
+    def close(self) -> None:
+        self._channel.close()

@@ -1,0 +1,220 @@
+"""The worker side of the v1 door: the engine, loads before the forward pass, stores after it.
+
+vLLM calls, per step (inside the forward context):
+- `start_load_kv(metadata, forward_context)`: collect each attention layer's KV cache on first
+  use, then for every request with a load, retrieve LMCache's chunks into vLLM's blocks;
+- `wait_for_save(metadata)`: for every request with a store, store the step's new tokens;
+- `get_finished(finished_req_ids)`: nothing is in flight between steps, so `(None, None)`.
+
+It also answers the scheduler side's channel (`lookup`, `pop_request_counters`), in-process or
+through `WorkerChannelServer` when the scheduler runs in another process.
+
+```
+  load of one request (chunk C, vLLM's own prefix cache V, LMCache hit H):
+  tokens     0 ........ floor(V/C)*C ..... V ................ H
+  mask       F F F F F F|T T T T T T T T T T T T T T T T T T T|
+  slots      -1 -1 -1 -1 -1 -1 -1 -1 -1 -1|s s s s s s s s s s|
+             (chunks start on C boundaries; vLLM's own blocks are never written)
+```
+"""
+
+from __future__ import annotations
+
+import multiprocessing.util
+import threading
+from typing import TYPE_CHECKING, Any, Optional, Sequence
+
+import torch
+
+from lmcache.experimental.cache_engine import LMCacheEngine, LMCacheEngineBuilder
+from lmcache.experimental.config import LMCacheEngineConfig
+from lmcache.experimental.kv_layout import KVLayout
+from lmcache.integration.vllm.utils import (
+    ENGINE_NAME,
+    check_kv_caches,
+    create_engine_metadata,
+    create_gpu_connector,
+    detect_kv_layout,
+    worker_rank,
+)
+from lmcache.integration.vllm.v1.request_state import LMCacheConnectorMetadata, ReqMeta, RequestCounters
+from lmcache.integration.vllm.v1.worker_channel import WorkerChannelServer, channel_socket_path
+from lmcache.logging import init_logger
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+
+logger = init_logger(__name__)
+
+# Executors that run the scheduler and the (only) worker in one process.
+IN_PROCESS_EXECUTORS = ("uni", "external_launcher")
+# Run before multiprocessing's other exit finalizers: pending disk/remote writes must land.
+_EXIT_PRIORITY = 50
+
+
+def collect_kv_caches(forward_context: "ForwardContext") -> list[torch.Tensor]:
+    """Each decoder attention layer's KV cache tensor, in model order."""
+    from vllm.attention import Attention, AttentionType
+
+    caches = []
+    for layer in forward_context.no_compile_layers.values():
+        if isinstance(layer, Attention) and layer.attn_type == AttentionType.DECODER:
+            caches.append(layer.kv_cache[forward_context.virtual_engine])
+    return caches
+
+
+class LMCacheWorkerSide:
+    """Owns (a handle on) the engine of this worker process and moves KV for each step."""
+
+    def __init__(self, engine: LMCacheEngine, layout: KVLayout, block_size: int) -> None:
+        self.engine = engine
+        self.layout = KVLayout(layout)
+        self.block_size = block_size
+        self.chunk_size = engine.config.chunk_size
+        # Engine calls come from the model-runner thread and from the channel server's threads.
+        self._lock = threading.Lock()
+        self._kv_caches: Optional[list[torch.Tensor]] = None
+        self._counters: dict[str, RequestCounters] = {}
+        self._server: Optional[WorkerChannelServer] = None
+
+    @classmethod
+    def from_vllm_config(cls, vllm_config: "VllmConfig", config: LMCacheEngineConfig) -> "LMCacheWorkerSide":
+        """Create (or reuse, by `ENGINE_NAME`) this process's engine for vLLM's model and layout;
+        open the worker channel on rank 0 when the scheduler runs in another process."""
+        if config.use_layerwise:
+            raise ValueError(
+                "use_layerwise=True: the LMCache engine stores and retrieves whole chunks across all "
+                "layers; layer-by-layer transfer is not available, set use_layerwise to false"
+            )
+        world_size, rank = worker_rank(vllm_config)
+        metadata = create_engine_metadata(vllm_config, config, world_size, rank)
+        layout = detect_kv_layout(vllm_config)
+        connector = create_gpu_connector(vllm_config, metadata, layout)
+        engine = LMCacheEngineBuilder.get_or_create(ENGINE_NAME, config, metadata, connector)
+        side = cls(engine, layout, vllm_config.cache_config.block_size)
+        # vLLM has no connector shutdown hook: close the engine (flushing slow tiers) at exit.
+        multiprocessing.util.Finalize(side, LMCacheEngineBuilder.destroy, args=(ENGINE_NAME,), exitpriority=_EXIT_PRIORITY)
+        backend = vllm_config.parallel_config.distributed_executor_backend
+        if rank == 0 and backend not in IN_PROCESS_EXECUTORS:
+            side.serve_channel(channel_socket_path(vllm_config))
+        logger.info(
+            "LMCache v1 worker %d/%d: layout %s, block size %d, chunk size %d, KV %s %s",
+            rank, world_size, layout.name, side.block_size, side.chunk_size, metadata.kv_dtype, metadata.kv_shape,
+        )
+        return side
+
+    def serve_channel(self, path: str) -> None:
+        """Answer the scheduler side's lookups from another process."""
+        server = WorkerChannelServer(self, path)
+        server.start()
+        self._server = server
+        multiprocessing.util.Finalize(self, server.close, exitpriority=_EXIT_PRIORITY + 1)
+
+    # ----- channel endpoint ------------------------------------------------------------------------
+
+    def lookup(self, token_ids: Sequence[int], cache_salt: str) -> int:
+        """How many leading tokens of `token_ids` LMCache holds under `cache_salt`."""
+        tokens = torch.tensor(list(token_ids), dtype=torch.long)
+        with self._lock:
+            return self.engine.lookup(tokens, cache_salt=cache_salt)
+
+    def pop_request_counters(self, req_id: str) -> RequestCounters:
+        """What this worker loaded and stored for a request, forgetting it."""
+        with self._lock:
+            return self._counters.pop(req_id, None) or RequestCounters()
+
+    def _count(self, req_id: str, loaded: int = 0, stored: int = 0) -> None:
+        with self._lock:
+            counters = self._counters.setdefault(req_id, RequestCounters())
+            counters.loaded_tokens += loaded
+            counters.stored_tokens += stored
+
+    # ----- per step --------------------------------------------------------------------------------
+
+    def _ensure_kv_caches(self, forward_context: Optional["ForwardContext"]) -> list[torch.Tensor]:
+        if self._kv_caches is None:
+            if forward_context is None:
+                from vllm.forward_context import get_forward_context
+
+                forward_context = get_forward_context()
+            caches = collect_kv_caches(forward_context)
+            check_kv_caches(caches, self.engine.metadata, self.layout, self.block_size)
+            self._kv_caches = caches
+        return self._kv_caches
+
+    def register_kv_caches(self, kv_caches: Sequence[torch.Tensor]) -> None:
+        """Use these KV cache tensors (one per layer, model order) instead of the forward context's."""
+        caches = list(kv_caches)
+        check_kv_caches(caches, self.engine.metadata, self.layout, self.block_size)
+        self._kv_caches = caches
+
+    def start_load_kv(self, metadata: Any, forward_context: Optional["ForwardContext"]) -> None:
+        """Retrieve every request's promised tokens into vLLM's blocks (before the forward pass)."""
+        if not isinstance(metadata, LMCacheConnectorMetadata) or not metadata.requests:
+            return
+        kv_caches = self._ensure_kv_caches(forward_context)
+        for req in metadata.requests:
+            if req.load_spec is not None:
+                self._load(req, kv_caches)
+
+    def _load(self, req: ReqMeta, kv_caches: list[torch.Tensor]) -> None:
+        spec = req.load_spec
+        assert spec is not None
+        num_tokens, vllm_cached = spec.lmcache_cached_tokens, spec.vllm_cached_tokens
+        skip = vllm_cached - vllm_cached % self.chunk_size
+        mask = torch.ones(num_tokens, dtype=torch.bool)
+        mask[:skip] = False
+        # NOTE: vLLM's own cached blocks may be shared with running requests: never write them.
+        slots = req.slot_mapping[:num_tokens].clone()
+        slots[:vllm_cached] = -1
+        with self._lock:
+            got = self.engine.retrieve(
+                req.token_ids[:num_tokens], mask, kvcaches=kv_caches, slot_mapping=slots, cache_salt=req.cache_salt
+            )
+        loaded = int(got[vllm_cached:num_tokens].sum())
+        self._count(req.req_id, loaded=loaded)
+        expected = num_tokens - vllm_cached
+        if loaded < expected:
+            logger.error(
+                "request %s: LMCache promised %d tokens but loaded %d (chunks evicted or unreadable since the "
+                "lookup); vLLM will treat the missing tokens as computed",
+                req.req_id, expected, loaded,
+            )
+
+    def wait_for_save(self, metadata: Any) -> None:
+        """Store every request's planned tokens (after the forward pass wrote their KV)."""
+        if not isinstance(metadata, LMCacheConnectorMetadata):
+            return
+        saves = [req for req in metadata.requests if req.save_spec is not None]
+        if not saves:
+            return
+        kv_caches = self._ensure_kv_caches(None)
+        for req in saves:
+            spec = req.save_spec
+            assert spec is not None
+            skip = spec.skip_leading_tokens - spec.skip_leading_tokens % self.chunk_size
+            mask = torch.ones(spec.num_tokens, dtype=torch.bool)
+            mask[:skip] = False
+            with self._lock:
+                self.engine.store(
+                    req.token_ids[: spec.num_tokens],
+                    mask,
+                    kvcaches=kv_caches,
+                    slot_mapping=req.slot_mapping[: spec.num_tokens],
+                    cache_salt=req.cache_salt,
+                )
+            self._count(req.req_id, stored=spec.num_tokens - spec.skip_leading_tokens)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[Optional[set[str]], Optional[set[str]]]:
+        """Nothing is sent or received asynchronously; drop counters nobody asked for."""
+        with self._lock:
+            for req_id in finished_req_ids:
+                self._counters.pop(req_id, None)
+        return None, None
+
+    def close(self) -> None:
+        """Stop serving the channel (the engine is closed at process exit, it may be shared)."""
+        if self._server is not None:
+            self._server.close()
+            self._server = None

@@ -1,0 +1,128 @@
+"""`LMCacheConnectorV1Impl`: what vLLM 0.9.2's own `LMCacheConnectorV1` shell builds and calls.
+
+vLLM builds one per role: `SCHEDULER` (in the engine core, next to the scheduler) and `WORKER`
+(in each worker). This class only routes: scheduler calls go to `LMCacheSchedulerSide`, worker
+calls to `LMCacheWorkerSide` (see `lmcache/integration/vllm/v1/`).
+
+The scheduler side finds the worker side in its own process when there is one (vLLM's `uni`
+executor runs the only worker inside the engine core); otherwise it connects to the channel
+worker rank 0 serves on this host.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Optional, Sequence
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+from lmcache.integration.vllm.utils import extra_config_of, lmcache_get_config
+from lmcache.integration.vllm.v1.request_policy import DoorSettings
+from lmcache.integration.vllm.v1.request_state import LMCacheConnectorMetadata
+from lmcache.integration.vllm.v1.scheduler_side import LMCacheSchedulerSide
+from lmcache.integration.vllm.v1.worker_channel import (
+    ChannelError,
+    InProcessChannel,
+    SocketChannel,
+    WorkerChannel,
+    channel_socket_path,
+)
+from lmcache.integration.vllm.v1.worker_side import IN_PROCESS_EXECUTORS, LMCacheWorkerSide
+
+if TYPE_CHECKING:
+    import torch
+    from vllm.attention.backends.abstract import AttentionMetadata
+    from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+# Attribute under which vLLM 0.9.2's `LMCacheConnectorV1` shell keeps this object.
+_SHELL_ATTRIBUTE = "_lmcache_engine"
+
+
+def in_process_worker_side() -> Optional[LMCacheWorkerSide]:
+    """The worker side of this process, found through vLLM's own KV-transfer group (or None)."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+    if not has_kv_transfer_group():
+        return None
+    impl = getattr(get_kv_transfer_group(), _SHELL_ATTRIBUTE, None)
+    if isinstance(impl, LMCacheConnectorV1Impl):
+        return impl.worker_side
+    return None
+
+
+def connect_worker_channel(vllm_config: "VllmConfig") -> WorkerChannel:
+    """In-process calls when the worker lives here, else the socket worker rank 0 serves."""
+    worker = in_process_worker_side()
+    if worker is not None:
+        return InProcessChannel(worker)
+    backend = vllm_config.parallel_config.distributed_executor_backend
+    if backend in IN_PROCESS_EXECUTORS:
+        raise ChannelError(
+            f"distributed_executor_backend={backend!r} runs the worker in this process, but no LMCache "
+            "worker side was created here (is kv_transfer_config's kv_connector LMCacheConnectorV1?)"
+        )
+    return SocketChannel(channel_socket_path(vllm_config))
+
+
+class LMCacheConnectorV1Impl:
+    """Routes vLLM's `KVConnectorBase_V1` calls to the side for this object's role."""
+
+    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, parent: "KVConnectorBase_V1") -> None:
+        self._parent = parent
+        self.role = role
+        config = lmcache_get_config(extra_config_of(vllm_config))
+        settings = DoorSettings.from_vllm(vllm_config, config)  # checks the door's own keys in both roles
+        self.scheduler_side: Optional[LMCacheSchedulerSide] = None
+        self.worker_side: Optional[LMCacheWorkerSide] = None
+        if role == KVConnectorRole.SCHEDULER:
+            self.scheduler_side = LMCacheSchedulerSide(settings, connect_worker_channel(vllm_config))
+        else:
+            self.worker_side = LMCacheWorkerSide.from_vllm_config(vllm_config, config)
+
+    def _worker(self, call: str) -> LMCacheWorkerSide:
+        if self.worker_side is None:
+            raise RuntimeError(f"{call} is a worker-side call; this LMCache connector has role {self.role.name}")
+        return self.worker_side
+
+    def _scheduler(self, call: str) -> LMCacheSchedulerSide:
+        if self.scheduler_side is None:
+            raise RuntimeError(f"{call} is a scheduler-side call; this LMCache connector has role {self.role.name}")
+        return self.scheduler_side
+
+    # ----- worker side -----------------------------------------------------------------------------
+
+    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+        self._worker("start_load_kv").start_load_kv(self._parent._get_connector_metadata(), forward_context)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Loads finish in `start_load_kv` (whole chunks, all layers at once)."""
+        return None
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: "torch.Tensor", attn_metadata: "AttentionMetadata", **kwargs: Any
+    ) -> None:
+        """Stores happen in `wait_for_save`, once every layer holds the step's KV."""
+        return None
+
+    def wait_for_save(self) -> None:
+        self._worker("wait_for_save").wait_for_save(self._parent._get_connector_metadata())
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[Optional[set[str]], Optional[set[str]]]:
+        return self._worker("get_finished").get_finished(finished_req_ids)
+
+    # ----- scheduler side --------------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> int:
+        return self._scheduler("get_num_new_matched_tokens").get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: "Request", num_external_tokens: int) -> None:
+        self._scheduler("update_state_after_alloc").update_state_after_alloc(request, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> LMCacheConnectorMetadata:
+        return self._scheduler("build_connector_meta").build_connector_meta(scheduler_output)
+
+    def request_finished(self, request: "Request", block_ids: Sequence[int]) -> tuple[bool, Optional[dict[str, Any]]]:
+        return self._scheduler("request_finished").request_finished(request, block_ids)
