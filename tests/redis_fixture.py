@@ -148,6 +148,11 @@ class RedisCluster:
             time.sleep(0.1)
         raise RuntimeError("redis cluster did not reach cluster_state:ok within 30 s")
 
+    def flush_all(self) -> None:
+        """Empty every master (the cluster fixture is shared by a module's tests)."""
+        for node in self.nodes:
+            subprocess.run(["redis-cli", "-p", str(node.port), "flushall"], check=True, capture_output=True)
+
     def stop(self) -> None:
         for node in self.nodes:
             node.stop()

@@ -90,7 +90,9 @@ def remote_url(request, tmp_path) -> Iterator[str]:
         yield server.url
         server.stop()
     else:
-        yield request.getfixturevalue("redis_cluster").url
+        cluster = request.getfixturevalue("redis_cluster")
+        cluster.flush_all()
+        yield cluster.url
 
 
 @pytest.mark.parametrize("serde", ["naive", "cachegen"])
