@@ -372,3 +372,16 @@ def test_builder_semantics(tmp_path):
     LMCacheEngineBuilder.destroy(name)  # destroying an unknown engine is a no-op
     with pytest.raises(ValueError, match="max_local_cpu_size"):
         LMCacheEngineBuilder.get_or_create("zero", config(max_local_cpu_size=0.0), meta, connector(geo))
+
+
+def test_a_closed_engine_stores_and_loads_nothing():
+    geo = geometry()
+    engine = make_engine(geo, config())
+    tokens = prompt(16)
+    source, slots = make_kvcaches(geo), slots_for(geo, 16)
+    engine.close()
+    engine.close()  # idempotent
+    engine.store(tokens, kvcaches=source, slot_mapping=slots)
+    assert engine.lookup(tokens) == 0
+    assert not engine.retrieve(tokens, kvcaches=source, slot_mapping=slots).any()
+    assert engine.stats().store_dropped_tokens == 16

@@ -41,12 +41,14 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda l: l.name)
-@pytest.mark.parametrize("stacked", [True, False], ids=["stacked", "pairs"])
+# MLA has one latent cache per layer: no (K, V) pair form.
+CASES = [(l, d, s) for l in LAYOUTS for d in DTYPES for s in (True, False) if s or l != KVLayout.MLA]
+
+
+@pytest.mark.parametrize(
+    "layout,dtype,stacked", CASES, ids=[f"{l.name}-{d}-{'stacked' if s else 'pairs'}" for l, d, s in CASES]
+)
 def test_v2_store_and_retrieve_match_the_oracle(layout, dtype, stacked, allocator):
-    if layout == KVLayout.MLA and not stacked:
-        pytest.skip("MLA has one latent cache per layer, no pair form")
     geo = geometry(layout, dtype)
     caches = make_kvcaches(geo, seed=3, stacked=stacked)
     conn = connector_for(geo)
@@ -128,8 +130,11 @@ def test_v2_staging_buffer_path_is_bit_exact(allocator):
     geo = geometry(KVLayout.FLASH, torch.bfloat16)
     caches = make_kvcaches(geo, seed=5)
     slots = shuffled_slots(geo, 12)
-    direct, staged = connector_for(geo), connector_for(geo, chunk_size=4)
-    staged.use_gpu = True
+    direct = connector_for(geo)
+    staged = VLLMPagedMemGPUConnectorV2(
+        geo.hidden, geo.num_layers, use_gpu=True, layout=geo.layout, chunk_size=4, dtype=geo.dtype, device="cpu"
+    )
+    assert staged._buffer is not None and staged._buffer.numel() == staged.get_shape(4).numel()  # reserved up front
     a = allocator.allocate(direct.get_shape(6), geo.dtype)
     b = allocator.allocate(direct.get_shape(6), geo.dtype)
     direct.from_gpu(a, 6, 12, kvcaches=caches, slot_mapping=slots)

@@ -83,6 +83,8 @@ def test_writes_run_on_a_background_thread(tmp_path, cpu):
     assert torch.equal(pending.tensor, expected(7))
     pending.ref_count_down()
     release.set()
+    disk.flush()
+    assert not disk.exists_in_put_tasks(key(7)) and key(7) in disk.keys()
     disk.close()
     assert writers and writers[0] != threading.current_thread().name and writers[0].startswith("lmcache-disk-write")
     assert not disk.exists_in_put_tasks(key(7)) and os.path.exists(disk.key_to_path(key(7)))

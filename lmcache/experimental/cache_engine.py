@@ -75,6 +75,10 @@ class LMCacheEngine:
         """
         chunks = self.token_database.process_tokens(tokens, mask, cache_salt=cache_salt or "")
         requested = _num_selected(tokens, mask)
+        if self._closed:
+            logger.warning("store on a closed engine: %d tokens not stored", requested)
+            self._stats.record_store(requested, 0, 0, requested)
+            return
         stored = skipped = dropped = 0
         full = False
         for start, end, key in chunks:
@@ -122,6 +126,9 @@ class LMCacheEngine:
         chunks = self.token_database.process_tokens(tokens, mask, cache_salt=cache_salt or "")
         ret_mask = torch.zeros(len(tokens), dtype=torch.bool, device="cpu")
         requested = _num_selected(tokens, mask)
+        if self._closed:
+            logger.warning("retrieve on a closed engine: nothing loaded")
+            chunks = iter(())
         hit = 0
         for start, end, key in chunks:
             obj = self.storage_manager.get(key)

@@ -301,10 +301,12 @@ class VLLMPagedMemGPUConnector(_KVBlobConnector):
 
 class VLLMPagedMemGPUConnectorV2(VLLMPagedMemGPUConnector):
     """vLLM's paged KV caches as a list of per-layer tensors (or (K, V) pairs); full-length slot
-    mapping. kwargs: `layout`, `num_kv_heads`, `block_size`, `use_mla`, `chunk_size`.
+    mapping. kwargs: `layout`, `num_kv_heads`, `block_size`, `use_mla`, and for the staging buffer
+    `chunk_size`, `dtype`, `device`.
 
     `use_gpu=True` runs the kernel into a buffer on the caches' device and moves the chunk to or
-    from host memory with one copy (the buffer is made on first use and reused).
+    from host memory with one copy. The buffer holds `chunk_size` tokens; it is reserved at
+    construction when `dtype` and `device` are given, else made on first use, and grows if needed.
     """
 
     def __init__(self, hidden_dim_size: int, num_layers: int, use_gpu: bool = False, **kwargs: Any) -> None:
@@ -323,6 +325,10 @@ class VLLMPagedMemGPUConnectorV2(VLLMPagedMemGPUConnector):
         self.use_gpu = use_gpu
         self.chunk_size = int(kwargs.get("chunk_size", 256))
         self._buffer: Optional[torch.Tensor] = None
+        if use_gpu and kwargs.get("dtype") is not None and kwargs.get("device") is not None:
+            # Reserve the staging buffer now, while the device still has room for it.
+            elems = self.get_shape(self.chunk_size).numel()
+            self._buffer = torch.empty(elems, dtype=kwargs["dtype"], device=kwargs["device"])
         # The staging buffer is shared: one chunk at a time goes through it.
         self._buffer_lock = threading.Lock()
 

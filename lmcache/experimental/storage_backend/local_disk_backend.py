@@ -171,7 +171,9 @@ class LocalDiskBackend(StorageBackendInterface):
         parts = name.split(".")
         # "." + file name + "." + pid + "." + seq + ".tmp" -> ["", hash, "lmck", pid, seq, "tmp"]
         pid = int(parts[3]) if len(parts) == 6 and parts[3].isdigit() else None
-        if pid is None or pid == os.getpid() or not _pid_alive(pid):
+        # A live writer (another process, or another tier object in this one) may still be
+        # writing it: only files of dead processes are removed.
+        if pid is None or (pid != os.getpid() and not _pid_alive(pid)):
             self._unlink(path)
 
     def _unlink(self, path: str) -> None:
@@ -222,7 +224,10 @@ class LocalDiskBackend(StorageBackendInterface):
             logger.warning("disk tier: chunk %s (%d bytes) exceeds the tier size", key.chunk_hash, obj.get_size())
             return
         with self._lock:
-            if self._closed or key in self._index or key in self._put_tasks:
+            if self._closed:
+                logger.debug("disk tier closed: not writing chunk %s", key.chunk_hash)
+                return
+            if key in self._index or key in self._put_tasks:
                 return
             task = _PutTask(obj)
             obj.ref_count_up()
@@ -274,6 +279,7 @@ class LocalDiskBackend(StorageBackendInterface):
             if task is not None and not task.cancelled:
                 # Still queued for writing: the object is right here in memory.
                 task.obj.ref_count_up()
+                self._stats.record_read(task.obj.get_size())
                 return task.obj
             prefetch = self._prefetch_tasks.get(key)
         if prefetch is not None:
@@ -428,6 +434,15 @@ class LocalDiskBackend(StorageBackendInterface):
                 self._unlink(entry.path)
                 removed = True
             return removed
+
+    def flush(self) -> None:
+        """Wait until every write queued so far has landed (the tier stays open)."""
+        with self._lock:
+            pool = self._writer_pool
+            if pool is None or self._closed:
+                return
+            marker = pool.submit(lambda: None)  # one FIFO writer: done means all before it are
+        marker.result()
 
     def close(self) -> None:
         """Wait for queued writes and prefetches, then refuse new ones."""
