@@ -1,0 +1,167 @@
+"""Worker side of the v1 door with the real engine and kernels: what the scheduler side plans is
+stored from, and loaded into, paged KV caches in vLLM's CPU layout, slot by slot."""
+
+from __future__ import annotations
+
+import logging
+import uuid
+
+import pytest
+import torch
+
+from lmcache.config import LMCacheEngineMetadata
+from lmcache.experimental.cache_engine import LMCacheEngineBuilder
+from lmcache.experimental.config import LMCacheEngineConfig
+from lmcache.experimental.gpu_connector import VLLMPagedMemGPUConnectorV2
+from lmcache.experimental.kv_layout import KVLayout
+from lmcache.integration.vllm.v1.request_state import LMCacheConnectorMetadata
+from lmcache.integration.vllm.v1.scheduler_side import LMCacheSchedulerSide
+from lmcache.integration.vllm.v1.worker_channel import InProcessChannel
+from lmcache.integration.vllm.v1.worker_side import LMCacheWorkerSide
+
+from v1_helpers import StepDriver, make_request, make_settings
+
+LAYERS, HEADS, HEAD_SIZE, BLOCK, NUM_BLOCKS, CHUNK = 2, 2, 16, 16, 256, 256
+PROMPT = [(7 * i + 3) % 1000 + 4 for i in range(600)]  # 2 whole chunks and a partial one
+
+
+@pytest.fixture
+def setup():
+    """A worker side on a fresh engine, its scheduler side, and random KV caches."""
+    name = f"test-v1-worker-{uuid.uuid4().hex[:8]}"
+    config = LMCacheEngineConfig.from_defaults(chunk_size=CHUNK, remote_url=None, max_local_cpu_size=0.05)
+    metadata = LMCacheEngineMetadata(
+        "tiny", 1, 0, "vllm", torch.float32, (LAYERS, 2, CHUNK, HEADS, HEAD_SIZE)
+    )
+    connector = VLLMPagedMemGPUConnectorV2(
+        HEADS * HEAD_SIZE, LAYERS, layout=KVLayout.CPU_IPEX, num_kv_heads=HEADS, block_size=BLOCK, chunk_size=CHUNK
+    )
+    engine = LMCacheEngineBuilder.get_or_create(name, config, metadata, connector)
+    worker = LMCacheWorkerSide(engine, KVLayout.CPU_IPEX, BLOCK)
+    gen = torch.Generator().manual_seed(0)
+    caches = [torch.randn(2, NUM_BLOCKS, BLOCK * HEADS * HEAD_SIZE, generator=gen) for _ in range(LAYERS)]
+    worker.register_kv_caches(caches)
+    side = LMCacheSchedulerSide(make_settings(chunk_size=CHUNK, block_size=BLOCK), InProcessChannel(worker))
+    driver = StepDriver(side, BLOCK)
+    driver.next_block = 0
+    yield worker, side, driver, caches
+    LMCacheEngineBuilder.destroy(name)
+
+
+def token_kv(caches, slots):
+    """[layer, k/v, token, head, dim] read from the IPEX layout at the given slots."""
+    out = []
+    for cache in caches:
+        kv = cache.view(2, NUM_BLOCKS, HEADS, BLOCK, HEAD_SIZE)
+        idx = torch.tensor(slots)
+        # Two index tensors around a slice put the token dim first: [T, 2, heads, head_size].
+        out.append(kv[:, idx // BLOCK, :, idx % BLOCK, :].permute(1, 0, 2, 3))
+    return torch.stack(out)
+
+
+def finish(side, request):
+    side.request_finished(request, [])
+
+
+def test_store_then_load_into_other_blocks_copies_every_token(setup):
+    worker, side, driver, caches = setup
+    first = make_request("a", PROMPT)
+    meta = driver.admit(first, len(PROMPT))
+    worker.start_load_kv(meta, None)  # nothing to load
+    worker.wait_for_save(meta)
+    assert worker.pop_request_counters("a").stored_tokens == 600
+    expected = token_kv(caches, driver.slots("a", 600))
+
+    second = make_request("b", PROMPT)
+    meta = driver.admit(second, len(PROMPT))
+    assert driver.returned["b"] == 599
+    slots_b = driver.slots("b", 600)
+    assert set(slots_b).isdisjoint(driver.slots("a", 600))
+    assert not torch.equal(token_kv(caches, slots_b), expected)
+    worker.start_load_kv(meta, None)
+    worker.wait_for_save(meta)
+    assert torch.equal(token_kv(caches, slots_b), expected)
+    assert worker.pop_request_counters("b").loaded_tokens == 600
+    assert worker.engine.stats().stored_tokens == 600  # the second request stored nothing new
+
+
+def test_load_never_writes_the_prefix_vllm_already_has(setup):
+    worker, side, driver, caches = setup
+    meta = driver.admit(make_request("a", PROMPT), len(PROMPT))
+    worker.wait_for_save(meta)
+    expected = token_kv(caches, driver.slots("a", 600))
+
+    vllm_cached = 272  # 17 blocks: not on a chunk boundary, the load starts at chunk 1
+    meta = driver.admit(make_request("c", PROMPT), len(PROMPT), vllm_cached=vllm_cached)
+    assert driver.returned["c"] == 599 - vllm_cached
+    slots_c = driver.slots("c", 600)
+    for cache in caches:
+        cache.view(2, NUM_BLOCKS, -1)[:, slots_c[0] // BLOCK : slots_c[-1] // BLOCK + 1] = float("nan")
+    worker.start_load_kv(meta, None)
+    after = token_kv(caches, slots_c)
+    assert torch.isnan(after[:, :, :vllm_cached]).all()
+    assert torch.equal(after[:, :, vllm_cached:], expected[:, :, vllm_cached:])
+    assert worker.pop_request_counters("c").loaded_tokens == 600 - vllm_cached
+
+
+def test_chunked_prefill_stores_each_chunk_once(setup):
+    worker, side, driver, caches = setup
+    request = make_request("a", PROMPT)
+    metas = [driver.admit(request, 200)]
+    while request.num_computed_tokens < len(PROMPT):
+        metas.append(driver.run(request, min(200, len(PROMPT) - request.num_computed_tokens)))
+    for meta in metas:
+        worker.wait_for_save(meta)
+    stats = worker.engine.stats()
+    assert stats.stored_tokens == 600 and stats.store_skipped_tokens == 0
+    assert worker.lookup(PROMPT, "") == 600
+    assert worker.pop_request_counters("a").stored_tokens == 600
+
+
+def test_salted_keys_do_not_match_plain_ones(setup):
+    worker, side, driver, caches = setup
+    worker.wait_for_save(driver.admit(make_request("a", PROMPT), len(PROMPT)))
+    assert worker.lookup(PROMPT, "") == 600
+    assert worker.lookup(PROMPT, '{"lora":["x",""]}') == 0
+    assert worker.lookup(PROMPT[:300] + [5] + PROMPT[301:], "") == 256
+
+
+def test_fewer_tokens_than_promised_are_reported(setup, caplog):
+    worker, side, driver, caches = setup
+    worker.wait_for_save(driver.admit(make_request("a", PROMPT), len(PROMPT)))
+    meta = driver.admit(make_request("b", PROMPT), len(PROMPT))
+    # The last chunk disappears between the lookup and the load.
+    keys = [key for _, _, key in worker.engine.token_database.process_tokens(PROMPT)]
+    worker.engine.storage_manager.remove(keys[-1])
+    logging.getLogger("lmcache").addHandler(caplog.handler)
+    try:
+        worker.start_load_kv(meta, None)
+    finally:
+        logging.getLogger("lmcache").removeHandler(caplog.handler)
+    assert worker.pop_request_counters("b").loaded_tokens == 512
+    assert "promised 600 tokens but loaded 512" in caplog.text
+
+
+def test_counters_of_finished_requests_are_dropped(setup):
+    worker, side, driver, caches = setup
+    worker.wait_for_save(driver.admit(make_request("a", PROMPT), len(PROMPT)))
+    assert worker.get_finished({"a"}) == (None, None)
+    assert worker.pop_request_counters("a").stored_tokens == 0
+
+
+def test_metadata_of_another_connector_is_ignored(setup):
+    worker, side, driver, caches = setup
+    worker.start_load_kv(object(), None)
+    worker.wait_for_save(object())
+    worker.wait_for_save(LMCacheConnectorMetadata())
+    assert worker.engine.stats().store_requested_tokens == 0
+
+
+def test_kv_caches_that_contradict_the_metadata_are_refused(setup):
+    worker, side, driver, caches = setup
+    with pytest.raises(ValueError, match="layer 1 has dtype torch.float16"):
+        worker.register_kv_caches([caches[0], caches[1].half()])
+    with pytest.raises(ValueError, match="1 attention layers"):
+        worker.register_kv_caches(caches[:1])
+    with pytest.raises(ValueError, match="layer 0 has shape"):
+        worker.register_kv_caches([c.view(2, NUM_BLOCKS * 2, -1) for c in caches])
