@@ -89,7 +89,8 @@ class LMCacheEngine:
             if self.storage_manager.contains(key):
                 skipped += n
                 continue
-            obj = self.storage_manager.allocate(self.gpu_connector.get_shape(n), self.metadata.kv_dtype, MemoryFormat.KV_BLOB)
+            shape = self.gpu_connector.get_shape(n)
+            obj = self.storage_manager.allocate(shape, self.metadata.kv_dtype, MemoryFormat.KV_BLOB)
             if obj is None:
                 logger.warning(
                     "memory full: not storing tokens [%d, %d) of %d (chunk %s and later)",
@@ -107,7 +108,9 @@ class LMCacheEngine:
             finally:
                 obj.ref_count_down()
         self._stats.record_store(requested, stored, skipped, dropped)
-        logger.debug("store: %d tokens requested, %d stored, %d already cached, %d dropped", requested, stored, skipped, dropped)
+        logger.debug(
+            "store: %d tokens requested, %d stored, %d already cached, %d dropped", requested, stored, skipped, dropped
+        )
 
     def retrieve(
         self,

@@ -190,7 +190,9 @@ class VLLMPagedMemGPUConnector(_KVBlobConnector):
         first = kvcaches[0]
         if self.layout == KVLayout.MLA:
             if not isinstance(first, torch.Tensor) or first.dim() != 3:
-                raise ValueError(f"MLA caches must be (num_blocks, block_size, head_size) tensors, got {_describe(first)}")
+                raise ValueError(
+                    f"MLA caches must be (num_blocks, block_size, head_size) tensors, got {_describe(first)}"
+                )
             return PagedGeometry(KVLayout.MLA, self._block_size_or(first.shape[1]), 1)
         if isinstance(first, torch.Tensor):
             return self._geometry_stacked(first)
@@ -229,7 +231,9 @@ class VLLMPagedMemGPUConnector(_KVBlobConnector):
                 )
             per_block = t.shape[2]
             if per_block % self.hidden_dim_size:
-                raise ValueError(f"cache shape {tuple(t.shape)}: {per_block} is not a multiple of hidden {self.hidden_dim_size}")
+                raise ValueError(
+                    f"cache shape {tuple(t.shape)}: {per_block} is not a multiple of hidden {self.hidden_dim_size}"
+                )
             return PagedGeometry(self.layout, self._block_size_or(per_block // self.hidden_dim_size), self._heads())
         raise ValueError(f"cannot read a KV layout from a per-layer cache of shape {tuple(t.shape)}")
 

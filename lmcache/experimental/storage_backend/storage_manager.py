@@ -58,7 +58,9 @@ class StorageManager:
             fresh = unknown - self._warned_names
             self._warned_names |= fresh
         if fresh:
-            logger.warning("search_range names tiers that are not configured: %s (have %s)", sorted(fresh), self.tier_names)
+            logger.warning(
+                "search_range names tiers that are not configured: %s (have %s)", sorted(fresh), self.tier_names
+            )
         return [t for t in self._tiers if t.tier_name in wanted]
 
     def _tier_failed(self, tier: StorageBackendInterface, what: str, key: CacheEngineKey, err: Exception) -> None:
