@@ -1,0 +1,268 @@
+"""The v0 door (`vllm_adapter`) on a real LMCacheEngine and CPU KV caches in vLLM's IPEX layout.
+
+Steps are built by vLLM's own CPU input builder (`v0_inputs`); "the forward pass" is simulated by
+writing known values into the slots the step computes, so the tests can check which KV the
+retrieve put where, what the store keyed, and that the rebuilt step is the one vLLM would build.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+from typing import Dict, List
+
+import pytest
+import torch
+from v0_inputs import BLOCK, Seq, assert_cpu_inputs_equal, build_cpu_input, decode_seq, make_seqs
+
+from lmcache.config import LMCacheEngineMetadata
+from lmcache.experimental.cache_engine import LMCacheEngineBuilder
+from lmcache.experimental.config import LMCacheEngineConfig
+from lmcache.experimental.gpu_connector import VLLMPagedMemGPUConnectorV2
+from lmcache.experimental.kv_layout import KVLayout
+from lmcache.integration.vllm import vllm_adapter
+from lmcache.integration.vllm.utils import ENGINE_NAME
+from lmcache.integration.vllm.vllm_adapter import (
+    PLAN_ATTR,
+    RetrieveStatus,
+    StoreStatus,
+    execute_with_cache,
+    lmcache_retrieve_kv,
+    lmcache_should_retrieve,
+    lmcache_should_store,
+    lmcache_store_kv,
+)
+
+# make_seqs() uses blocks 1-39; the tests' own sequences use 40 and up.
+LAYERS, HEADS, HEAD, NUM_BLOCKS = 2, 2, 16, 64
+CACHE_CONFIG = types.SimpleNamespace(block_size=BLOCK)
+
+
+@pytest.fixture
+def engine():
+    config = LMCacheEngineConfig.from_defaults(chunk_size=16, max_local_cpu_size=0.02, remote_url=None)
+    metadata = LMCacheEngineMetadata(
+        model_name="tiny", world_size=1, worker_id=0, fmt="vllm",
+        kv_dtype=torch.float32, kv_shape=(LAYERS, 2, 16, HEADS, HEAD),
+    )
+    connector = VLLMPagedMemGPUConnectorV2(
+        HEADS * HEAD, LAYERS, layout=KVLayout.CPU_IPEX, num_kv_heads=HEADS, block_size=BLOCK, chunk_size=16
+    )
+    eng = LMCacheEngineBuilder.get_or_create(ENGINE_NAME, config, metadata, connector)
+    yield eng
+    LMCacheEngineBuilder.destroy(ENGINE_NAME)
+
+
+def new_caches() -> List[torch.Tensor]:
+    """vLLM's CPU KV caches: per layer (2, num_blocks, block_size * heads * head_size), zeroed."""
+    return [torch.zeros(2, NUM_BLOCKS, BLOCK * HEADS * HEAD) for _ in range(LAYERS)]
+
+
+def kv_at(caches: List[torch.Tensor], slot: int) -> torch.Tensor:
+    """K and V of every layer for one slot (IPEX layout: [blocks, heads, block_size, head])."""
+    views = [c.view(2, NUM_BLOCKS, HEADS, BLOCK, HEAD) for c in caches]
+    return torch.stack([v[:, slot // BLOCK, :, slot % BLOCK, :] for v in views])
+
+
+def forward(caches: List[torch.Tensor], model_input, seed: int) -> None:
+    """Stand-in for the forward pass: write a recognisable KV into every slot the step computes."""
+    gen = torch.Generator().manual_seed(seed)
+    for slot in model_input.attn_metadata.slot_mapping.tolist():
+        values = torch.rand(LAYERS, 2, HEADS, HEAD, generator=gen)
+        for layer, cache in enumerate(caches):
+            view = cache.view(2, NUM_BLOCKS, HEADS, BLOCK, HEAD)
+            view[:, slot // BLOCK, :, slot % BLOCK, :] = values[layer]
+
+
+def slots_of(seq: Seq) -> List[int]:
+    return [seq.blocks[i // BLOCK] * BLOCK + i % BLOCK for i in range(len(seq.prompt))]
+
+
+def run_store(model_input, caches) -> List[StoreStatus]:
+    statuses = lmcache_should_store(model_input)
+    lmcache_store_kv(None, None, CACHE_CONFIG, None, model_input, caches, statuses)
+    return statuses
+
+
+def test_hit_partial_hit_and_miss_in_one_batch(engine):
+    caches = new_caches()
+    first = make_seqs()[0]  # 50 tokens
+    step1 = build_cpu_input([first], {}, chunked=False)
+    forward(caches, step1, seed=1)
+    assert run_store(step1, caches) == [StoreStatus.PREFILL]
+    assert engine.lookup(torch.tensor(first.prompt)) == 50
+
+    # Same prompt, a prompt sharing 40 tokens, and a new prompt - all in blocks not used before.
+    again = Seq(10, list(first.prompt), [40, 41, 42, 43])
+    shared = Seq(11, first.prompt[:40] + list(range(600, 620)), [44, 45, 46, 47])
+    fresh = Seq(12, list(range(700, 720)), [48, 49])
+    seqs = [again, shared, fresh]
+    step2 = build_cpu_input(seqs, {}, chunked=False)
+    statuses = lmcache_should_retrieve(step2, caches)
+    assert statuses == [RetrieveStatus.PREFILL] * 3
+    rebuilt, bypass, hidden = lmcache_retrieve_kv(None, step2, CACHE_CONFIG, caches, statuses)
+    assert bypass is False and hidden is None
+
+    # Full hit: 50 loaded, last token computed; partial: 32 (two whole chunks), miss: 0.
+    plan = getattr(rebuilt, PLAN_ATTR)
+    assert plan.loaded == [50, 32, 0]
+    assert_cpu_inputs_equal(rebuilt, build_cpu_input(seqs, {10: 49, 11: 32, 12: 0}, chunked=True))
+    for i, (src, dst) in enumerate(zip(slots_of(first), slots_of(again))):
+        assert torch.equal(kv_at(caches, src), kv_at(caches, dst)), f"token {i}"
+    for i in range(32):
+        assert torch.equal(kv_at(caches, slots_of(first)[i]), kv_at(caches, slots_of(shared)[i]))
+    assert not kv_at(caches, slots_of(shared)[32]).any()  # not loaded: chunk 2 differs
+    assert not any(kv_at(caches, s).any() for s in slots_of(fresh))
+
+    # After the (simulated) forward pass, the store keys whole prompts from the plan.
+    forward(caches, rebuilt, seed=2)
+    assert run_store(rebuilt, caches) == [StoreStatus.PREFILL] * 3
+    assert engine.lookup(torch.tensor(shared.prompt)) == 60
+    assert engine.lookup(torch.tensor(fresh.prompt)) == 20
+    # What was stored for the shared prompt's new chunks is what the forward pass wrote there.
+    other = Seq(13, list(shared.prompt), [50, 51, 52, 53])
+    step3 = build_cpu_input([other], {}, chunked=False)
+    lmcache_retrieve_kv(None, step3, CACHE_CONFIG, caches, lmcache_should_retrieve(step3))
+    for src, dst in zip(slots_of(shared), slots_of(other)):
+        assert torch.equal(kv_at(caches, src), kv_at(caches, dst))
+
+
+def lora_input(seqs: List[Seq], lora_ids: List[int]):
+    from vllm.lora.layers import LoRAMapping
+    from vllm.lora.request import LoRARequest
+
+    model_input = build_cpu_input(seqs, {}, chunked=False)
+    ids: List[int] = []
+    for seq, lora in zip(seqs, lora_ids):
+        ids += [lora] * len(seq.prompt)
+    requests = {LoRARequest("adapter-a", 1, "/adapters/a"), LoRARequest("adapter-b", 2, "/adapters/b")}
+    return dataclasses.replace(
+        model_input,
+        lora_mapping=LoRAMapping(tuple(ids), tuple(lora_ids), is_prefill=True),
+        lora_requests={r for r in requests if r.lora_int_id in lora_ids},
+    )
+
+
+def test_lora_adapters_are_part_of_the_key(engine):
+    caches = new_caches()
+    seq = make_seqs()[0]
+    step = lora_input([seq], [1])
+    forward(caches, step, seed=3)
+    run_store(step, caches)
+    prompt = torch.tensor(seq.prompt)
+    assert engine.lookup(prompt) == 0
+    assert engine.lookup(prompt, cache_salt="lora:adapter-a:/adapters/a") == 50
+    # The same prompt under another adapter, or none, misses; under the same adapter it hits.
+    seqs = [Seq(20, list(seq.prompt), [40, 41, 42, 43]), Seq(21, list(seq.prompt), [44, 45, 46, 47])]
+    step2 = lora_input(seqs, [2, 1])
+    rebuilt, _, _ = lmcache_retrieve_kv(None, step2, CACHE_CONFIG, caches, lmcache_should_retrieve(step2))
+    assert getattr(rebuilt, PLAN_ATTR).loaded == [0, 50]
+    assert rebuilt.lora_mapping.index_mapping == tuple([2] * 50 + [1])
+
+
+def test_unnamed_lora_adapter_bypasses_the_cache(engine):
+    step = lora_input([make_seqs()[0]], [1])
+    step = dataclasses.replace(step, lora_requests=set())
+    assert lmcache_should_retrieve(step) == [RetrieveStatus.NONE]
+    assert lmcache_should_store(step) == [StoreStatus.NONE]
+
+
+def test_prompt_logprobs_are_stored_but_never_skipped(engine):
+    caches = new_caches()
+    seq = make_seqs()[0]
+    step = build_cpu_input([seq], {}, chunked=False)
+    forward(caches, step, seed=4)
+    run_store(step, caches)
+    again = Seq(30, list(seq.prompt), [40, 41, 42, 43], prompt_logprobs=1)
+    step2 = build_cpu_input([again], {}, chunked=False)
+    assert lmcache_should_retrieve(step2) == [RetrieveStatus.NONE]
+    assert lmcache_should_store(step2) == [StoreStatus.PREFILL]
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"inputs_embeds": torch.zeros(1)},
+        {"multi_modal_kwargs": {"pixel_values": torch.zeros(1)}},
+        {"token_type_ids": torch.zeros(110, dtype=torch.long)},
+    ],
+    ids=["prompt-embeds", "multimodal", "token-types"],
+)
+def test_inputs_that_shape_kv_beyond_tokens_bypass(engine, change):
+    step = build_cpu_input(make_seqs(), {}, chunked=False)
+    if "inputs_embeds" in change:
+        step = types.SimpleNamespace(**{**step.__dict__, **change})
+    else:
+        step = dataclasses.replace(step, **change)
+    assert lmcache_should_retrieve(step) == [RetrieveStatus.NONE] * 3
+    assert lmcache_should_store(step) == [StoreStatus.NONE] * 3
+
+
+def test_later_chunks_and_decodes_are_left_alone(engine):
+    seqs = make_seqs() + [decode_seq()]
+    step = build_cpu_input(seqs, {0: 16}, chunked=True)
+    assert lmcache_should_retrieve(step) == [RetrieveStatus.NONE] + [RetrieveStatus.PREFILL] * 2 + [RetrieveStatus.NONE]
+    assert lmcache_should_store(step) == [StoreStatus.NONE] + [StoreStatus.PREFILL] * 2 + [StoreStatus.NONE]
+
+
+def test_force_skip_save(engine, monkeypatch):
+    step = build_cpu_input(make_seqs(), {}, chunked=False)
+    monkeypatch.setenv("LMCACHE_FORCE_SKIP_SAVE", "1")
+    assert lmcache_should_store(step) == [StoreStatus.NONE] * 3
+
+
+def fake_runner(kv_transfer_config=None, pp: int = 1):
+    return types.SimpleNamespace(
+        vllm_config=types.SimpleNamespace(kv_transfer_config=kv_transfer_config),
+        parallel_config=types.SimpleNamespace(pipeline_parallel_size=pp),
+        model_config=None, cache_config=CACHE_CONFIG, model=None,
+    )
+
+
+def test_execute_with_cache_runs_vllms_step_on_the_rebuilt_input(engine):
+    caches = new_caches()
+    seq = make_seqs()[0]
+    seen: Dict[str, object] = {}
+
+    def vllm_step(model_input):
+        seen["input"] = model_input
+        forward(caches, model_input, seed=5)
+        return ["output"]
+
+    step = build_cpu_input([seq], {}, chunked=False)
+    assert execute_with_cache(fake_runner(), step, caches, vllm_step) == ["output"]
+    assert seen["input"] is step and engine.lookup(torch.tensor(seq.prompt)) == 50
+    step2 = build_cpu_input([Seq(40, list(seq.prompt), [40, 41, 42, 43])], {}, chunked=False)
+    execute_with_cache(fake_runner(), step2, caches, vllm_step)
+    assert seen["input"].input_tokens.tolist() == [seq.prompt[-1]]
+
+
+def test_execute_with_cache_steps_aside(engine):
+    caches = new_caches()
+    step = build_cpu_input(make_seqs(), {}, chunked=False)
+    seen = []
+    for runner, kv in [
+        (fake_runner(kv_transfer_config=object()), caches),  # the user's own connector is in charge
+        (fake_runner(pp=2), caches),
+        (fake_runner(), [torch.empty(0)] * LAYERS),  # profiling run
+    ]:
+        execute_with_cache(runner, step, kv, seen.append)
+    assert all(s is step for s in seen) and len(seen) == 3
+    assert engine.stats().store_requested_tokens == 0
+
+
+def test_a_failing_retrieve_computes_the_whole_step(engine, monkeypatch):
+    caches = new_caches()
+    seq = make_seqs()[0]
+    step = build_cpu_input([seq], {}, chunked=False)
+    forward(caches, step, seed=6)
+    run_store(step, caches)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("tier exploded")
+
+    monkeypatch.setattr(vllm_adapter, "rebuild_model_input", broken)
+    step2 = build_cpu_input([Seq(50, list(seq.prompt), [40, 41, 42, 43])], {}, chunked=False)
+    seen = []
+    execute_with_cache(fake_runner(), step2, caches, seen.append)
+    assert seen == [step2]
