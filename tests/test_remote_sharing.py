@@ -58,7 +58,7 @@ def test_second_process_hits_what_the_first_stored(url: str, serde: str) -> None
     if serde == "naive":
         assert got["exact"]
     else:
-        # 8-bit keys / 6-bit values over 16-token groups of N(0, 1) data: far below 0.1.
+        # 8-bit keys / 6-bit values per channel over a chunk of N(0, 1) data: far below 10%.
         assert not got["exact"] and got["max_abs_err"] < 0.1 * got["max_abs_value"]
 
 
