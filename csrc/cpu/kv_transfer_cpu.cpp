@@ -63,83 +63,90 @@ template <>
 struct Bytes<8> { using T = uint64_t; };
 
 // dst[c * dst_stride + r] = src[r * src_stride + c] for r < rows, c < cols (strides in
-// elements). Plain loop over 8x8 tiles: reads one short row segment, writes one short column.
+// elements): the leftovers of the tiled transposes, and the whole job for 1- and 8-byte types.
 template <typename T>
 void transpose_scalar(const T* src, int64_t src_stride, T* dst, int64_t dst_stride,
                       int64_t rows, int64_t cols) {
-  constexpr int64_t kTile = 8;
-  for (int64_t r0 = 0; r0 < rows; r0 += kTile) {
-    const int64_t r1 = std::min(rows, r0 + kTile);
-    for (int64_t c0 = 0; c0 < cols; c0 += kTile) {
-      const int64_t c1 = std::min(cols, c0 + kTile);
-      for (int64_t c = c0; c < c1; ++c) {
-        T* d = dst + c * dst_stride;
-        for (int64_t r = r0; r < r1; ++r) d[r] = src[r * src_stride + c];
-      }
-    }
+  for (int64_t c = 0; c < cols; ++c) {
+    T* d = dst + c * dst_stride;
+    for (int64_t r = 0; r < rows; ++r) d[r] = src[r * src_stride + c];
   }
+}
+
+// Transpose by B x B tiles, `tile(src, ss, dst, ds)` moving one. The outer loop walks the side
+// whose rows are far apart (the object's, `hidden` apart) so each band of its rows is
+// finished before the next; the other side (a head's block, a few KiB) stays in L1.
+template <typename T, int B, typename Tile>
+void transpose_tiled(const T* src, int64_t ss, T* dst, int64_t ds, int64_t rows, int64_t cols,
+                     Tile tile) {
+  const int64_t rb = rows - rows % B, cb = cols - cols % B;
+  if (ds >= ss) {
+    for (int64_t c = 0; c < cb; c += B)
+      for (int64_t r = 0; r < rb; r += B) tile(src + r * ss + c, ss, dst + c * ds + r, ds);
+  } else {
+    for (int64_t r = 0; r < rb; r += B)
+      for (int64_t c = 0; c < cb; c += B) tile(src + r * ss + c, ss, dst + c * ds + r, ds);
+  }
+  if (cb < cols) transpose_scalar(src + cb, ss, dst + cb * ds, ds, rows, cols - cb);
+  if (rb < rows) transpose_scalar(src + rb * ss, ss, dst + rb, ds, rows - rb, cb);
 }
 
 #ifdef LMC_X86
-// 4x4 blocks of 32-bit elements with SSE (baseline on x86-64); leftovers go scalar.
-void transpose_32(const uint32_t* src, int64_t ss, uint32_t* dst, int64_t ds, int64_t rows,
-                  int64_t cols) {
-  const int64_t r4 = rows & ~int64_t(3), c4 = cols & ~int64_t(3);
-  for (int64_t r = 0; r < r4; r += 4) {
-    for (int64_t c = 0; c < c4; c += 4) {
-      __m128 a = _mm_loadu_ps(reinterpret_cast<const float*>(src + (r + 0) * ss + c));
-      __m128 b = _mm_loadu_ps(reinterpret_cast<const float*>(src + (r + 1) * ss + c));
-      __m128 e = _mm_loadu_ps(reinterpret_cast<const float*>(src + (r + 2) * ss + c));
-      __m128 f = _mm_loadu_ps(reinterpret_cast<const float*>(src + (r + 3) * ss + c));
-      _MM_TRANSPOSE4_PS(a, b, e, f);
-      _mm_storeu_ps(reinterpret_cast<float*>(dst + (c + 0) * ds + r), a);
-      _mm_storeu_ps(reinterpret_cast<float*>(dst + (c + 1) * ds + r), b);
-      _mm_storeu_ps(reinterpret_cast<float*>(dst + (c + 2) * ds + r), e);
-      _mm_storeu_ps(reinterpret_cast<float*>(dst + (c + 3) * ds + r), f);
-    }
-  }
-  if (c4 < cols) transpose_scalar(src + c4, ss, dst + c4 * ds, ds, rows, cols - c4);
-  if (r4 < rows) transpose_scalar(src + r4 * ss, ss, dst + r4, ds, rows - r4, c4);
+// 4x4 tile of 32-bit elements with SSE (baseline on x86-64).
+inline void tile_32x4(const uint32_t* src, int64_t ss, uint32_t* dst, int64_t ds) {
+  __m128 a = _mm_loadu_ps(reinterpret_cast<const float*>(src));
+  __m128 b = _mm_loadu_ps(reinterpret_cast<const float*>(src + ss));
+  __m128 e = _mm_loadu_ps(reinterpret_cast<const float*>(src + 2 * ss));
+  __m128 f = _mm_loadu_ps(reinterpret_cast<const float*>(src + 3 * ss));
+  _MM_TRANSPOSE4_PS(a, b, e, f);
+  _mm_storeu_ps(reinterpret_cast<float*>(dst), a);
+  _mm_storeu_ps(reinterpret_cast<float*>(dst + ds), b);
+  _mm_storeu_ps(reinterpret_cast<float*>(dst + 2 * ds), e);
+  _mm_storeu_ps(reinterpret_cast<float*>(dst + 3 * ds), f);
 }
 
-// 8x8 blocks of 16-bit elements with SSE2 unpacks; leftovers go scalar.
-void transpose_16(const uint16_t* src, int64_t ss, uint16_t* dst, int64_t ds, int64_t rows,
-                  int64_t cols) {
-  const int64_t r8 = rows & ~int64_t(7), c8 = cols & ~int64_t(7);
-  for (int64_t r = 0; r < r8; r += 8) {
-    for (int64_t c = 0; c < c8; c += 8) {
-      __m128i x[8];
-      for (int i = 0; i < 8; ++i)
-        x[i] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + (r + i) * ss + c));
-      // Three rounds of interleaving: 16-bit, 32-bit, 64-bit lanes.
-      __m128i a0 = _mm_unpacklo_epi16(x[0], x[1]), a1 = _mm_unpackhi_epi16(x[0], x[1]);
-      __m128i a2 = _mm_unpacklo_epi16(x[2], x[3]), a3 = _mm_unpackhi_epi16(x[2], x[3]);
-      __m128i a4 = _mm_unpacklo_epi16(x[4], x[5]), a5 = _mm_unpackhi_epi16(x[4], x[5]);
-      __m128i a6 = _mm_unpacklo_epi16(x[6], x[7]), a7 = _mm_unpackhi_epi16(x[6], x[7]);
-      __m128i b0 = _mm_unpacklo_epi32(a0, a2), b1 = _mm_unpackhi_epi32(a0, a2);
-      __m128i b2 = _mm_unpacklo_epi32(a1, a3), b3 = _mm_unpackhi_epi32(a1, a3);
-      __m128i b4 = _mm_unpacklo_epi32(a4, a6), b5 = _mm_unpackhi_epi32(a4, a6);
-      __m128i b6 = _mm_unpacklo_epi32(a5, a7), b7 = _mm_unpackhi_epi32(a5, a7);
-      __m128i y[8] = {_mm_unpacklo_epi64(b0, b4), _mm_unpackhi_epi64(b0, b4),
-                      _mm_unpacklo_epi64(b1, b5), _mm_unpackhi_epi64(b1, b5),
-                      _mm_unpacklo_epi64(b2, b6), _mm_unpackhi_epi64(b2, b6),
-                      _mm_unpacklo_epi64(b3, b7), _mm_unpackhi_epi64(b3, b7)};
-      for (int i = 0; i < 8; ++i)
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + (c + i) * ds + r), y[i]);
-    }
-  }
-  if (c8 < cols) transpose_scalar(src + c8, ss, dst + c8 * ds, ds, rows, cols - c8);
-  if (r8 < rows) transpose_scalar(src + r8 * ss, ss, dst + r8, ds, rows - r8, c8);
+// 8x8 tile of 16-bit elements with SSE2: three rounds of interleaving (16, 32, 64 bits).
+inline void tile_16x8(const uint16_t* src, int64_t ss, uint16_t* dst, int64_t ds) {
+  __m128i x[8];
+  for (int i = 0; i < 8; ++i)
+    x[i] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i * ss));
+  const __m128i a0 = _mm_unpacklo_epi16(x[0], x[1]), a1 = _mm_unpackhi_epi16(x[0], x[1]);
+  const __m128i a2 = _mm_unpacklo_epi16(x[2], x[3]), a3 = _mm_unpackhi_epi16(x[2], x[3]);
+  const __m128i a4 = _mm_unpacklo_epi16(x[4], x[5]), a5 = _mm_unpackhi_epi16(x[4], x[5]);
+  const __m128i a6 = _mm_unpacklo_epi16(x[6], x[7]), a7 = _mm_unpackhi_epi16(x[6], x[7]);
+  const __m128i b0 = _mm_unpacklo_epi32(a0, a2), b1 = _mm_unpackhi_epi32(a0, a2);
+  const __m128i b2 = _mm_unpacklo_epi32(a1, a3), b3 = _mm_unpackhi_epi32(a1, a3);
+  const __m128i b4 = _mm_unpacklo_epi32(a4, a6), b5 = _mm_unpackhi_epi32(a4, a6);
+  const __m128i b6 = _mm_unpacklo_epi32(a5, a7), b7 = _mm_unpackhi_epi32(a5, a7);
+  const __m128i y[8] = {_mm_unpacklo_epi64(b0, b4), _mm_unpackhi_epi64(b0, b4),
+                        _mm_unpacklo_epi64(b1, b5), _mm_unpackhi_epi64(b1, b5),
+                        _mm_unpacklo_epi64(b2, b6), _mm_unpackhi_epi64(b2, b6),
+                        _mm_unpacklo_epi64(b3, b7), _mm_unpackhi_epi64(b3, b7)};
+  for (int i = 0; i < 8; ++i)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i * ds), y[i]);
 }
 #endif
 
 template <typename T>
 void transpose(const T* src, int64_t ss, T* dst, int64_t ds, int64_t rows, int64_t cols) {
 #ifdef LMC_X86
-  if constexpr (sizeof(T) == 4) return transpose_32(src, ss, dst, ds, rows, cols);
-  if constexpr (sizeof(T) == 2) return transpose_16(src, ss, dst, ds, rows, cols);
+  if constexpr (sizeof(T) == 4) {
+    return transpose_tiled<T, 4>(src, ss, dst, ds, rows, cols, tile_32x4);
+  } else if constexpr (sizeof(T) == 2) {
+    return transpose_tiled<T, 8>(src, ss, dst, ds, rows, cols, tile_16x8);
+  }
 #endif
   transpose_scalar(src, ss, dst, ds, rows, cols);
+}
+
+// memcpy for the short runs (a head's row, typically 128-512 bytes) copied ~10^5 times per
+// call: 64-byte steps inline to plain vector moves instead of a library call each.
+inline void copy_bytes(void* dst, const void* src, int64_t n) {
+  char* d = static_cast<char*>(dst);
+  const char* s = static_cast<const char*>(src);
+  int64_t i = 0;
+  for (; i + 64 <= n; i += 64) std::memcpy(d + i, s + i, 64);
+  if (i < n) std::memcpy(d + i, s + i, static_cast<size_t>(n - i));
 }
 
 // Moves one run of one layer's K or V. `cache` and `obj` point at element 0 of the layer's
@@ -171,23 +178,30 @@ void copy_run(const TransferPlan& p, int kv, char* cache, char* obj, const Run& 
     }
     return;
   }
-  // CPU_IPEX (head_size runs) and CPU_PACKED K (16-byte runs): per (head, run) a column of
-  // `count` runs, token_stride apart in the cache and a row apart in the object.
-  const bool sixteen = run_elems * ES == 16;
-  for (int64_t i0 = 0; i0 < hidden; i0 += run_elems) {
-    const int64_t h = i0 / g.head_size;
-    T* cs = c + cache_offset(g, kv, run.slot, h, i0 - h * g.head_size);
-    T* os = o + i0;
-    const size_t bytes = static_cast<size_t>(run_elems) * ES;
+  // CPU_IPEX (one head_size run per token and head) and CPU_PACKED K (head_size / x runs of
+  // 16 bytes, block_size * x apart). Token-major within a head, so each object row segment is
+  // written (or read) whole before the next: the rows are `hidden` apart, often a multiple of
+  // 4 KiB, and revisiting many of them would thrash one L1 set.
+  const int64_t groups = g.head_size / run_elems;
+  for (int64_t h = 0; h < g.num_heads; ++h) {
+    T* ch = c + cache_offset(g, kv, run.slot, h, 0);
+    const int64_t group_stride =
+        groups > 1 ? cache_offset(g, kv, run.slot, h, run_elems) - (ch - c) : 0;
+    T* oh = o + h * g.head_size;
     for (int64_t j = 0; j < run.count; ++j) {
-      T* cj = cs + j * token_stride;
-      T* oj = os + j * hidden;
-      if (sixteen) {  // fixed size: compiles to one 16-byte load/store
-        if (p.to_cache) std::memcpy(cj, oj, 16);
-        else std::memcpy(oj, cj, 16);
+      T* cj = ch + j * token_stride;
+      T* oj = oh + j * hidden;
+      if (run_elems * ES == 16) {  // fixed size: one 16-byte load and store per group
+        for (int64_t k = 0; k < groups; ++k) {
+          if (p.to_cache) std::memcpy(cj + k * group_stride, oj + k * run_elems, 16);
+          else std::memcpy(oj + k * run_elems, cj + k * group_stride, 16);
+        }
       } else {
-        if (p.to_cache) std::memcpy(cj, oj, bytes);
-        else std::memcpy(oj, cj, bytes);
+        const int64_t bytes = run_elems * ES;
+        for (int64_t k = 0; k < groups; ++k) {
+          if (p.to_cache) copy_bytes(cj + k * group_stride, oj + k * run_elems, bytes);
+          else copy_bytes(oj + k * run_elems, cj + k * group_stride, bytes);
+        }
       }
     }
   }
@@ -199,15 +213,17 @@ void transfer(const TransferPlan& p, char* object, const CachePointers& caches,
   const int64_t num_layers = p.object.num_layers;
   const int64_t num_runs = static_cast<int64_t>(runs.size());
   const int64_t items = p.num_kv * num_layers * num_runs;
-  // One item is at most a block of one layer's K or V (tens of KiB): a few per grain.
+  // One item is at most a block of one layer's K or V (tens of KiB): a few per grain. K and V
+  // alternate in item order, so every thread's contiguous share mixes them equally (their
+  // costs differ, e.g. CPU_PACKED's V is a transpose).
   at::parallel_for(0, items, 4, [&](int64_t begin, int64_t end) {
     for (int64_t it = begin; it < end; ++it) {
-      const int64_t plane = it / num_runs;  // kv * num_layers + layer
-      const Run& run = runs[it - plane * num_runs];
-      const int kv = static_cast<int>(plane / num_layers);
-      const int64_t layer = plane - kv * num_layers;
+      const int kv = static_cast<int>(it % p.num_kv);
+      const int64_t rest = it / p.num_kv;  // layer * num_runs + run
+      const int64_t layer = rest / num_runs;
+      const Run& run = runs[rest - layer * num_runs];
       char* obj = object + object_offset(p.object, kv, layer, 0, 0) * ES;
-      copy_run<ES>(p, kv, caches[plane], obj, run);
+      copy_run<ES>(p, kv, caches[kv * num_layers + layer], obj, run);
     }
   });
 }
