@@ -385,3 +385,23 @@ def test_a_closed_engine_stores_and_loads_nothing():
     assert engine.lookup(tokens) == 0
     assert not engine.retrieve(tokens, kvcaches=source, slot_mapping=slots).any()
     assert engine.stats().store_dropped_tokens == 16
+
+
+def test_retrieve_reads_the_next_chunk_ahead(tmp_path):
+    """While one chunk is copied into the KV cache, the disk tier is already reading the next."""
+    geo = geometry()
+    cfg = config(local_disk=str(tmp_path), max_local_disk_size=0.01)
+    first = make_engine(geo, cfg)
+    tokens = prompt(32)
+    source, slots = make_kvcaches(geo), slots_for(geo, 32)
+    first.store(tokens, kvcaches=source, slot_mapping=slots)
+    first.close()
+    engine = make_engine(geo, cfg)
+    asked = []
+    real_prefetch = engine.storage_manager.prefetch
+    engine.storage_manager.prefetch = lambda key: asked.append(key) or real_prefetch(key)
+    target = make_kvcaches(geo, seed=2)
+    assert engine.retrieve(tokens, kvcaches=target, slot_mapping=slots).all()
+    check_loaded(geo, source, slots, target, slots, 32)
+    assert asked == [k for _, _, k in engine.token_database.process_tokens(tokens)][1:]
+    assert engine.lookup(tokens, ["Hot"]) == 32  # read-ahead and promotion both landed in RAM

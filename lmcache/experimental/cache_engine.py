@@ -133,7 +133,11 @@ class LMCacheEngine:
             logger.warning("retrieve on a closed engine: nothing loaded")
             chunks = iter(())
         hit = 0
-        for start, end, key in chunks:
+        todo = list(chunks)
+        for i, (start, end, key) in enumerate(todo):
+            if i + 1 < len(todo):
+                # Let a slower tier read the next chunk into the CPU tier while this one is copied.
+                self.storage_manager.prefetch(todo[i + 1][2])
             obj = self.storage_manager.get(key)
             if obj is None:
                 break
