@@ -38,9 +38,10 @@ LAYERS, HEADS, HEAD, NUM_BLOCKS = 2, 2, 16, 64
 CACHE_CONFIG = types.SimpleNamespace(block_size=BLOCK)
 
 
-@pytest.fixture
-def engine():
-    config = LMCacheEngineConfig.from_defaults(chunk_size=16, max_local_cpu_size=0.02, remote_url=None)
+def make_engine(**config_fields):
+    config = LMCacheEngineConfig.from_defaults(
+        chunk_size=16, max_local_cpu_size=0.02, remote_url=None, **config_fields
+    )
     metadata = LMCacheEngineMetadata(
         model_name="tiny", world_size=1, worker_id=0, fmt="vllm",
         kv_dtype=torch.float32, kv_shape=(LAYERS, 2, 16, HEADS, HEAD),
@@ -48,8 +49,12 @@ def engine():
     connector = VLLMPagedMemGPUConnectorV2(
         HEADS * HEAD, LAYERS, layout=KVLayout.CPU_IPEX, num_kv_heads=HEADS, block_size=BLOCK, chunk_size=16
     )
-    eng = LMCacheEngineBuilder.get_or_create(ENGINE_NAME, config, metadata, connector)
-    yield eng
+    return LMCacheEngineBuilder.get_or_create(ENGINE_NAME, config, metadata, connector)
+
+
+@pytest.fixture
+def engine():
+    yield make_engine()
     LMCacheEngineBuilder.destroy(ENGINE_NAME)
 
 
@@ -266,3 +271,16 @@ def test_a_failing_retrieve_computes_the_whole_step(engine, monkeypatch):
     seen = []
     execute_with_cache(fake_runner(), step2, caches, seen.append)
     assert seen == [step2]
+
+
+def test_unfull_last_chunk_is_not_stored_when_configured_so():
+    eng = make_engine(save_unfull_chunk=False)
+    try:
+        caches = new_caches()
+        seq = make_seqs()[0]
+        step = build_cpu_input([seq], {}, chunked=False)
+        forward(caches, step, seed=7)
+        run_store(step, caches)
+        assert eng.lookup(torch.tensor(seq.prompt)) == 48
+    finally:
+        LMCacheEngineBuilder.destroy(ENGINE_NAME)

@@ -337,7 +337,12 @@ def lmcache_store_kv(
     for seq, salt, loaded in zip(plan.step.prefills, plan.salts, plan.loaded):
         if store_status[seq.index] != StoreStatus.PREFILL or salt is None:
             continue
-        tokens = plan.tokens[seq.start : seq.end]
+        end = seq.end
+        if not engine.config.save_unfull_chunk:
+            end = seq.start + (seq.query_len // chunk_size) * chunk_size
+        if end <= seq.start:
+            continue
+        tokens = plan.tokens[seq.start : end]
         # Chunks loaded this step are cached already: leave them out of the store.
         cached = (loaded // chunk_size) * chunk_size
         mask = None
@@ -349,7 +354,7 @@ def lmcache_store_kv(
             mask,
             cache_salt=salt,
             kvcaches=kv_caches,
-            slot_mapping=plan.slot_mapping[seq.start : seq.end],
+            slot_mapping=plan.slot_mapping[seq.start : end],
         )
 
 
