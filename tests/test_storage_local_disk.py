@@ -213,3 +213,20 @@ def test_async_save_and_load(tmp_path, cpu):
     with pytest.raises(ValueError, match="backend"):
         disk.load_disk(disk.key_to_path(key(3)), backend="safetensors")
     disk.close()
+
+
+def test_insert_key_indexes_a_file_written_elsewhere(tmp_path, cpu):
+    disk = disk_tier(tmp_path, cpu)
+    obj = make_obj(cpu, 8)
+    payload = chunk_format.memory_obj_payload(obj)
+    meta = obj.metadata
+    with open(disk.key_to_path(key(8)), "wb") as f:
+        f.write(chunk_format.encode_header(key(8), meta.shape, meta.dtype, meta.fmt, payload))
+        f.write(payload)
+    assert not disk.contains(key(8))
+    disk.insert_key(key(8), obj)
+    obj.ref_count_down()
+    assert disk.contains(key(8)) and disk.used_bytes == os.path.getsize(disk.key_to_path(key(8)))
+    back = disk.get_blocking(key(8))
+    assert torch.equal(back.tensor, expected(8))
+    back.ref_count_down()
