@@ -31,6 +31,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def free_cluster_port() -> int:
+    """A free port whose cluster-bus port (port + 10000) is valid and free as well."""
+    for _ in range(200):
+        port = free_port()
+        if port + 10000 > 65535:
+            continue
+        try:
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                s.bind(("127.0.0.1", port + 10000))
+        except OSError:
+            continue
+        return port
+    raise RuntimeError("no free port pair (port, port + 10000) for a cluster node")
+
+
 def ensure_redis_installed() -> str:
     """Path of `redis-server`, installing Debian's package when it is missing."""
     found = shutil.which("redis-server")
@@ -94,8 +109,13 @@ class RedisServer:
             "--logfile", str(self.workdir / "redis.log"),
             *self.extra_args,
         ]  # fmt: skip
-        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        _wait_port(self.port, self.proc, f"redis-server on port {self.port}")
+        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            _wait_port(self.port, self.proc, f"redis-server on port {self.port}")
+        except RuntimeError as err:
+            log = self.workdir / "redis.log"
+            tail = log.read_text()[-2000:] if log.exists() else "(no log)"
+            raise RuntimeError(f"{err}; its log ends with:\n{tail}") from None
         return self
 
     def stop(self) -> None:
@@ -121,6 +141,7 @@ class RedisCluster:
             self.nodes.append(
                 RedisServer(
                     node_dir,
+                    port=free_cluster_port(),
                     extra_args=(
                         "--cluster-enabled", "yes",
                         "--cluster-config-file", str(node_dir / "nodes.conf"),

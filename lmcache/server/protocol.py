@@ -32,6 +32,8 @@ import struct
 from dataclasses import dataclass
 from typing import Optional, Union
 
+import numpy
+
 MAGIC = b"LMCS"
 PROTOCOL_VERSION = 1
 HEADER = struct.Struct("!4sBBHIQ")
@@ -45,6 +47,8 @@ HARD_MAX_PAYLOAD_BYTES = 4 << 30
 DEFAULT_MAX_PAYLOAD_BYTES = 1 << 30
 
 Buffer = Union[bytes, bytearray, memoryview]
+
+_UNINITIALISED_FROM = 64 * 1024
 
 
 class Op(enum.IntEnum):
@@ -153,11 +157,22 @@ def recv_exact_into(sock: socket.socket, view: memoryview) -> int:
     return got
 
 
-def recv_exact(sock: socket.socket, size: int, what: str) -> bytearray:
+def alloc_buffer(size: int) -> memoryview:
+    """A writable byte buffer of `size` bytes.
+
+    Large buffers come from `numpy.empty`: a `bytearray` is zero-filled first, which costs as
+    much as the socket copy that overwrites it.
+    """
+    if size < _UNINITIALISED_FROM:
+        return memoryview(bytearray(size))
+    return memoryview(numpy.empty(size, dtype=numpy.uint8))
+
+
+def recv_exact(sock: socket.socket, size: int, what: str) -> memoryview:
     """Read exactly `size` bytes or raise `TruncatedFrameError` naming the part that was cut."""
-    buf = bytearray(size)
+    buf = alloc_buffer(size)
     if size:
-        got = recv_exact_into(sock, memoryview(buf))
+        got = recv_exact_into(sock, buf)
         if got != size:
             raise TruncatedFrameError(f"connection closed after {got} of {size} bytes of {what}")
     return buf

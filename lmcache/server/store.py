@@ -12,7 +12,7 @@ from collections import OrderedDict
 from dataclasses import asdict, dataclass
 from typing import Optional, Union
 
-Value = Union[bytes, bytearray]
+Value = Union[bytes, bytearray, memoryview]
 
 
 @dataclass
@@ -54,17 +54,17 @@ class LRUChunkStore:
 
     def put(self, key: bytes, value: Value) -> bool:
         """Store `value`, evicting LRU entries as needed; False if it can never fit."""
-        size = len(key) + len(value)
+        size = len(key) + memoryview(value).nbytes
         with self._lock:
             if size > self._max_bytes:
                 self._stats.refused_puts += 1
                 return False
             old = self._entries.pop(key, None)
             if old is not None:
-                self._stats.bytes_used -= len(key) + len(old)
+                self._stats.bytes_used -= len(key) + memoryview(old).nbytes
             while self._entries and self._stats.bytes_used + size > self._max_bytes:
                 old_key, old_value = self._entries.popitem(last=False)
-                self._stats.bytes_used -= len(old_key) + len(old_value)
+                self._stats.bytes_used -= len(old_key) + memoryview(old_value).nbytes
                 self._stats.evictions += 1
             self._entries[key] = value
             self._stats.bytes_used += size
@@ -96,7 +96,7 @@ class LRUChunkStore:
             old = self._entries.pop(key, None)
             if old is None:
                 return False
-            self._stats.bytes_used -= len(key) + len(old)
+            self._stats.bytes_used -= len(key) + memoryview(old).nbytes
             self._stats.deletes += 1
             self._stats.entries = len(self._entries)
             return True

@@ -51,7 +51,7 @@ class _Request:
 @dataclass(frozen=True)
 class _Reply:
     status: Status
-    payload: Optional[bytearray]
+    payload: Optional[memoryview]
 
 
 class _ConnectionPool:

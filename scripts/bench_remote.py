@@ -1,0 +1,260 @@
+"""Remote tier throughput over loopback, measured beside raw socket bandwidth in the same run.
+
+    .venv/bin/python scripts/bench_remote.py [--chunks 8 --layers 32 --kv-heads 8 --head-size 128
+                                              --dtype float16 --repeats 3]
+
+Prints, for 256-token chunks of the given geometry:
+- raw loopback TCP bandwidth (one connection, sendall/recv_into between two processes);
+- `lm://` (our server, its own process) and Redis (`redis-server`, if installed): pipelined
+  put and get GB/s of encoded chunks, and each as a ratio of the raw bandwidth;
+- `naive` vs `cachegen`: bytes on the wire per chunk, encode time, and end-to-end get time
+  (fetch from `lm://` + check + decode into a memory object) per chunk.
+The KV is synthetic (Gaussian with per-channel scales, as real K has outlier channels); the
+tiny model's real KV compression is measured in tests/test_remote_serde.py. Best of
+`--repeats` runs is reported: the machine is shared and noisy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable, List, Optional, Tuple
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from lmcache.experimental.memory_management import HostMemoryAllocator, MemoryFormat, MemoryObj  # noqa: E402
+from lmcache.experimental.remote.lm_connector import LMServerConnector  # noqa: E402
+from lmcache.experimental.remote.redis_connector import RedisConnector  # noqa: E402
+from lmcache.experimental.remote.serde import CacheGenSerde, NaiveSerde  # noqa: E402
+
+TOKENS = 256
+RAW_BLOCK = 8 << 20
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_port(port: int, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+                return
+        except OSError:
+            time.sleep(0.05)
+    raise RuntimeError(f"nothing listens on port {port} after {timeout} s")
+
+
+def _raw_peer(port: int, total: int, ready) -> None:
+    """Child process: receive `total` bytes, ack, then send `total` bytes back; repeat."""
+    listener = socket.socket()
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind(("127.0.0.1", port))
+    listener.listen(1)
+    ready.set()
+    conn, _ = listener.accept()
+    buf = memoryview(bytearray(RAW_BLOCK))
+    while True:
+        got = 0
+        while got < total:
+            n = conn.recv_into(buf, min(len(buf), total - got))
+            if n == 0:
+                return
+            got += n
+        conn.sendall(b"k")
+        block = bytes(RAW_BLOCK)
+        sent = 0
+        while sent < total:
+            conn.sendall(block[: min(RAW_BLOCK, total - sent)])
+            sent += RAW_BLOCK
+
+
+def raw_bandwidth(total: int, repeats: int) -> Tuple[float, float]:
+    """Best (upload, download) GB/s of one loopback TCP connection to another process."""
+    port = _free_port()
+    ctx = mp.get_context("spawn")
+    ready = ctx.Event()
+    peer = ctx.Process(target=_raw_peer, args=(port, total, ready), daemon=True)
+    peer.start()
+    if not ready.wait(timeout=60):
+        raise RuntimeError("raw socket peer did not start")
+    sock = socket.create_connection(("127.0.0.1", port))
+    block = bytes(RAW_BLOCK)
+    buf = memoryview(bytearray(RAW_BLOCK))
+    up = down = 0.0
+    for _ in range(repeats):
+        start = time.perf_counter()
+        sent = 0
+        while sent < total:
+            sock.sendall(block[: min(RAW_BLOCK, total - sent)])
+            sent += RAW_BLOCK
+        assert sock.recv(1) == b"k"
+        mid = time.perf_counter()
+        got = 0
+        while got < total:
+            got += sock.recv_into(buf, min(len(buf), total - got))
+        end = time.perf_counter()
+        up = max(up, total / (mid - start) / 1e9)
+        down = max(down, total / (end - mid) / 1e9)
+    sock.close()
+    peer.terminate()
+    peer.join()
+    return up, down
+
+
+def make_chunks(n: int, shape: Tuple[int, ...], dtype: torch.dtype, alloc: HostMemoryAllocator) -> List[MemoryObj]:
+    gen = torch.Generator().manual_seed(0)
+    chunks = []
+    for _ in range(n):
+        obj = alloc.allocate(torch.Size(shape), dtype, MemoryFormat.KV_BLOB)
+        assert obj is not None and obj.tensor is not None
+        scale = torch.rand(1, 1, 1, shape[-1], generator=gen) * 4
+        obj.tensor.copy_((torch.randn(shape, generator=gen) * scale).to(dtype))
+        chunks.append(obj)
+    return chunks
+
+
+def best(repeats: int, fn: Callable[[], None]) -> float:
+    """Shortest wall time of `repeats` calls."""
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def store_bandwidth(connector, blobs: List[bytes], repeats: int) -> Tuple[float, float]:
+    """Best (put, get) GB/s of pipelined batches of `blobs`."""
+    keys = [f"bench@m@1@0@{i:032x}" for i in range(len(blobs))]
+    total = sum(len(b) for b in blobs)
+    items = list(zip(keys, blobs))
+
+    def put() -> None:
+        assert all(connector.batched_put(items)), "a put was refused"
+
+    def get() -> None:
+        got = connector.batched_get(keys)
+        assert all(g is not None and len(g) == len(b) for g, b in zip(got, blobs))
+
+    put_s = best(repeats, put)
+    get_s = best(repeats, get)
+    return total / put_s / 1e9, total / get_s / 1e9
+
+
+def serde_costs(
+    serde, chunks: List[MemoryObj], connector: LMServerConnector, alloc: HostMemoryAllocator, repeats: int
+) -> Tuple[float, float, float]:
+    """(bytes on the wire per chunk, encode s per chunk, end-to-end get s per chunk) over lm://."""
+    keys = [f"serde-{serde.name}@m@1@0@{i:032x}" for i in range(len(chunks))]
+    encoded: List[bytes] = []
+    encode_s = best(repeats, lambda: encoded.__setitem__(slice(None), [serde.encode(k, c) for k, c in zip(keys, chunks)]))
+    assert all(connector.batched_put(list(zip(keys, encoded))))
+
+    def fetch_and_decode() -> None:
+        for key, blob in zip(keys, connector.batched_get(keys)):
+            obj = serde.decode(key, blob, alloc.allocate)
+            assert obj is not None
+            obj.ref_count_down()
+
+    get_s = best(repeats, fetch_and_decode)
+    n = len(chunks)
+    return sum(len(b) for b in encoded) / n, encode_s / n, get_s / n
+
+
+def start_lm_server(max_gb: float) -> Tuple[subprocess.Popen, int]:
+    port = _free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "lmcache.server", "127.0.0.1", str(port), "--max-size-gb", str(max_gb)],
+        env={**os.environ, "PYTHONPATH": str(ROOT), "LMCACHE_LOG_LEVEL": "WARNING"},
+    )
+    _wait_port(port)
+    return proc, port
+
+
+def start_redis(workdir: str) -> Optional[Tuple[subprocess.Popen, int]]:
+    binary = shutil.which("redis-server")
+    if binary is None:
+        print("redis-server not installed: Redis rows skipped (apt-get install redis-server)")
+        return None
+    port = _free_port()
+    proc = subprocess.Popen(
+        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", workdir],
+        stdout=subprocess.DEVNULL,
+    )
+    _wait_port(port)
+    return proc, port
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--chunks", type=int, default=8)
+    parser.add_argument("--layers", type=int, default=32)
+    parser.add_argument("--kv-heads", type=int, default=8)
+    parser.add_argument("--head-size", type=int, default=128)
+    parser.add_argument("--dtype", choices=["float16", "bfloat16", "float32"], default="float16")
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+
+    dtype = getattr(torch, args.dtype)
+    shape = (2, args.layers, TOKENS, args.kv_heads * args.head_size)
+    chunk_bytes = 2 * args.layers * TOKENS * args.kv_heads * args.head_size * dtype.itemsize
+    total = chunk_bytes * args.chunks
+    alloc = HostMemoryAllocator(int(total * 3.5) + (64 << 20))
+    chunks = make_chunks(args.chunks, shape, dtype, alloc)
+    naive_blobs = [NaiveSerde().encode(f"bench@m@1@0@{i:032x}", c) for i, c in enumerate(chunks)]
+    print(f"chunk: {TOKENS} tokens, shape {list(shape)} {args.dtype} = {chunk_bytes / 2**20:.1f} MiB; "
+          f"{args.chunks} chunks per batch ({total / 2**20:.0f} MiB); best of {args.repeats}")
+
+    raw_up, raw_down = raw_bandwidth(total, args.repeats)
+    print(f"raw loopback TCP:  upload {raw_up:6.2f} GB/s   download {raw_down:6.2f} GB/s")
+
+    lm_proc, lm_port = start_lm_server(max_gb=max(1.0, total * 3 / 1e9))
+    tmp = tempfile.mkdtemp(prefix="bench-redis-")
+    redis_started = start_redis(tmp)
+    try:
+        lm = LMServerConnector("127.0.0.1", lm_port, timeout=120)
+        put, get = store_bandwidth(lm, naive_blobs, args.repeats)
+        print(f"lm:// (naive):     put    {put:6.2f} GB/s ({put / raw_up:5.1%} of raw)   "
+              f"get      {get:6.2f} GB/s ({get / raw_down:5.1%} of raw)")
+        if redis_started is not None:
+            rc = RedisConnector([("127.0.0.1", redis_started[1])], timeout=120)
+            put, get = store_bandwidth(rc, naive_blobs, args.repeats)
+            print(f"redis:// (naive):  put    {put:6.2f} GB/s ({put / raw_up:5.1%} of raw)   "
+                  f"get      {get:6.2f} GB/s ({get / raw_down:5.1%} of raw)")
+            rc.close()
+
+        rows = {}
+        for serde in (NaiveSerde(), CacheGenSerde()):
+            rows[serde.name] = serde_costs(serde, chunks, lm, alloc, args.repeats)
+        n_bytes, n_enc, n_get = rows["naive"]
+        for name, (wire, enc, get_s) in rows.items():
+            print(f"{name:9s} over lm://: {wire / 2**20:7.2f} MiB/chunk on the wire ({n_bytes / wire:4.2f}x less than naive), "
+                  f"encode {enc * 1e3:7.1f} ms/chunk, end-to-end get {get_s * 1e3:7.1f} ms/chunk "
+                  f"({get_s / n_get:4.2f}x naive)")
+        lm.close()
+    finally:
+        lm_proc.terminate()
+        lm_proc.wait()
+        if redis_started is not None:
+            redis_started[0].terminate()
+            redis_started[0].wait()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
