@@ -284,5 +284,35 @@ def test_prefetch_brings_a_chunk_into_the_cpu_tier(lm_server) -> None:
     reader.close()
 
 
+def test_get_of_a_chunk_being_prefetched_waits_instead_of_reading_twice(lm_server) -> None:
+    url = _lm_url(lm_server)
+    cpu = _cpu()
+    writer = _backend(url, cpu=cpu)
+    obj = _chunk(cpu, seed=8)
+    writer.submit_put_task(_key(8), obj)
+    writer.close()
+    gate = threading.Event()
+    reads: list[int] = []
+
+    class CountingConnector(LMServerConnector):
+        def batched_get(self, keys):
+            reads.append(len(keys))
+            gate.wait(timeout=30)
+            return super().batched_get(keys)
+
+    reader = _backend(url, connector=CountingConnector(*lm_server.address))
+    assert reader.submit_prefetch_task(_key(8))
+    got: list = []
+    getter = threading.Thread(target=lambda: got.append(reader.get_blocking(_key(8))))
+    getter.start()
+    assert _wait_for(lambda: len(reads) == 1)
+    time.sleep(0.2)  # give a second (wrong) read the chance to start
+    gate.set()
+    getter.join(timeout=30)
+    assert reads == [1] and got[0] is not None and torch.equal(got[0].tensor, obj.tensor)
+    got[0].ref_count_down()
+    reader.close()
+
+
 def test_unavailable_error_is_a_connection_error() -> None:
     assert issubclass(RemoteUnavailableError, ConnectionError)

@@ -6,7 +6,8 @@
   loses is counted, so a lost put is a number, not an assumption.
 - `contains` (what lookup uses) asks the server `exists` under a short timeout; `get_blocking`
   fetches and decodes, and `batched_get_blocking` fetches many chunks in one pipeline. A chunk
-  still waiting in the put queue is answered from memory.
+  still waiting in the put queue is answered from memory. A prefetch reads a chunk into the CPU
+  tier on a background thread; a `get_blocking` of a chunk being prefetched waits for it.
 - Health: the first connection error or timeout marks the tier down and logs it once. While
   down, lookups and gets return a miss at once and puts are dropped (counted), so a dead or
   stalled server costs a request at most one timeout, after which it simply recomputes. The
@@ -19,7 +20,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, fields
 from typing import Dict, List, Optional, Sequence
 
@@ -191,7 +192,8 @@ class RemoteBackend(StorageBackendInterface):
         self._closed = False
         self._worker: Optional[threading.Thread] = None
         self._prefetch_pool: Optional[ThreadPoolExecutor] = None
-        self._prefetching: set[CacheEngineKey] = set()
+        # Prefetches in flight; `get_blocking` of such a key waits for it (design.md, tiers).
+        self._prefetching: Dict[CacheEngineKey, Future] = {}
 
     @property
     def url(self) -> str:
@@ -224,10 +226,22 @@ class RemoteBackend(StorageBackendInterface):
             return key in self._pending
 
     def get_blocking(self, key: CacheEngineKey) -> Optional[MemoryObj]:
-        return self.batched_get_blocking([key])[0]
+        with self._lock:
+            prefetch = self._prefetching.get(key)
+        if prefetch is not None:
+            # The chunk is already on its way into the CPU tier: wait instead of reading it twice.
+            prefetch.result()
+            obj = self._cpu.get_blocking(key)
+            if obj is not None:
+                return obj
+        return self._fetch([key])[0]
 
     def batched_get_blocking(self, keys: Sequence[CacheEngineKey]) -> List[Optional[MemoryObj]]:
         """`get_blocking` for many chunks in one pipelined round trip; caller owns each result."""
+        return self._fetch(keys)
+
+    def _fetch(self, keys: Sequence[CacheEngineKey]) -> List[Optional[MemoryObj]]:
+        """Queued puts from memory, the rest from the server in one pipeline."""
         self._ensure_worker()
         results: List[Optional[MemoryObj]] = [None] * len(keys)
         remote_slots: List[int] = []
@@ -415,13 +429,14 @@ class RemoteBackend(StorageBackendInterface):
                 return False
             if self._prefetch_pool is None:
                 self._prefetch_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lmcache-remote-prefetch")
-            self._prefetching.add(key)
-            self._prefetch_pool.submit(self._run_prefetch, key)
+            future: Future = Future()
+            self._prefetching[key] = future
+            self._prefetch_pool.submit(self._run_prefetch, key, future)
         return True
 
-    def _run_prefetch(self, key: CacheEngineKey) -> None:
+    def _run_prefetch(self, key: CacheEngineKey, future: Future) -> None:
         try:
-            obj = self.get_blocking(key)
+            obj = self._fetch([key])[0]
             if obj is not None:
                 self._cpu.submit_put_task(key, obj)
                 obj.ref_count_down()
@@ -429,7 +444,8 @@ class RemoteBackend(StorageBackendInterface):
             logger.warning("remote tier: prefetch of chunk %s failed: %r", key.chunk_hash, err)
         finally:
             with self._lock:
-                self._prefetching.discard(key)
+                self._prefetching.pop(key, None)
+            future.set_result(None)
 
     def remove(self, key: CacheEngineKey) -> bool:
         if not self._health.up:
