@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import os
+import shutil
 import socket
+import subprocess
 
 import pytest
 import redis
 from redis_fixture import RedisServer, free_port, lmcache_log, redis_cluster, redis_server  # noqa: F401
 
+from lmcache.experimental.remote import create_connector
 from lmcache.experimental.remote.connector import RemoteUnavailableError
 from lmcache.experimental.remote.redis_connector import RedisConnector
 
@@ -108,3 +111,29 @@ def test_cluster_spreads_keys_over_three_masters(redis_cluster) -> None:  # noqa
     assert sum(per_node) >= 60 and all(count > 0 for count in per_node)
     assert conn.delete("vllm@tiny@1@0@0001") and not conn.exists("vllm@tiny@1@0@0001")
     conn.close()
+
+
+def test_rediss_connects_over_tls(tmp_path, monkeypatch) -> None:
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is needed to make a test certificate")
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1",
+         "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    port = free_port()
+    tls = ("--port", "0", "--tls-port", str(port), "--tls-cert-file", str(cert), "--tls-key-file", str(key),
+           "--tls-ca-cert-file", str(cert), "--tls-auth-clients", "no")  # fmt: skip
+    server = RedisServer(tmp_path / "r", extra_args=tls, port=port).start()
+    monkeypatch.setenv("SSL_CERT_FILE", str(cert))  # trust the test certificate
+    try:
+        conn = create_connector(f"rediss://127.0.0.1:{port}", key_prefix="lmcache:tiny:")
+        assert conn.url.startswith("rediss://")
+        assert conn.put("k", b"over tls") and conn.get("k") == b"over tls"
+        conn.close()
+        plain = RedisConnector([("127.0.0.1", port)], lookup_timeout=0.5, timeout=0.5)
+        with pytest.raises(RemoteUnavailableError):  # a plain client cannot talk to a TLS port
+            plain.exists("k")
+    finally:
+        server.stop()
