@@ -49,7 +49,7 @@ BENCH_MODEL = TinyModelSpec(hidden=1024, layers=8, heads=16, kv_heads=8, max_pos
 # --quick: the test suite's tiny model and a handful of short requests on one server kind.
 QUICK = dict(model_dir=".cache/tiny-model", hidden=128, layers=4, heads=4, kv_heads=2, max_position=4096,
              repeat_prompts=2, prompt_tokens=512, docs=3, doc_tokens=512, question_tokens=16, rounds=1,
-             unique_prompts=2, unique_tokens=384, concurrency=2, max_tokens=4, unique_max_tokens=8,
+             unique_prompts=2, unique_passes=1, unique_tokens=256, concurrency=2, max_tokens=4, unique_max_tokens=8,
              max_model_len=1024, engine_kv_tokens=1024, servers="lmcache-disk")
 
 
@@ -67,7 +67,7 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
         p.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(BENCH_MODEL, name))
     sizes = WorkloadSizes(vocab=0)
     for name in ("seed", "repeat_prompts", "prompt_tokens", "docs", "doc_tokens", "question_tokens", "rounds",
-                 "unique_prompts", "unique_tokens", "concurrency", "max_tokens", "unique_max_tokens"):
+                 "unique_prompts", "unique_passes", "unique_tokens", "concurrency", "max_tokens", "unique_max_tokens"):
         p.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(sizes, name))
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--engine-kv-tokens", type=int, default=5120,
@@ -103,7 +103,7 @@ def stored_tokens(s: WorkloadSizes, chunk_size: int) -> int:
     (a `beyond` query adds its question plus at most one partly filled chunk)."""
     queries = s.docs * s.rounds * (s.question_tokens + chunk_size)
     return (s.repeat_prompts * s.prompt_tokens + s.docs * (s.doc_tokens + s.question_tokens) + queries
-            + s.unique_prompts * s.unique_tokens)
+            + s.unique_prompts * s.unique_passes * s.unique_tokens)
 
 
 def shown(path: Path) -> str:
@@ -160,7 +160,8 @@ class Bench:
         self.bar.set_postfix_str(f"{kind}: starting")
         proc = launch(spec, ROOT)
         proc.wait_healthy(self.args.startup_timeout)
-        self.processes.setdefault(kind, []).append({**describe(spec), "ready_s": proc.ready_s})
+        self.processes.setdefault(kind, []).append(
+            {**describe(spec), "ready_s": proc.ready_s, "load_at_ready": os.getloadavg()})
         return proc, f"http://127.0.0.1:{port}"
 
     def _drive(self, kind: str, base_url: str, steps: list) -> None:
@@ -174,9 +175,11 @@ class Bench:
         finally:
             self.records.extend(runner.records)
             for key, tot in runner.totals.items():
-                self.totals.setdefault(kind, {}).setdefault(key, PhaseTotals()).add(tot.busy_s, tot.prefix)
+                self.totals.setdefault(kind, {}).setdefault(key, PhaseTotals()).add(
+                    tot.busy_s, tot.prefix, tot.batch_tok_s)
 
     def _finish(self, kind: str, proc: ManagedProcess) -> None:
+        self.processes[kind][-1]["load_at_stop"] = os.getloadavg()
         proc.stop()
         self.processes[kind][-1]["exit_code"] = proc.exit_code
         self.processes[kind][-1]["stopped_by"] = proc.stop_signal
@@ -244,7 +247,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                          max_position=args.max_position, intermediate=args.intermediate)
     sizes = WorkloadSizes(vocab=spec.vocab, **{k: getattr(args, k) for k in (
         "seed", "repeat_prompts", "prompt_tokens", "docs", "doc_tokens", "question_tokens", "rounds",
-        "unique_prompts", "unique_tokens", "concurrency", "max_tokens", "unique_max_tokens")})
+        "unique_prompts", "unique_passes", "unique_tokens", "concurrency", "max_tokens", "unique_max_tokens")})
     try:
         spec.validate()
         sizes.validate(args.max_model_len)

@@ -12,7 +12,8 @@ Workloads (issue 8):
 - `beyond`: D documents whose KV is several times vLLM's KV space; a `warmup` pass sends each once,
   then `query` sends them in shuffled rounds, each followed by a fresh short question. vLLM's
   own cache mostly misses (the LRU space holds ~1-2 documents); ours hits from its tier.
-- `unique`: P prompts sharing nothing, sent with fixed concurrency: our overhead on pure misses.
+- `unique`: prompts sharing nothing, sent in passes of P at fixed concurrency: our overhead on pure
+  misses (the median pass smooths out other work on a shared machine).
 - `restart`: `repeat`'s prompts replayed on a new server process over the same disk/remote tier.
 """
 
@@ -44,7 +45,8 @@ class WorkloadSizes:
     doc_tokens: int = 3072
     question_tokens: int = 32
     rounds: int = 2
-    unique_prompts: int = 8
+    unique_prompts: int = 4  # per pass
+    unique_passes: int = 3
     unique_tokens: int = 2048
     concurrency: int = 2
     max_tokens: int = 8  # generated tokens per TTFT request
@@ -52,7 +54,7 @@ class WorkloadSizes:
 
     def validate(self, max_model_len: int) -> None:
         for name in ("repeat_prompts", "prompt_tokens", "docs", "doc_tokens", "question_tokens",
-                     "rounds", "unique_prompts", "unique_tokens", "concurrency", "max_tokens",
+                     "rounds", "unique_prompts", "unique_passes", "unique_tokens", "concurrency", "max_tokens",
                      "unique_max_tokens"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
@@ -110,14 +112,17 @@ class RequestRecord:
 
 @dataclass
 class PhaseTotals:
-    """Per (workload, phase): seconds the server was busy with it and vLLM's own prefix-cache counters."""
+    """Per (workload, phase): seconds the server was busy with it, vLLM's own prefix-cache counters,
+    and the tokens/s of each concurrent batch (pass) in it."""
 
     busy_s: float = 0.0
     prefix: PrefixCounters = field(default_factory=lambda: PrefixCounters(0.0, 0.0))
+    batch_tok_s: list[float] = field(default_factory=list)
 
-    def add(self, busy_s: float, prefix: PrefixCounters) -> None:
+    def add(self, busy_s: float, prefix: PrefixCounters, batch_tok_s: Sequence[float] = ()) -> None:
         self.busy_s += busy_s
         self.prefix = PrefixCounters(self.prefix.queries + prefix.queries, self.prefix.hits + prefix.hits)
+        self.batch_tok_s.extend(batch_tok_s)
 
 
 def token_ids(n: int, vocab: int, *seed_parts: object) -> tuple[int, ...]:
@@ -168,13 +173,16 @@ def beyond_plan(s: WorkloadSizes) -> list[Step]:
 
 
 def unique_plan(s: WorkloadSizes) -> list[Step]:
-    """Clear, then all unique prompts as one batch at the configured concurrency."""
-    batch = tuple(
-        BenchRequest("unique", "unique", i, token_ids(s.unique_tokens, s.vocab, s.seed, "unique", i),
-                     s.unique_max_tokens)
-        for i in range(s.unique_prompts)
-    )
-    return [Step(reset=True), Step(batch, concurrency=s.concurrency)]
+    """Clear, then `unique_passes` batches of `unique_prompts` new prompts at the configured concurrency."""
+    steps = [Step(reset=True)]
+    for k in range(s.unique_passes):
+        batch = tuple(
+            BenchRequest("unique", "unique", i, token_ids(s.unique_tokens, s.vocab, s.seed, "unique", i),
+                         s.unique_max_tokens)
+            for i in range(k * s.unique_prompts, (k + 1) * s.unique_prompts)
+        )
+        steps.append(Step(batch, concurrency=s.concurrency))
+    return steps
 
 
 def build_plan(workload: str, s: WorkloadSizes) -> list[Step]:
@@ -245,16 +253,17 @@ class PlanRunner:
     async def _run_batch(self, session: aiohttp.ClientSession, step: Step) -> None:
         gate = asyncio.Semaphore(step.concurrency)
 
-        async def one(req: BenchRequest) -> None:
+        async def one(req: BenchRequest) -> int:
             async with gate:
-                self._record(req, await self._send(session, req), None)
+                rec = self._record(req, await self._send(session, req), None)
+                return rec.prompt_tokens + rec.output_tokens
 
         before = await prefix_cache_counters(session, self.base_url)
         start = time.perf_counter()
-        await asyncio.gather(*(one(req) for req in step.requests))
+        tokens = sum(await asyncio.gather(*(one(req) for req in step.requests)))
         wall = time.perf_counter() - start
         delta = (await prefix_cache_counters(session, self.base_url)).minus(before)
         phases = {(r.workload, r.phase) for r in step.requests}
         if len(phases) != 1:
             raise ValueError(f"a concurrent batch must hold one phase, got {sorted(phases)}")
-        self._phase(step.requests[0]).add(wall, delta)
+        self._phase(step.requests[0]).add(wall, delta, [tokens / wall])

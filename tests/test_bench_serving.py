@@ -74,11 +74,13 @@ def test_beyond_warms_every_document_then_queries_shuffled_rounds_with_fresh_que
     assert len({r.prompt[40:] for r in reqs}) == len(reqs)
 
 
-def test_unique_prompts_differ_from_their_first_tokens_and_run_as_one_concurrent_batch():
+def test_unique_prompts_differ_from_their_first_tokens_and_run_in_concurrent_passes():
     steps = build_plan("unique", SMALL)
-    assert steps[0].reset and len(steps) == 2 and steps[1].concurrency == 2
-    prompts = [r.prompt for r in steps[1].requests]
-    assert len({p[:8] for p in prompts}) == len(prompts)
+    assert steps[0].reset and len(steps) == 1 + SMALL.unique_passes
+    assert all(len(st.requests) == 4 and st.concurrency == 2 for st in steps[1:])
+    prompts = [r.prompt for r in requests_of(steps)]
+    assert len({p[:8] for p in prompts}) == len(prompts) == 4 * SMALL.unique_passes
+    assert [r.index for r in requests_of(steps)] == list(range(len(prompts)))
 
 
 def test_sizes_refuse_requests_longer_than_the_model_length():
@@ -138,8 +140,8 @@ def test_summary_ratios_and_targets_from_known_numbers(tmp_path):
             record("lmcache-cpu", "beyond", "query", 0.5, hit=900, i=0),
             record("lmcache-cpu", "beyond", "query", 1.5, hit=900, i=1),
             record("lmcache-cpu", "unique", "unique", 3.0, hit=0)]
-    totals = {"vllm": {("unique", "unique"): PhaseTotals(busy_s=10.0, prefix=PrefixCounters(1000, 0))},
-              "lmcache-cpu": {("unique", "unique"): PhaseTotals(busy_s=12.5, prefix=PrefixCounters(1000, 0))}}
+    totals = {"vllm": {("unique", "unique"): PhaseTotals(10.0, PrefixCounters(1000, 0), [90.0, 100.0, 300.0])},
+              "lmcache-cpu": {("unique", "unique"): PhaseTotals(12.5, PrefixCounters(1000, 0), [80.0, 50.0, 90.0])}}
     s = summarize(recs, totals)
     beyond = s["lmcache-cpu"]["beyond"]["query"]
     assert beyond["n"] == 2 and beyond["ttft_mean_s"] == pytest.approx(1.0)
@@ -147,6 +149,8 @@ def test_summary_ratios_and_targets_from_known_numbers(tmp_path):
     assert beyond["lmcache_hit_rate"] == pytest.approx(0.9)
     assert s["vllm"]["beyond"]["query"]["lmcache_hit_rate"] is None
     assert s["vllm"]["unique"]["unique"]["throughput_tok_s"] == pytest.approx(100.8)
+    assert s["vllm"]["unique"]["unique"]["throughput_tok_s_median"] == pytest.approx(100.0)
+    assert s["vllm"]["beyond"]["query"]["throughput_tok_s_passes"] == []
     assert s["vllm"]["unique"]["unique"]["vllm_prefix_hit_rate"] == 0.0
     r = ratios(s)
     assert set(r) == {"lmcache-cpu"}
@@ -185,7 +189,8 @@ def test_quick_run_on_a_real_server_writes_sane_json_and_png(tmp_path):
     sizes = result["sizes"]
     assert summary["repeat"]["second"]["n"] == sizes["repeat_prompts"]
     assert summary["beyond"]["query"]["n"] == sizes["docs"] * sizes["rounds"]
-    assert summary["unique"]["unique"]["n"] == sizes["unique_prompts"]
+    assert summary["unique"]["unique"]["n"] == sizes["unique_prompts"] * sizes["unique_passes"]
+    assert len(summary["unique"]["unique"]["throughput_tok_s_passes"]) == sizes["unique_passes"]
     for phases in summary.values():
         for x in phases.values():
             assert 0 < x["ttft_min_s"] <= x["ttft_p50_s"] <= x["ttft_p90_s"] <= x["ttft_max_s"]
