@@ -6,11 +6,16 @@ and other settings at import time, and the v1 engine spawns an engine-core proce
 
     {"model": PATH, "prompts": [[token ids], ...], "max_tokens": 16, "rounds": 1,
      "llm_kwargs": {...}, "vllm_module": "vllm" | "lmcache_vllm.vllm",
-     "sampling_extra_args": {...} | null}
+     "sampling_extra_args": {...} | null,
+     "prompt_extra_args": [{...} | null per prompt] | null,   # replaces sampling_extra_args
+     "logprobs": false | true}                                # also report the sampled logprobs
 
 Each round sends every prompt once, one prompt per `generate` call, in order, so a later prompt can
-hit what an earlier one stored. The last stdout line is `RESULT {"outputs": [[[ids]...]...],
-"latencies": [[seconds]...]}` (indexed [round][prompt]).
+hit what an earlier one stored. An entry of "prompts" that is itself a list of prompts goes to vLLM
+as one batch (one `generate` call); its outputs (and logprobs) entry is then a list per prompt.
+The last stdout line is `RESULT {"outputs": [[[ids]...]...], "latencies": [[seconds]...]}`
+(indexed [round][prompt]); with `"logprobs": true` it also has
+`"logprobs": [[[logprob of each sampled token]...]...]`.
 """
 
 from __future__ import annotations
@@ -31,23 +36,42 @@ def run(job: dict) -> dict:
         **job.get("llm_kwargs", {}),
     }
     llm = vllm.LLM(**llm_kwargs)
-    params = vllm.SamplingParams(
-        temperature=0.0,
-        max_tokens=job.get("max_tokens", 16),
-        ignore_eos=True,
-        extra_args=job.get("sampling_extra_args"),
-    )
-    outputs, latencies = [], []
+    with_logprobs = bool(job.get("logprobs", False))
+    per_prompt = job.get("prompt_extra_args") or [job.get("sampling_extra_args")] * len(job["prompts"])
+    if len(per_prompt) != len(job["prompts"]):
+        raise ValueError(f"prompt_extra_args has {len(per_prompt)} entries for {len(job['prompts'])} prompts")
+    params = [
+        vllm.SamplingParams(
+            temperature=0.0,
+            max_tokens=job.get("max_tokens", 16),
+            ignore_eos=True,
+            extra_args=extra,
+            logprobs=0 if with_logprobs else None,
+        )
+        for extra in per_prompt
+    ]
+    outputs, latencies, logprobs = [], [], []
     for _ in range(job.get("rounds", 1)):
-        round_out, round_lat = [], []
-        for ids in job["prompts"]:
+        round_out, round_lat, round_lp = [], [], []
+        for ids, prompt_params in zip(job["prompts"], params):
+            batch = bool(ids) and isinstance(ids[0], list)
+            prompts = [{"prompt_token_ids": p} for p in (ids if batch else [ids])]
             start = time.perf_counter()
-            (result,) = llm.generate({"prompt_token_ids": ids}, params, use_tqdm=False)
+            results = llm.generate(prompts, prompt_params, use_tqdm=False)
             round_lat.append(time.perf_counter() - start)
-            round_out.append(list(result.outputs[0].token_ids))
+            completions = [r.outputs[0] for r in results]
+            outs = [list(c.token_ids) for c in completions]
+            round_out.append(outs if batch else outs[0])
+            if with_logprobs:
+                lps = [[step[tok].logprob for tok, step in zip(c.token_ids, c.logprobs)] for c in completions]
+                round_lp.append(lps if batch else lps[0])
         outputs.append(round_out)
         latencies.append(round_lat)
-    return {"outputs": outputs, "latencies": latencies}
+        logprobs.append(round_lp)
+    result = {"outputs": outputs, "latencies": latencies}
+    if with_logprobs:
+        result["logprobs"] = logprobs
+    return result
 
 
 if __name__ == "__main__":

