@@ -18,6 +18,8 @@ from lmcache.server.server import LMCacheServer, ServerConfig
 logger = init_logger(__name__)
 
 DEFAULT_HOST = "127.0.0.1"
+# Sizes in "GB" are GiB, as everywhere in LMCache's config (max_local_cpu_size, ...).
+GB = 1024**3
 
 
 def _parse_args(argv: Optional[Sequence[str]]) -> ServerConfig:
@@ -72,7 +74,7 @@ def _parse_args(argv: Optional[Sequence[str]]) -> ServerConfig:
         return ServerConfig(
             host=host,
             port=port,
-            max_size_bytes=int(args.max_size_gb * 1e9),
+            max_size_bytes=int(args.max_size_gb * GB),
             max_payload_bytes=max_payload,
             max_connections=args.max_connections,
             frame_timeout_s=args.frame_timeout,

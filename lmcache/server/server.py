@@ -110,10 +110,10 @@ class LMCacheServer:
         self._listener = listener
         host, port = self.address
         logger.info(
-            "lm:// server listening on %s:%d (max size %.2f GB, frame limit %d bytes)",
+            "lm:// server listening on %s:%d (max size %.2f GiB, frame limit %d bytes)",
             host,
             port,
-            self.config.max_size_bytes / 1e9,
+            self.config.max_size_bytes / 1024**3,
             self.config.max_payload_bytes,
         )
         return host, port

@@ -139,7 +139,8 @@ class RedisConnector(RemoteConnector):
         for i, (key, value) in enumerate(items):
             size = memoryview(value).nbytes
             if size > limit:
-                self._oversize_refusals += 1
+                with self._lock:
+                    self._oversize_refusals += 1
                 logger.warning(
                     "not storing %s on %s: %d bytes exceed the server's proto-max-bulk-len of %d "
                     "(raise it in redis.conf, or use a smaller chunk_size)",
@@ -158,14 +159,16 @@ class RedisConnector(RemoteConnector):
             if isinstance(reply, OutOfMemoryError) or (
                 isinstance(reply, ResponseError) and str(reply).startswith("OOM")
             ):
-                self._oom_refusals += 1
-                if self._oom_refusals % _OOM_LOG_EVERY == 1:
+                with self._lock:
+                    self._oom_refusals += 1
+                    refusals = self._oom_refusals
+                if refusals % _OOM_LOG_EVERY == 1:
                     logger.warning(
                         "%s is out of memory (maxmemory reached, policy noeviction): put of %s "
                         "dropped (%d OOM refusals so far)",
                         self.url,
                         items[slot][0],
-                        self._oom_refusals,
+                        refusals,
                     )
             elif isinstance(reply, Exception):
                 logger.warning("SET %s on %s failed: %s", items[slot][0], self.url, reply)
