@@ -27,7 +27,7 @@ from typing import Dict, List, Optional, Sequence
 from lmcache.config import LMCacheEngineMetadata
 from lmcache.experimental.memory_management import MemoryFormat, MemoryObj
 from lmcache.experimental.remote import create_connector, redis_key_prefix
-from lmcache.experimental.remote.connector import RemoteConnector, RemoteUnavailableError
+from lmcache.experimental.remote.connector import Buffer, RemoteConnector, RemoteUnavailableError
 from lmcache.experimental.remote.serde import Serde, create_serde
 from lmcache.experimental.stats import TierStats
 from lmcache.experimental.storage_backend.abstract_backend import StorageBackendInterface
@@ -73,7 +73,7 @@ class RemoteStatsSnapshot:
     puts_dropped_tier_down: int = 0
     gets_hit: int = 0
     gets_miss: int = 0
-    gets_rejected: int = 0  # returned bytes failed the header/checksum/shape checks
+    gets_rejected: int = 0  # bytes failed the header/checksum/shape checks, or no memory to load them
     gets_failed: int = 0  # connection error or timeout
     lookups_failed: int = 0
     times_down: int = 0  # transitions to "down"
@@ -273,7 +273,7 @@ class RemoteBackend(StorageBackendInterface):
                 results[i] = obj
         return results
 
-    def _decode(self, key: CacheEngineKey, blob) -> Optional[MemoryObj]:
+    def _decode(self, key: CacheEngineKey, blob: Buffer) -> Optional[MemoryObj]:
         try:
             obj = self._serde.decode(key, blob, self._cpu.allocate, dtype=self._metadata.kv_dtype)
         except Exception as err:  # a chunk we cannot read is a miss, whatever went wrong
