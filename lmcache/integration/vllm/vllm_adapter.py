@@ -26,6 +26,7 @@ stored: a later chunk of a chunked prompt no longer has its earlier tokens in th
 from __future__ import annotations
 
 import functools
+import json
 import multiprocessing.util
 from dataclasses import dataclass
 from enum import Enum
@@ -182,7 +183,9 @@ def _lora_salt(model_input: Any, token_index: int) -> Optional[str]:
         return ""
     for request in getattr(model_input, "lora_requests", None) or ():
         if request.lora_int_id == lora_id:
-            return f"lora:{request.lora_name}:{request.lora_path}"
+            # The v1 door's salt for the same adapter (JSON, sorted keys), so both doors share keys.
+            parts = {"lora": [str(request.lora_name), str(request.lora_path or "")]}
+            return json.dumps(parts, sort_keys=True, separators=(",", ":"))
     return None
 
 
