@@ -220,11 +220,11 @@ def test_force_skip_save(engine, monkeypatch):
     assert lmcache_should_store(step) == [StoreStatus.NONE] * 3
 
 
-def fake_runner(kv_transfer_config=None, pp: int = 1):
+def fake_runner(kv_transfer_config=None, pp: int = 1, sliding_window=None):
     return types.SimpleNamespace(
         vllm_config=types.SimpleNamespace(kv_transfer_config=kv_transfer_config),
         parallel_config=types.SimpleNamespace(pipeline_parallel_size=pp),
-        model_config=None, cache_config=CACHE_CONFIG, model=None,
+        model_config=None, cache_config=CACHE_CONFIG, model=None, sliding_window=sliding_window,
     )
 
 
@@ -253,10 +253,11 @@ def test_execute_with_cache_steps_aside(engine):
     for runner, kv in [
         (fake_runner(kv_transfer_config=object()), caches),  # the user's own connector is in charge
         (fake_runner(pp=2), caches),
+        (fake_runner(sliding_window=32), caches),
         (fake_runner(), [torch.empty(0)] * LAYERS),  # profiling run
     ]:
         execute_with_cache(runner, step, kv, seen.append)
-    assert all(s is step for s in seen) and len(seen) == 3
+    assert all(s is step for s in seen) and len(seen) == 4
     assert engine.stats().store_requested_tokens == 0
 
 

@@ -365,14 +365,20 @@ def execute_with_cache(runner: Any, model_input: Any, kv_caches: List[torch.Tens
     """One v0 step with LMCache: retrieve and rebuild, `forward(input)`, store.
 
     Starts the engine at the first real step. Steps it does not serve (profiling, a user's own
-    KV transfer config, pipeline parallelism) go to `forward` untouched. A failure inside the
-    cache is logged and the step computes everything, as it would without LMCache.
+    KV transfer config, pipeline parallelism, sliding-window attention) go to `forward`
+    untouched. A failure inside the cache is logged and the step computes everything, as it
+    would without LMCache.
     """
     if (
         runner.vllm_config.kv_transfer_config is not None
         or _is_profile_run(kv_caches)
         or runner.parallel_config.pipeline_parallel_size > 1
     ):
+        return forward(model_input)
+    if getattr(runner, "sliding_window", None) is not None:
+        # vLLM's CPU prefix-aware attention cannot mask a window, and a windowed prompt's early
+        # tokens have no slots to store from or load into.
+        _warn_once("LMCache v0 door: sliding-window attention is not supported; the cache stays off")
         return forward(model_input)
     if LMCacheEngineBuilder.get(ENGINE_NAME) is None:
         init_lmcache_engine(runner.model_config, runner.parallel_config, runner.cache_config, vllm_config=runner.vllm_config)
