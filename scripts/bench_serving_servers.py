@@ -67,7 +67,7 @@ class ServerSettings:
     block_size: int  # vLLM KV block size in tokens (128 is the CPU backend's own choice with IPEX)
     num_kv_blocks: int  # vLLM's own KV space, in blocks (`--num-gpu-blocks-override`)
     chunk_size: int  # LMCache chunk size in tokens
-    cpu_tier_gb: float  # our CPU tier size
+    cpu_tier_gb: float  # our CPU tier size (the staging memory of the disk and remote kinds)
     disk_tier_gb: float  # our disk tier size
     remote_tier_gb: float  # the lm:// server's memory
     disk_dir: str  # where the disk tier keeps chunks
@@ -113,9 +113,15 @@ def tier_env(kind: str, settings: ServerSettings, remote_port: Optional[int]) ->
     """The `LMCACHE_*` variables that put our cache in exactly one tier."""
     if kind == VLLM_KIND:
         return {}
-    env = {"LMCACHE_CHUNK_SIZE": str(settings.chunk_size), "LMCACHE_LOG_LEVEL": "INFO"}
+    # Every one of our servers gets the same host memory: the CPU tier keeps chunks in it, the
+    # others only stage chunks there on their way to disk or to the lm:// server.
+    env = {
+        "LMCACHE_CHUNK_SIZE": str(settings.chunk_size),
+        "LMCACHE_LOG_LEVEL": "INFO",
+        "LMCACHE_MAX_LOCAL_CPU_SIZE": f"{settings.cpu_tier_gb:g}",
+    }
     if kind == "lmcache-cpu":
-        env.update(LMCACHE_LOCAL_CPU="True", LMCACHE_MAX_LOCAL_CPU_SIZE=f"{settings.cpu_tier_gb:g}")
+        env.update(LMCACHE_LOCAL_CPU="True")
     elif kind == "lmcache-disk":
         env.update(
             LMCACHE_LOCAL_CPU="False",
