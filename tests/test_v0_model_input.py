@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-from typing import List, Optional
+from typing import List
 
 import pytest
 import torch

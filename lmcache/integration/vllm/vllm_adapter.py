@@ -174,7 +174,7 @@ def _step_bypass_reason(model_input: Any) -> Optional[str]:
 
 
 def _lora_salt(model_input: Any, token_index: int) -> Optional[str]:
-    """"" without LoRA; the adapter's identity for a LoRA sequence; None if it cannot be named."""
+    """The empty salt without LoRA, the adapter's identity for a LoRA sequence, None if unnamed."""
     mapping = getattr(model_input, "lora_mapping", None)
     if mapping is None or not mapping.index_mapping:
         return ""
@@ -369,8 +369,11 @@ def execute_with_cache(runner: Any, model_input: Any, kv_caches: List[torch.Tens
     untouched. A failure inside the cache is logged and the step computes everything, as it
     would without LMCache.
     """
+    metadata = model_input.attn_metadata
     if (
-        runner.vllm_config.kv_transfer_config is not None
+        metadata is None
+        or metadata.num_prefills == 0  # decode-only steps: nothing to load or store
+        or runner.vllm_config.kv_transfer_config is not None
         or _is_profile_run(kv_caches)
         or runner.parallel_config.pipeline_parallel_size > 1
     ):
