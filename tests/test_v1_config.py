@@ -211,3 +211,23 @@ def test_request_config_reads_only_lmcache_keys(caplog):
     finally:
         logging.getLogger("lmcache").removeHandler(caplog.handler)
     assert "request r9" in caplog.text and "'lmcache.skip_sav'" in caplog.text
+
+
+# ----- start-up refusals --------------------------------------------------------------------------
+
+
+def test_layerwise_mode_is_refused_at_worker_start(clean_env, vllm_config):
+    from lmcache.integration.vllm.v1.worker_side import LMCacheWorkerSide
+
+    config = utils.lmcache_get_config({"lmcache.use_layerwise": True})
+    with pytest.raises(ValueError, match="use_layerwise=True"):
+        LMCacheWorkerSide.from_vllm_config(vllm_config, config)
+
+
+def test_scheduler_without_a_worker_in_its_uni_process_is_a_clear_error(vllm_config):
+    from lmcache.integration.vllm.v1.worker_channel import ChannelError
+    from lmcache.integration.vllm.vllm_v1_adapter import connect_worker_channel
+
+    assert vllm_config.parallel_config.distributed_executor_backend == "uni"
+    with pytest.raises(ChannelError, match="no LMCache worker side was created here"):
+        connect_worker_channel(vllm_config)

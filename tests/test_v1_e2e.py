@@ -106,38 +106,51 @@ def baseline(tiny_model) -> dict[tuple[int, ...], tuple[list[int], list[float]]]
 
 
 def assert_same_as_baseline(result: Run, prompts, baseline) -> None:
+    """`prompts` as sent: an entry that is a list of prompts was one batched `generate` call."""
     for r, round_outputs in enumerate(result.outputs):
-        for i, prompt in enumerate(prompts):
-            tokens, logprobs = baseline[tuple(prompt)]
-            assert round_outputs[i] == tokens, f"round {r} prompt {i}: greedy tokens differ from cache-off"
-            diff = max(abs(a - b) for a, b in zip(result.logprobs[r][i], logprobs))
-            assert diff <= LOGPROB_TOLERANCE, f"round {r} prompt {i}: logprobs differ by {diff}"
+        for i, entry in enumerate(prompts):
+            batch = isinstance(entry[0], list)
+            for j, prompt in enumerate(entry if batch else [entry]):
+                out = round_outputs[i][j] if batch else round_outputs[i]
+                got_logprobs = result.logprobs[r][i][j] if batch else result.logprobs[r][i]
+                tokens, logprobs = baseline[tuple(prompt)]
+                where = f"round {r} prompt {i}" + (f" batch item {j}" if batch else "")
+                assert out == tokens, f"{where}: greedy tokens differ from cache-off"
+                diff = max(abs(a - b) for a, b in zip(got_logprobs, logprobs))
+                assert diff <= LOGPROB_TOLERANCE, f"{where}: logprobs differ by {diff}"
 
 
 def hits(lines):
     return [(ln.prompt, ln.vllm_cached, ln.hit, ln.loaded, ln.stored) for ln in lines]
 
 
-def test_repeat_shared_prefix_chunked_prefill_and_skip_save(tiny_model, baseline):
-    prompts = [P_LONG, P_SHARED_A, P_SHARED_B, P_CHUNKED, P_SKIP]
+def test_repeat_shared_prefix_chunked_prefill_batch_and_skip_save(tiny_model, baseline):
+    # The last entry is one batch: two requests load while a third stores, in the same steps.
+    prompts = [P_LONG, P_SHARED_A, P_SHARED_B, P_CHUNKED, P_SKIP, [P_LONG, P_SHARED_B, P_OTHER]]
     skip = {"kv_transfer_params": {"lmcache.skip_save": True}}
     result = run(tiny_model, prompts, connector_kwargs(prefix_caching=False), LMCACHE_ENV, rounds=2,
-                 prompt_extra_args=[None, None, None, None, skip])
+                 prompt_extra_args=[None, None, None, None, skip, None])
     assert_same_as_baseline(result, prompts, baseline)
     # (prompt, vLLM cached, LMCache hit, loaded, stored) per request, in order.
-    assert hits(result.lines) == [
+    lines = hits(result.lines)
+    assert len(lines) == 16
+    assert lines[:5] == [
         (1500, 0, 0, 0, 1500),
         (1424, 0, 0, 0, 1424),
         (1424, 0, 1024, 1024, 400),  # only the shared prefix hits; the rest is computed and stored
         (3000, 0, 0, 0, 3000),  # longer than max_num_batched_tokens: stored whole across steps
         (1200, 0, 0, 0, 0),  # lmcache.skip_save
+    ]
+    assert sorted(lines[5:8]) == [(1100, 0, 0, 0, 1100), (1424, 0, 1424, 1424, 0), (1500, 0, 1500, 1500, 0)]
+    assert lines[8:13] == [
         (1500, 0, 1500, 1500, 0),  # the same prompt again: everything loaded
         (1424, 0, 1424, 1424, 0),
         (1424, 0, 1424, 1424, 0),
         (3000, 0, 3000, 3000, 0),  # hit whole
         (1200, 0, 0, 0, 0),  # nothing was stored for it
     ]
-    assert all("lmcache.skip_save" in ln.not_stored for ln in (result.lines[4], result.lines[9]))
+    assert sorted(lines[13:]) == [(1100, 0, 1100, 1100, 0), (1424, 0, 1424, 1424, 0), (1500, 0, 1500, 1500, 0)]
+    assert all("lmcache.skip_save" in ln.not_stored for ln in (result.lines[4], result.lines[12]))
 
 
 def test_prefix_caching_on_disk_tier_across_processes_and_worker_channel(tiny_model, baseline, tmp_path):
