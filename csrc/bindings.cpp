@@ -229,6 +229,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #else
   m.attr("WITH_CUDA") = false;
 #endif
+  m.def("cpu_isa", &lmcache::cpu_isa_name,
+        "Vector instruction set of the CPU transposes (CPU_PACKED): avx512, avx2 or base. "
+        "LMCACHE_CPU_ISA caps it.");
   m.def("multi_layer_kv_transfer", &lmcache::multi_layer_kv_transfer,
         "Copy the tokens named by slot_mapping between every layer's paged K/V caches and a "
         "contiguous [2, layers, tokens, hidden] object ([1, layers, tokens, head_size] for MLA). "

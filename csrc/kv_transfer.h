@@ -26,4 +26,7 @@ using CachePointers = std::vector<char*>;
 void kv_transfer_cpu(const TransferPlan& plan, char* object, const CachePointers& caches,
                      const int64_t* slots);
 
+// Instruction set the CPU transposes use: "avx512", "avx2" or "base" (see cpu/transpose.h).
+const char* cpu_isa_name();
+
 }  // namespace lmcache

@@ -7,6 +7,9 @@ Bytes are compared (not values), so NaN bit patterns in random fp data are check
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
@@ -288,3 +291,28 @@ def test_uses_several_threads_consistently() -> None:
     finally:
         torch.set_num_threads(old)
     assert_same_bytes(results[0], results[1])
+
+
+ISA_ORDER = ["base", "avx2", "avx512"]
+
+
+@pytest.mark.skipif("LMCACHE_CPU_ISA" in os.environ, reason="already running under an ISA cap")
+@pytest.mark.parametrize("isa", ["base", "avx2"])
+def test_fallback_tile_paths_match_reference(isa: str) -> None:
+    """The CPU_PACKED transposes pick vector tiles at run time; capping the ISA runs the
+    narrower tiles (and the scalar edges) against the oracle on this same machine."""
+    env = {**os.environ, "LMCACHE_CPU_ISA": isa, "OMP_NUM_THREADS": "2"}
+    native = c_ops.cpu_isa()
+    want = ISA_ORDER[min(ISA_ORDER.index(isa), ISA_ORDER.index(native))]
+    got = subprocess.run(
+        [sys.executable, "-c", "import torch; from lmcache import c_ops; print(c_ops.cpu_isa())"],
+        env=env, capture_output=True, text=True, check=True,
+    ).stdout.strip()
+    assert got == want
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__,
+         "-k", "CPU_PACKED and (store_matches or retrieve_matches or token_counts or single_layer)"],
+        env=env, capture_output=True, text=True,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert " passed" in proc.stdout
