@@ -28,6 +28,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Optional
 
+import aiohttp
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -154,11 +155,13 @@ class Bench:
     def total_requests(self) -> int:
         return sum(count_requests(a) + count_requests(b) for a, b in map(self.plans_for, self.servers))
 
-    def _start(self, kind: str, tag: str, remote_port: Optional[int]) -> tuple[ManagedProcess, str]:
+    def _start(self, kind: str, tag: str, remote_port: Optional[int],
+               running: list[ManagedProcess]) -> tuple[ManagedProcess, str]:
         port = free_port()
         spec = server_launch(kind, self.settings, port, self.log_dir / f"{kind}-{tag}.log", remote_port)
         self.bar.set_postfix_str(f"{kind}: starting")
         proc = launch(spec, ROOT)
+        running.append(proc)
         proc.wait_healthy(self.args.startup_timeout)
         self.processes.setdefault(kind, []).append(
             {**describe(spec), "ready_s": proc.ready_s, "load_at_ready": os.getloadavg()})
@@ -197,16 +200,14 @@ class Bench:
                 running.append(lm)
                 lm.wait_listening(remote_port, 60)
             first, again = self.plans_for(kind)
-            proc, url = self._start(kind, "1", remote_port)
-            running.append(proc)
+            proc, url = self._start(kind, "1", remote_port, running)
             self._drive(kind, url, first)
             self._finish(kind, proc)
             if again:
-                proc, url = self._start(kind, "2-restart", remote_port)
-                running.append(proc)
+                proc, url = self._start(kind, "2-restart", remote_port, running)
                 self._drive(kind, url, again)
                 self._finish(kind, proc)
-        except (ServerError, RequestFailed, OSError, ValueError) as err:
+        except (ServerError, RequestFailed, aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError) as err:
             self.errors[kind] = f"{type(err).__name__}: {err}"
             tqdm.write(f"bench_serving: {kind} failed: {str(err)[:3000]}", file=sys.stderr)
         finally:
