@@ -249,7 +249,7 @@ def test_requests_that_must_not_store(settings, request_kwargs, reason, caplog):
         side.request_finished(request, [])
     finally:
         logging.getLogger("lmcache").removeHandler(caplog.handler)
-    assert f"not stored: " in caplog.text and reason in caplog.text
+    assert "not stored: " in caplog.text and reason in caplog.text
 
 
 def test_priority_at_the_limit_and_skip_save_false_still_store():
