@@ -66,22 +66,26 @@ inline void copy_bytes(void* dst, const void* src, int64_t n) {
   if (i < n) std::memcpy(d + i, s + i, static_cast<size_t>(n - i));
 }
 
-// Per head, a CPU_PACKED run is a transpose of units U (16-byte key groups, or single value
-// elements): the cache holds [unit index][token] (tokens adjacent, units `unit_stride` apart),
-// the object [token][unit index] (rows `hidden` elements apart).
+// A CPU_PACKED run is a transpose of units U (16-byte key groups, or single value elements):
+// the cache block holds [unit index][token] (tokens adjacent, units `unit_stride` apart), the
+// object [token][unit index] (rows `hidden` elements apart). Heads follow each other along the
+// unit index in both (head h's units start at h * head_size / per_unit), so one transpose
+// covers all heads; longer loops measured faster than one call per head.
 template <typename U, int ES>
 void transpose_run(const TransferPlan& p, int kv, char* cache, char* obj, const Run& run) {
   const PagedGeometry& g = p.cache;
   const int64_t per_unit = static_cast<int64_t>(sizeof(U)) / ES;  // elements per unit
   const int64_t c0 = cache_offset(g, kv, run.slot, 0, 0);
   const int64_t unit_stride = (cache_offset(g, kv, run.slot, 0, per_unit) - c0) / per_unit;
-  const int64_t row_stride = g.hidden() / per_unit;
-  const int64_t units = g.head_size / per_unit;
-  for (int64_t h = 0; h < g.num_heads; ++h) {
-    U* ch = reinterpret_cast<U*>(cache + cache_offset(g, kv, run.slot, h, 0) * ES);
-    U* oh = reinterpret_cast<U*>(obj + (run.token * g.hidden() + h * g.head_size) * ES);
-    if (p.to_cache) cpu::transpose<U>(oh, row_stride, ch, unit_stride, run.count, units);
-    else cpu::transpose<U>(ch, unit_stride, oh, row_stride, units, run.count);
+  const int64_t units = g.hidden() / per_unit;  // per token, all heads
+  U* c = reinterpret_cast<U*>(cache + c0 * ES);
+  U* o = reinterpret_cast<U*>(obj + run.token * g.hidden() * ES);
+  if (p.to_cache) {
+    cpu::transpose<U>(o, units, c, unit_stride, run.count, units, cpu::Order::kDestBands);
+  } else {
+    const bool long_rows = unit_stride * static_cast<int64_t>(sizeof(U)) > 64;
+    cpu::transpose<U>(c, unit_stride, o, units, units, run.count,
+                      long_rows ? cpu::Order::kSourceBands : cpu::Order::kDestBands);
   }
 }
 

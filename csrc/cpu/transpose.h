@@ -25,40 +25,37 @@ struct Unit16 {
   unsigned char b[16];
 };
 
+// Tile order. By default the destination's row bands are walked outermost, so each
+// destination line is finished in order (the source band, a few KiB, stays in L1). Walking
+// the source's bands outermost instead reads it in address order; on the benchmark shape that
+// won only for stores from key blocks, whose rows are longer than a cache line.
+enum class Order { kDestBands, kSourceBands };
+
 template <typename T>
 inline void transpose_scalar(const T* src, int64_t ss, T* dst, int64_t ds, int64_t rows,
-                             int64_t cols) {
+                             int64_t cols, Order = Order::kDestBands) {
   for (int64_t c = 0; c < cols; ++c) {
     T* d = dst + c * ds;
     for (int64_t r = 0; r < rows; ++r) d[r] = src[r * ss + c];
   }
 }
 
-// Tile order, from measurements on the benchmark shape. The source should be read in address
-// order, since that is what the hardware prefetchers reward. When the source rows are at most
-// a cache line (a value block's row of block_size elements) and the destination is the
-// object (rows `hidden` apart), walk the destination's row bands outermost: the source head
-// block (a few KiB) stays in L1 and each object row band is written once, in order.
-// Otherwise walk the source's row bands outermost.
-inline bool dst_bands_outer(int64_t ss, int64_t ds, int64_t unit_bytes) {
-  return ds > ss && ss * unit_bytes <= 64;
-}
-
 // B x B tiles through `tile`, the leftover strips through `rest` (a smaller transpose).
 template <typename T, int B, typename Tile, typename Rest>
 __attribute__((always_inline)) inline void transpose_tiled(const T* src, int64_t ss, T* dst,
                                                            int64_t ds, int64_t rows,
-                                                           int64_t cols, Tile tile, Rest rest) {
+                                                           int64_t cols, Order order,
+                                                           Tile tile, Rest rest) {
   const int64_t rb = rows - rows % B, cb = cols - cols % B;
-  if (dst_bands_outer(ss, ds, sizeof(T))) {
+  if (order == Order::kDestBands) {
     for (int64_t c = 0; c < cb; c += B)
       for (int64_t r = 0; r < rb; r += B) tile(src + r * ss + c, ss, dst + c * ds + r, ds);
   } else {
     for (int64_t r = 0; r < rb; r += B)
       for (int64_t c = 0; c < cb; c += B) tile(src + r * ss + c, ss, dst + c * ds + r, ds);
   }
-  if (cb < cols) rest(src + cb, ss, dst + cb * ds, ds, rows, cols - cb);
-  if (rb < rows) rest(src + rb * ss, ss, dst + rb, ds, rows - rb, cb);
+  if (cb < cols) rest(src + cb, ss, dst + cb * ds, ds, rows, cols - cb, order);
+  if (rb < rows) rest(src + rb * ss, ss, dst + rb, ds, rows - rb, cb, order);
 }
 
 #ifdef LMC_X86
@@ -66,7 +63,7 @@ __attribute__((always_inline)) inline void transpose_tiled(const T* src, int64_t
 // ---- baseline x86-64 (SSE2) ----
 
 inline void transpose_32_sse(const uint32_t* src, int64_t ss, uint32_t* dst, int64_t ds,
-                             int64_t rows, int64_t cols) {
+                             int64_t rows, int64_t cols, Order order) {
   auto tile = [](const uint32_t* s, int64_t ss_, uint32_t* d, int64_t ds_) {
     __m128 a = _mm_loadu_ps(reinterpret_cast<const float*>(s));
     __m128 b = _mm_loadu_ps(reinterpret_cast<const float*>(s + ss_));
@@ -78,15 +75,17 @@ inline void transpose_32_sse(const uint32_t* src, int64_t ss, uint32_t* dst, int
     _mm_storeu_ps(reinterpret_cast<float*>(d + 2 * ds_), e);
     _mm_storeu_ps(reinterpret_cast<float*>(d + 3 * ds_), f);
   };
-  transpose_tiled<uint32_t, 4>(src, ss, dst, ds, rows, cols, tile, transpose_scalar<uint32_t>);
+  transpose_tiled<uint32_t, 4>(src, ss, dst, ds, rows, cols, order, tile,
+                               transpose_scalar<uint32_t>);
 }
 
 // Three rounds of interleaving (16, 32, 64 bits) turn 8 rows of 8 x 16-bit into 8 columns.
 inline void transpose_16_sse(const uint16_t* src, int64_t ss, uint16_t* dst, int64_t ds,
-                             int64_t rows, int64_t cols) {
+                             int64_t rows, int64_t cols, Order order) {
   auto tile = [](const uint16_t* s, int64_t ss_, uint16_t* d, int64_t ds_) {
     __m128i x[8], a[8], b[8];
-    for (int i = 0; i < 8; ++i) x[i] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i * ss_));
+    for (int i = 0; i < 8; ++i)
+      x[i] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i * ss_));
     for (int i = 0; i < 4; ++i) {
       a[2 * i] = _mm_unpacklo_epi16(x[2 * i], x[2 * i + 1]);
       a[2 * i + 1] = _mm_unpackhi_epi16(x[2 * i], x[2 * i + 1]);
@@ -98,22 +97,26 @@ inline void transpose_16_sse(const uint16_t* src, int64_t ss, uint16_t* dst, int
       }
     }
     for (int i = 0; i < 4; ++i) {
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(d + (2 * i) * ds_), _mm_unpacklo_epi64(b[i], b[i + 4]));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(d + (2 * i + 1) * ds_), _mm_unpackhi_epi64(b[i], b[i + 4]));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(d + (2 * i) * ds_),
+                       _mm_unpacklo_epi64(b[i], b[i + 4]));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(d + (2 * i + 1) * ds_),
+                       _mm_unpackhi_epi64(b[i], b[i + 4]));
     }
   };
-  transpose_tiled<uint16_t, 8>(src, ss, dst, ds, rows, cols, tile, transpose_scalar<uint16_t>);
+  transpose_tiled<uint16_t, 8>(src, ss, dst, ds, rows, cols, order, tile,
+                               transpose_scalar<uint16_t>);
 }
 
 // ---- AVX2 ----
 
-__attribute__((target("avx2"))) inline void transpose_32_avx2(const uint32_t* src, int64_t ss,
-                                                              uint32_t* dst, int64_t ds,
-                                                              int64_t rows, int64_t cols) {
+__attribute__((target("avx2"))) inline void transpose_32_avx2(
+    const uint32_t* src, int64_t ss, uint32_t* dst, int64_t ds, int64_t rows, int64_t cols,
+    Order order) {
   auto tile = [](const uint32_t* s, int64_t ss_, uint32_t* d, int64_t ds_)
                   __attribute__((target("avx2"))) {
     __m256 r[8], t[8], u[8];
-    for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(reinterpret_cast<const float*>(s + i * ss_));
+    for (int i = 0; i < 8; ++i)
+      r[i] = _mm256_loadu_ps(reinterpret_cast<const float*>(s + i * ss_));
     for (int i = 0; i < 4; ++i) {
       t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
       t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
@@ -124,19 +127,22 @@ __attribute__((target("avx2"))) inline void transpose_32_avx2(const uint32_t* sr
         u[4 * i + 2 * k + 1] = _mm256_shuffle_ps(t[4 * i + k], t[4 * i + k + 2], 0xEE);
       }
     }
-    for (int i = 0; i < 4; ++i) {  // u[i] holds columns i and i + 4 of rows 0-3, u[i + 4] of rows 4-7
-      _mm256_storeu_ps(reinterpret_cast<float*>(d + i * ds_), _mm256_permute2f128_ps(u[i], u[i + 4], 0x20));
-      _mm256_storeu_ps(reinterpret_cast<float*>(d + (i + 4) * ds_), _mm256_permute2f128_ps(u[i], u[i + 4], 0x31));
+    // u[i] holds columns i and i + 4 of rows 0-3, u[i + 4] the same columns of rows 4-7.
+    for (int i = 0; i < 4; ++i) {
+      _mm256_storeu_ps(reinterpret_cast<float*>(d + i * ds_),
+                       _mm256_permute2f128_ps(u[i], u[i + 4], 0x20));
+      _mm256_storeu_ps(reinterpret_cast<float*>(d + (i + 4) * ds_),
+                       _mm256_permute2f128_ps(u[i], u[i + 4], 0x31));
     }
   };
-  transpose_tiled<uint32_t, 8>(src, ss, dst, ds, rows, cols, tile, transpose_32_sse);
+  transpose_tiled<uint32_t, 8>(src, ss, dst, ds, rows, cols, order, tile, transpose_32_sse);
 }
 
 // 16x16: the SSE2 rounds run on both 128-bit lanes (columns 0-7 and 8-15) of rows 0-7 and of
 // rows 8-15, then lane swaps put each column's two halves together.
-__attribute__((target("avx2"))) inline void transpose_16_avx2(const uint16_t* src, int64_t ss,
-                                                              uint16_t* dst, int64_t ds,
-                                                              int64_t rows, int64_t cols) {
+__attribute__((target("avx2"))) inline void transpose_16_avx2(
+    const uint16_t* src, int64_t ss, uint16_t* dst, int64_t ds, int64_t rows, int64_t cols,
+    Order order) {
   auto tile = [](const uint16_t* s, int64_t ss_, uint16_t* d, int64_t ds_)
                   __attribute__((target("avx2"))) {
     __m256i y[2][8];
@@ -166,40 +172,43 @@ __attribute__((target("avx2"))) inline void transpose_16_avx2(const uint16_t* sr
                           _mm256_permute2x128_si256(y[0][i], y[1][i], 0x31));
     }
   };
-  transpose_tiled<uint16_t, 16>(src, ss, dst, ds, rows, cols, tile, transpose_16_sse);
+  transpose_tiled<uint16_t, 16>(src, ss, dst, ds, rows, cols, order, tile, transpose_16_sse);
 }
 
-__attribute__((target("avx2"))) inline void transpose_u16_avx2(const Unit16* src, int64_t ss,
-                                                               Unit16* dst, int64_t ds,
-                                                               int64_t rows, int64_t cols) {
+__attribute__((target("avx2"))) inline void transpose_u16_avx2(
+    const Unit16* src, int64_t ss, Unit16* dst, int64_t ds, int64_t rows, int64_t cols,
+    Order order) {
   auto tile = [](const Unit16* s, int64_t ss_, Unit16* d, int64_t ds_)
                   __attribute__((target("avx2"))) {
     const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s));
     const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + ss_));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(d), _mm256_permute2x128_si256(a, b, 0x20));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(d + ds_), _mm256_permute2x128_si256(a, b, 0x31));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(d + ds_),
+                        _mm256_permute2x128_si256(a, b, 0x31));
   };
-  transpose_tiled<Unit16, 2>(src, ss, dst, ds, rows, cols, tile, transpose_scalar<Unit16>);
+  transpose_tiled<Unit16, 2>(src, ss, dst, ds, rows, cols, order, tile,
+                             transpose_scalar<Unit16>);
 }
 
 // ---- AVX-512: 4x4 tiles of 16-byte units, four 64-byte rows shuffled as 128-bit lanes ----
 
-__attribute__((target("avx512f"))) inline void transpose_u16_avx512(const Unit16* src,
-                                                                    int64_t ss, Unit16* dst,
-                                                                    int64_t ds, int64_t rows,
-                                                                    int64_t cols) {
+__attribute__((target("avx512f"))) inline void transpose_u16_avx512(
+    const Unit16* src, int64_t ss, Unit16* dst, int64_t ds, int64_t rows, int64_t cols,
+    Order order) {
   auto tile = [](const Unit16* s, int64_t ss_, Unit16* d, int64_t ds_)
                   __attribute__((target("avx512f"))) {
     const __m512i r0 = _mm512_loadu_si512(s), r1 = _mm512_loadu_si512(s + ss_);
     const __m512i r2 = _mm512_loadu_si512(s + 2 * ss_), r3 = _mm512_loadu_si512(s + 3 * ss_);
-    const __m512i t0 = _mm512_shuffle_i64x2(r0, r1, 0x44), t1 = _mm512_shuffle_i64x2(r0, r1, 0xEE);
-    const __m512i t2 = _mm512_shuffle_i64x2(r2, r3, 0x44), t3 = _mm512_shuffle_i64x2(r2, r3, 0xEE);
+    const __m512i t0 = _mm512_shuffle_i64x2(r0, r1, 0x44);
+    const __m512i t1 = _mm512_shuffle_i64x2(r0, r1, 0xEE);
+    const __m512i t2 = _mm512_shuffle_i64x2(r2, r3, 0x44);
+    const __m512i t3 = _mm512_shuffle_i64x2(r2, r3, 0xEE);
     _mm512_storeu_si512(d, _mm512_shuffle_i64x2(t0, t2, 0x88));
     _mm512_storeu_si512(d + ds_, _mm512_shuffle_i64x2(t0, t2, 0xDD));
     _mm512_storeu_si512(d + 2 * ds_, _mm512_shuffle_i64x2(t1, t3, 0x88));
     _mm512_storeu_si512(d + 3 * ds_, _mm512_shuffle_i64x2(t1, t3, 0xDD));
   };
-  transpose_tiled<Unit16, 4>(src, ss, dst, ds, rows, cols, tile, transpose_u16_avx2);
+  transpose_tiled<Unit16, 4>(src, ss, dst, ds, rows, cols, order, tile, transpose_u16_avx2);
 }
 
 enum class Isa { kBase = 0, kAvx2 = 1, kAvx512 = 2 };
@@ -231,18 +240,22 @@ inline Isa transpose_isa() {
 
 // dst[c * ds + r] = src[r * ss + c] for r < rows, c < cols, with the best tiles available.
 template <typename T>
-void transpose(const T* src, int64_t ss, T* dst, int64_t ds, int64_t rows, int64_t cols) {
+void transpose(const T* src, int64_t ss, T* dst, int64_t ds, int64_t rows, int64_t cols,
+               Order order) {
 #ifdef LMC_X86
   const Isa isa = transpose_isa();
   if constexpr (sizeof(T) == 16) {
-    if (isa == Isa::kAvx512) return transpose_u16_avx512(src, ss, dst, ds, rows, cols);
-    if (isa == Isa::kAvx2) return transpose_u16_avx2(src, ss, dst, ds, rows, cols);
+    // 4x4 tiles of 64-byte rows won when walking source bands; walking destination bands,
+    // 2x2 tiles of 32-byte rows did better.
+    if (isa == Isa::kAvx512 && order == Order::kSourceBands)
+      return transpose_u16_avx512(src, ss, dst, ds, rows, cols, order);
+    if (isa != Isa::kBase) return transpose_u16_avx2(src, ss, dst, ds, rows, cols, order);
   } else if constexpr (sizeof(T) == 4) {
-    if (isa != Isa::kBase) return transpose_32_avx2(src, ss, dst, ds, rows, cols);
-    return transpose_32_sse(src, ss, dst, ds, rows, cols);
+    if (isa != Isa::kBase) return transpose_32_avx2(src, ss, dst, ds, rows, cols, order);
+    return transpose_32_sse(src, ss, dst, ds, rows, cols, order);
   } else if constexpr (sizeof(T) == 2) {
-    if (isa != Isa::kBase) return transpose_16_avx2(src, ss, dst, ds, rows, cols);
-    return transpose_16_sse(src, ss, dst, ds, rows, cols);
+    if (isa != Isa::kBase) return transpose_16_avx2(src, ss, dst, ds, rows, cols, order);
+    return transpose_16_sse(src, ss, dst, ds, rows, cols, order);
   }
 #endif
   transpose_scalar(src, ss, dst, ds, rows, cols);

@@ -59,7 +59,8 @@ template <typename U>
 void launch(const TransferPlan& p, char* object, char* const* caches, const int64_t* slots,
             cudaStream_t stream) {
   const int64_t units = p.object.hidden * p.element_size / static_cast<int64_t>(sizeof(U));
-  const int threads = static_cast<int>(std::min<int64_t>(512, std::max<int64_t>(32, (units + 31) / 32 * 32)));
+  const int64_t warps = (units + 31) / 32;
+  const int threads = static_cast<int>(std::min<int64_t>(512, std::max<int64_t>(32, warps * 32)));
   const dim3 grid(static_cast<unsigned>(p.object.num_tokens),
                   static_cast<unsigned>(p.num_kv * p.object.num_layers));
   kv_transfer_kernel<U><<<grid, threads, 0, stream>>>(p, object, caches, slots);
