@@ -1,4 +1,5 @@
-"""The scheduler-to-worker channel of the v1 door: framing, a real Unix socket, errors."""
+"""The scheduler-to-worker channel of the v1 door: framing (lookups with the request id they pin
+for, unpins), a real Unix socket, errors."""
 
 from __future__ import annotations
 
@@ -17,8 +18,11 @@ from lmcache.integration.vllm.v1.worker_channel import (
     SocketChannel,
     WorkerChannelServer,
     channel_socket_path,
+    MAX_REQUEST_ID_BYTES,
     decode_lookup,
+    decode_unpin,
     encode_lookup,
+    encode_unpin,
 )
 
 
@@ -27,17 +31,23 @@ class Endpoint:
 
     def __init__(self) -> None:
         self.calls: list[tuple[list[int], str]] = []
+        self.request_ids: list[str] = []
+        self.unpinned: list[list[str]] = []
         self.counters = {"r1": RequestCounters(loaded_tokens=7, stored_tokens=9)}
 
-    def lookup(self, token_ids, cache_salt):
+    def lookup(self, token_ids, cache_salt, request_id=""):
         tokens = list(token_ids)
         self.calls.append((tokens, cache_salt))
+        self.request_ids.append(request_id)
         if cache_salt == "explode":
             raise KeyError("no such tier")
         hit = 0
         while hit < len(tokens) and tokens[hit] % 2 == 0:
             hit += 1
         return hit
+
+    def unpin(self, request_ids):
+        self.unpinned.append(list(request_ids))
 
     def pop_request_counters(self, req_id):
         return self.counters.pop(req_id, None) or RequestCounters()
@@ -57,12 +67,38 @@ def served():
 
 def test_lookup_body_round_trip_and_checks():
     tokens = [0, 5, 2**31 - 1, 1023]
-    assert decode_lookup(encode_lookup(tokens, "sälz")) == (tokens, "sälz")
-    assert decode_lookup(encode_lookup([], "")) == ([], "")
+    assert decode_lookup(encode_lookup(tokens, "sälz")) == (tokens, "sälz", "")
+    assert decode_lookup(encode_lookup(tokens, "sälz", "cmpl-7-0")) == (tokens, "sälz", "cmpl-7-0")
+    assert decode_lookup(encode_lookup([], "")) == ([], "", "")
     with pytest.raises(ValueError, match="salt length"):
-        decode_lookup(encode_lookup([1], "abc")[:5])
+        decode_lookup(encode_lookup([1], "abc")[:9])
+    with pytest.raises(ValueError, match="request id length"):
+        decode_lookup(encode_lookup([1], "", "req")[:6])
+    with pytest.raises(ValueError, match="ends before its length field"):
+        decode_lookup(b"\x00\x00")
     with pytest.raises(ValueError, match="whole int32"):
         decode_lookup(encode_lookup([1], "") + b"\x01")
+    huge_id = (MAX_REQUEST_ID_BYTES + 1).to_bytes(4, "little") + b"x" * (MAX_REQUEST_ID_BYTES + 1)
+    with pytest.raises(ValueError, match="limit 4096"):
+        decode_lookup(huge_id + encode_lookup([1], "")[4:])
+    with pytest.raises(ValueError, match="request id of 4097 bytes exceeds"):
+        encode_lookup([1], "", "x" * (MAX_REQUEST_ID_BYTES + 1))
+
+
+def test_unpin_body_round_trip_and_checks():
+    ids = ["a", "cmpl-ä-1", ""]
+    assert decode_unpin(encode_unpin(ids)) == ids
+    assert decode_unpin(encode_unpin([])) == []
+    body = encode_unpin(["abc", "de"])
+    with pytest.raises(ValueError, match="shorter than its count"):
+        decode_unpin(b"\x01")
+    with pytest.raises(ValueError, match="does not fit"):
+        decode_unpin(body[:-1])
+    with pytest.raises(ValueError, match="bytes after its 2 request ids"):
+        decode_unpin(body + b"\x00")
+    # A count the body cannot hold is refused before any loop runs over it.
+    with pytest.raises(ValueError, match="unpin count 4294967295"):
+        decode_unpin(b"\xff\xff\xff\xff" + body[4:])
 
 
 def test_socket_channel_answers_lookups_and_counters(served):
@@ -75,6 +111,27 @@ def test_socket_channel_answers_lookups_and_counters(served):
         assert client.lookup([], "") == 0
         assert client.pop_request_counters("r1") == RequestCounters(7, 9)
         assert client.pop_request_counters("r1") == RequestCounters(0, 0)
+        assert endpoint.request_ids == ["", ""]
+    finally:
+        client.close()
+
+
+def test_socket_channel_carries_request_ids_and_unpins(served):
+    endpoint, server, path = served
+    client = SocketChannel(path, connect_timeout=5)
+    try:
+        assert client.lookup([2, 2, 3], "", "cmpl-1-0") == 2
+        assert endpoint.request_ids == ["cmpl-1-0"]
+        client.unpin(["cmpl-1-0", "cmpl-2-0"])
+        client.unpin([])
+        assert endpoint.unpinned == [["cmpl-1-0", "cmpl-2-0"], []]
+        # An id the frame cannot carry is a failed call for the scheduler side, not a crash.
+        with pytest.raises(ChannelError, match="cannot send the call: request id of 4097 bytes"):
+            client.lookup([2], "", "x" * (MAX_REQUEST_ID_BYTES + 1))
+        with pytest.raises(ChannelError, match="cannot send the call"):
+            client.unpin(["x" * (MAX_REQUEST_ID_BYTES + 1)])
+        assert client.lookup([2], "", "next") == 1
+        assert endpoint.request_ids[-1] == "next"
     finally:
         client.close()
 
@@ -127,6 +184,9 @@ def test_in_process_channel_calls_through():
     endpoint = Endpoint()
     channel = InProcessChannel(endpoint)
     assert channel.lookup([2, 4, 5], "s") == 2
+    assert channel.lookup([2, 4, 5], "s", "r9") == 2
+    channel.unpin(("r9",))
+    assert endpoint.request_ids == ["", "r9"] and endpoint.unpinned == [["r9"]]
     assert channel.pop_request_counters("r1").stored_tokens == 9
 
 

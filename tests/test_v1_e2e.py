@@ -4,7 +4,8 @@ own `LMCacheConnectorV1` shell loading `LMCacheConnectorV1Impl`.
 Every run is compared with one cache-off run of the same prompts (same scheduler settings):
 greedy tokens must be identical and the sampled tokens' logprobs equal up to float rounding (a
 wrong or shifted KV chunk moves them far more). Hit, load and store counts come from the door's
-per-request log line. Engine starts are expensive here, so each run checks several things.
+per-request log line; the engine's close line says no lookup pin outlived its request. Engine
+starts are expensive here, so each run checks several things.
 """
 
 from __future__ import annotations
@@ -41,6 +42,8 @@ LINE_RE = re.compile(
     r"LMCache request (\S+): prompt_tokens=(\d+) vllm_cached_tokens=(\d+) lmcache_hit_tokens=(\d+) "
     r"loaded_tokens=(\d+) stored_tokens=(\d+)(?: \(not stored: ([^)]*)\))?"
 )
+
+CLOSE_RE = re.compile(r"LMCache engine closed: live_pins=(\d+) pinned_requests=(\d+)")
 
 # LMCache settings for every cache-on run; the CPU tier is kept small on this shared machine.
 LMCACHE_ENV = {"VLLM_USE_V1": "1", "LMCACHE_MAX_LOCAL_CPU_SIZE": "0.25", "LMCACHE_LOG_LEVEL": "INFO"}
@@ -120,6 +123,14 @@ def assert_same_as_baseline(result: Run, prompts, baseline) -> None:
                 assert diff <= LOGPROB_TOLERANCE, f"{where}: logprobs differ by {diff}"
 
 
+def assert_no_pins_left(result: Run) -> None:
+    """Every pin a lookup took was released (after its load, or when its promise was dropped)
+    before the engine closed at process exit."""
+    closes = CLOSE_RE.findall(result.log)
+    assert closes, "the LMCache engine's close line is missing from the log"
+    assert all(close == ("0", "0") for close in closes), closes
+
+
 def hits(lines):
     return [(ln.prompt, ln.vllm_cached, ln.hit, ln.loaded, ln.stored) for ln in lines]
 
@@ -151,6 +162,7 @@ def test_repeat_shared_prefix_chunked_prefill_batch_and_skip_save(tiny_model, ba
     ]
     assert sorted(lines[13:]) == [(1100, 0, 1100, 1100, 0), (1424, 0, 1424, 1424, 0), (1500, 0, 1500, 1500, 0)]
     assert all("lmcache.skip_save" in ln.not_stored for ln in (result.lines[4], result.lines[12]))
+    assert_no_pins_left(result)
 
 
 def test_prefix_caching_on_disk_tier_across_processes_and_worker_channel(tiny_model, baseline, tmp_path):
@@ -166,6 +178,7 @@ def test_prefix_caching_on_disk_tier_across_processes_and_worker_channel(tiny_mo
         (1424, 1408, 1424, 16, 0),
         (1424, 1408, 1424, 16, 0),
     ]
+    assert_no_pins_left(writer)  # incl. lookups whose promise vLLM's own cache made moot
     assert [name for _, _, names in os.walk(tmp_path / "disk") for name in names], "nothing reached the disk"
 
     # A new process with the same disk tier, as a consumer: hits from disk, stores nothing. Its
@@ -184,6 +197,7 @@ def test_prefix_caching_on_disk_tier_across_processes_and_worker_channel(tiny_mo
         (1100, 0, 0, 0, 0),  # the consumer did not store it
     ]
     assert all(ln.not_stored == "kv_role is kv_consumer" for ln in reader.lines)
+    assert_no_pins_left(reader)  # pins taken over the socket, released in the worker process
 
 
 def test_force_skip_save_stores_nothing(tiny_model, baseline):

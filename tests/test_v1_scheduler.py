@@ -293,3 +293,76 @@ def test_request_finished_logs_one_line_and_forgets_the_request(caplog):
     assert side.num_tracked_requests() == 0
     # A later step for a finished request id changes nothing.
     assert side.build_connector_meta(scheduler_output(finished={"req-7"})).requests == []
+
+
+# ----- pins: every lookup names its request; a dropped promise is released at once ---------------
+
+
+def test_lookups_pin_for_their_request_and_a_kept_promise_is_left_to_the_worker():
+    side, channel, driver = make_side(hit=lambda tokens, salt: 512)
+    req = only(driver.admit(make_request("a", PROMPT), 1000))
+    assert channel.lookup_ids == ["a"]
+    assert req.load_spec is not None and req.load_spec.can_load
+    assert channel.unpinned == []  # the worker releases them after its load
+
+
+def test_a_promise_vllm_does_not_need_is_released_at_once():
+    # vLLM's own prefix cache already covers LMCache's hit.
+    side, channel, driver = make_side(hit=lambda tokens, salt: 256)
+    driver.admit(make_request("b", PROMPT), 1000, vllm_cached=512)
+    assert channel.unpinned == ["b"]
+    # No hit: nothing was pinned, nothing to release.
+    side, channel, driver = make_side(hit=lambda tokens, salt: 0)
+    driver.admit(make_request("c", PROMPT), 1000)
+    assert channel.lookup_ids == ["c"] and channel.unpinned == []
+
+
+def test_no_allocation_for_external_tokens_releases_the_pins():
+    side, channel, driver = make_side(hit=lambda tokens, salt: 512)
+    request = make_request("a", PROMPT)
+    assert side.get_num_new_matched_tokens(request, 0) == 512
+    assert channel.unpinned == []
+    side.update_state_after_alloc(request, 0)
+    assert channel.unpinned == ["a"]
+
+
+def test_a_request_that_waits_again_is_looked_up_again_under_the_same_id():
+    # vLLM could not allocate blocks: no update_state_after_alloc, the next step asks again and
+    # the worker's engine replaces the request's pins.
+    side, channel, driver = make_side(hit=lambda tokens, salt: 512)
+    request = make_request("a", PROMPT)
+    side.get_num_new_matched_tokens(request, 0)
+    assert only(driver.admit(request, 1000)).load_spec == LoadSpec(0, 512, can_load=True)
+    assert channel.lookup_ids == ["a", "a"] and channel.unpinned == []
+
+
+def test_a_resumed_request_without_a_tracker_drops_its_promise():
+    side, channel, driver = make_side(hit=lambda tokens, salt: 256)
+    request = make_request("a", PROMPT)
+    side.get_num_new_matched_tokens(request, 0)
+    side.update_state_after_alloc(request, 256)
+    from vllm.v1.core.sched.output import CachedRequestData
+
+    cached = CachedRequestData(
+        req_ids=["a"], resumed_from_preemption=[True], new_token_ids=[], new_block_ids=[([1, 2],)],
+        num_computed_tokens=[256],
+    )
+    assert side.build_connector_meta(scheduler_output(cached=cached, num_scheduled={"a": 16})).requests == []
+    assert channel.unpinned == ["a"]
+
+
+def test_an_unpin_that_cannot_reach_the_worker_is_logged_not_raised(caplog):
+    side, channel, driver = make_side(hit=lambda tokens, salt: 512)
+
+    def broken(request_ids):
+        raise ChannelError("worker gone")
+
+    channel.unpin = broken
+    request = make_request("a", PROMPT)
+    side.get_num_new_matched_tokens(request, 0)
+    logging.getLogger("lmcache").addHandler(caplog.handler)
+    try:
+        side.update_state_after_alloc(request, 0)
+    finally:
+        logging.getLogger("lmcache").removeHandler(caplog.handler)
+    assert "cannot release LMCache pins now: worker gone" in caplog.text

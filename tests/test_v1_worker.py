@@ -126,11 +126,33 @@ def test_salted_keys_do_not_match_plain_ones(setup):
     assert worker.lookup(PROMPT[:300] + [5] + PROMPT[301:], "") == 256
 
 
+def live_pins(worker) -> int:
+    return worker.engine.stats().live_pins
+
+
+def test_chunks_gone_after_the_lookup_are_still_loaded_then_released(setup):
+    worker, side, driver, caches = setup
+    worker.wait_for_save(driver.admit(make_request("a", PROMPT), len(PROMPT)))
+    expected = token_kv(caches, driver.slots("a", 600))
+    meta = driver.admit(make_request("b", PROMPT), len(PROMPT))
+    assert live_pins(worker) == 3  # the scheduler side's lookup pinned the 3 chunks for "b"
+    # Every chunk disappears between the lookup and the load (evicted, a tier lost it).
+    for key in [key for _, _, key in worker.engine.token_database.process_tokens(PROMPT)]:
+        worker.engine.storage_manager.remove(key)
+    assert worker.lookup(PROMPT, "") == 0
+    worker.start_load_kv(meta, None)
+    assert worker.pop_request_counters("b").loaded_tokens == 600
+    assert torch.equal(token_kv(caches, driver.slots("b", 600)), expected)
+    assert live_pins(worker) == 0
+    assert worker.engine.memory_allocator.used_bytes == 0  # the pins held the last references
+
+
 def test_fewer_tokens_than_promised_are_reported(setup, caplog):
     worker, side, driver, caches = setup
     worker.wait_for_save(driver.admit(make_request("a", PROMPT), len(PROMPT)))
     meta = driver.admit(make_request("b", PROMPT), len(PROMPT))
-    # The last chunk disappears between the lookup and the load.
+    # Without its pins (released behind the door's back), the last chunk can disappear.
+    worker.unpin(["b"])
     keys = [key for _, _, key in worker.engine.token_database.process_tokens(PROMPT)]
     worker.engine.storage_manager.remove(keys[-1])
     logging.getLogger("lmcache").addHandler(caplog.handler)
@@ -140,6 +162,65 @@ def test_fewer_tokens_than_promised_are_reported(setup, caplog):
         logging.getLogger("lmcache").removeHandler(caplog.handler)
     assert worker.pop_request_counters("b").loaded_tokens == 512
     assert "promised 600 tokens but loaded 512" in caplog.text
+
+
+def test_every_way_a_promise_ends_releases_its_pins(setup):
+    worker, side, driver, caches = setup
+    worker.wait_for_save(driver.admit(make_request("a", PROMPT), len(PROMPT)))
+    assert live_pins(worker) == 0
+
+    # vLLM already has more than LMCache: the scheduler side drops the promise at once.
+    meta = driver.admit(make_request("b", PROMPT[:300]), 300, vllm_cached=288)
+    assert driver.returned["b"] == 0 and live_pins(worker) == 0
+
+    # vLLM allocated no blocks for LMCache's tokens.
+    request = make_request("c", PROMPT)
+    assert side.get_num_new_matched_tokens(request, 0) == 599
+    assert live_pins(worker) == 3
+    side.update_state_after_alloc(request, 0)
+    assert live_pins(worker) == 0
+
+    # Looked up twice (no blocks the first time): replaced, not added; then aborted while waiting.
+    request = make_request("d", PROMPT)
+    side.get_num_new_matched_tokens(request, 0)
+    side.get_num_new_matched_tokens(request, 0)
+    assert live_pins(worker) == 3 and worker.engine.stats().pinned_requests == 1
+    side.request_finished(request, [])
+    assert worker.get_finished({"d", "never-seen"}) == (None, None)
+    assert live_pins(worker) == 0
+
+    # A load that fails still releases what it promised.
+    meta = driver.admit(make_request("e", PROMPT), len(PROMPT))
+    assert live_pins(worker) == 3
+
+    def broken_retrieve(*args, **kwargs):
+        raise RuntimeError("kernel failed")
+
+    worker.engine.retrieve = broken_retrieve
+    with pytest.raises(RuntimeError, match="kernel failed"):
+        worker.start_load_kv(meta, None)
+    assert live_pins(worker) == 0
+    del worker.engine.retrieve
+
+    # Two requests loading in one step: both released after the step's loads.
+    metas = [driver.admit(make_request(r, PROMPT), len(PROMPT)) for r in ("f", "g")]
+    assert live_pins(worker) == 6 and worker.engine.stats().pinned_requests == 2
+    both = LMCacheConnectorMetadata(requests=metas[0].requests + metas[1].requests)
+    worker.start_load_kv(both, None)
+    assert live_pins(worker) == 0
+    assert [worker.pop_request_counters(r).loaded_tokens for r in ("f", "g")] == [600, 600]
+
+
+def test_a_step_without_loads_leaves_pins_alone(setup):
+    worker, side, driver, caches = setup
+    worker.wait_for_save(driver.admit(make_request("a", PROMPT), len(PROMPT)))
+    request = make_request("b", PROMPT)
+    side.get_num_new_matched_tokens(request, 0)  # waiting for blocks
+    worker.start_load_kv(LMCacheConnectorMetadata(), None)
+    worker.start_load_kv(driver.run(driver.requests["a"], 1), None)
+    assert live_pins(worker) == 3
+    worker.engine.close()
+    assert live_pins(worker) == 0 and worker.engine.memory_allocator.used_bytes == 0
 
 
 def test_counters_of_finished_requests_are_dropped(setup):

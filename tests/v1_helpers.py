@@ -80,17 +80,24 @@ def scheduler_output(
 
 @dataclass
 class RecordingChannel:
-    """A worker channel whose hit count comes from `hit(tokens, salt)`; records every call."""
+    """A worker channel whose hit count comes from `hit(tokens, salt)`; records every call (lookups
+    with the request id they pin for, unpins, counter reads)."""
 
     hit: Callable[[list[int], str], int] = lambda tokens, salt: 0
     lookups: list[tuple[list[int], str]] = field(default_factory=list)
+    lookup_ids: list[str] = field(default_factory=list)  # the request id each lookup pinned for
+    unpinned: list[str] = field(default_factory=list)
     counters: dict[str, RequestCounters] = field(default_factory=dict)
     popped: list[str] = field(default_factory=list)
 
-    def lookup(self, token_ids: Sequence[int], cache_salt: str) -> int:
+    def lookup(self, token_ids: Sequence[int], cache_salt: str, request_id: str = "") -> int:
         tokens = list(token_ids)
         self.lookups.append((tokens, cache_salt))
+        self.lookup_ids.append(request_id)
         return self.hit(tokens, cache_salt)
+
+    def unpin(self, request_ids: Sequence[str]) -> None:
+        self.unpinned.extend(request_ids)
 
     def pop_request_counters(self, req_id: str) -> RequestCounters:
         self.popped.append(req_id)

@@ -5,6 +5,8 @@ Store: tokens -> chunks and keys (token database) -> for each chunk not cached y
 object from the CPU tier's allocator, filled by the connector, handed to every tier.
 Retrieve: chunk by chunk from the fastest tier that has it, into the serving engine's KV cache
 by the connector, stopping at the first missing chunk.
+Lookup: the cached prefix length; a pinned lookup also holds that prefix in CPU memory for a
+request id (see `pins.py`) so the retrieve that follows cannot come back short.
 
 A cache problem (memory full, a tier failing, a bad chunk on disk) never raises into the serving
 path: it is logged, counted, and becomes a skipped store or a miss. Caller errors (a bad mask,
@@ -12,18 +14,19 @@ missing connector kwargs) still raise.
 """
 
 import threading
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
 from lmcache.config import LMCacheEngineMetadata
 from lmcache.experimental.config import LMCacheEngineConfig
 from lmcache.experimental.gpu_connector import GPUConnectorInterface
-from lmcache.experimental.memory_management import MemoryAllocatorInterface, MemoryFormat, MixedMemoryAllocator
+from lmcache.experimental.memory_management import MemoryAllocatorInterface, MemoryFormat, MemoryObj, MixedMemoryAllocator
 from lmcache.experimental.stats import EngineStats, EngineStatsSnapshot
 from lmcache.experimental.storage_backend import GB, StorageManager, create_storage_manager
 from lmcache.experimental.token_database import ChunkedTokenDatabase, TokenDatabase
 from lmcache.logging import init_logger
+from lmcache.utils import CacheEngineKey
 
 logger = init_logger(__name__)
 
@@ -166,20 +169,69 @@ class LMCacheEngine:
         search_range: Optional[List[str]] = None,
         *,
         cache_salt: Optional[str] = None,
+        request_id: Optional[str] = None,
+        pin: bool = False,
     ) -> int:
         """How many leading tokens are cached, searching the tiers named in `search_range`
-        (a subset of ["Hot", "LocalDiskBackend", ...]; None = all tiers)."""
+        (a subset of ["Hot", "LocalDiskBackend", ...]; None = all tiers).
+
+        With `pin=True` (needs `request_id`) the answer is a promise a later `retrieve` can keep:
+        every chunk of the prefix is brought into CPU memory now (read from a slower tier if need
+        be) and held for `request_id` until `lookup_unpin([request_id])`, replacing that id's
+        earlier pins. The count is then only the prefix that could be pinned: a chunk that cannot
+        be read or allocated ends it (logged and counted, never raised).
+        """
         if search_range is not None and (
             isinstance(search_range, str) or not all(isinstance(name, str) for name in search_range)
         ):
             raise ValueError(f"search_range must be a list of tier names, got {search_range!r}")
+        if pin and (not isinstance(request_id, str) or not request_id):
+            raise ValueError(f"lookup(pin=True) needs a request_id (a non-empty str), got {request_id!r}")
         hit = 0
-        for _, end, key in self.token_database.process_tokens(tokens, cache_salt=cache_salt or ""):
+        chunks: List[Tuple[int, int, CacheEngineKey]] = []
+        for start, end, key in self.token_database.process_tokens(tokens, cache_salt=cache_salt or ""):
             if not self.storage_manager.contains(key, search_range):
                 break
             hit = end
+            chunks.append((start, end, key))
+        if pin:
+            assert request_id is not None
+            hit = self._pin(request_id, chunks, search_range)
         self._stats.record_lookup(len(tokens), hit)
         return hit
+
+    def _pin(self, request_id: str, chunks: List[Tuple[int, int, CacheEngineKey]], search_range: Optional[List[str]]) -> int:
+        """Pin the chunks of a found prefix; the tokens covered by the run that was pinned."""
+
+        def usable(i: int, obj: MemoryObj) -> bool:
+            start, end, key = chunks[i]
+            expected = self.gpu_connector.get_shape(end - start)
+            if obj.metadata.shape == expected and obj.metadata.dtype == self.metadata.kv_dtype:
+                return True
+            logger.warning(
+                "chunk %s has shape %s %s, expected %s %s: not pinning it",
+                key.chunk_hash, list(obj.metadata.shape), obj.metadata.dtype, list(expected), self.metadata.kv_dtype,
+            )
+            return False
+
+        if self._closed:
+            logger.warning("pinned lookup on a closed engine: nothing pinned for request %s", request_id)
+            return 0
+        found = chunks[-1][1] if chunks else 0
+        count = self.storage_manager.pin_prefix(request_id, [key for _, _, key in chunks], search_range, usable)
+        pinned = chunks[count - 1][1] if count else 0
+        if pinned < found:
+            logger.warning(
+                "request %s: lookup found %d cached tokens but could pin only %d (a chunk could not be read "
+                "into memory: CPU memory full of pinned or in-flight chunks, or a tier failed)",
+                request_id, found, pinned,
+            )
+            self._stats.record_pin_failure(found - pinned)
+        return pinned
+
+    def lookup_unpin(self, request_ids: Iterable[str]) -> None:
+        """Release the pins of these requests' lookups (ids without pins are ignored)."""
+        self.storage_manager.pins.unpin(request_ids)
 
     def prefetch(
         self,
@@ -199,12 +251,16 @@ class LMCacheEngine:
         return self._stats.snapshot()
 
     def close(self) -> None:
-        """Wait for pending writes of every tier, then release the CPU tier's objects."""
+        """Wait for pending writes of every tier, then release every pin and the CPU tier's objects."""
         with self._close_lock:
             if self._closed:
                 return
             self._closed = True
+        pins, requests = self.storage_manager.pins.num_pins, self.storage_manager.pins.num_requests
         self.storage_manager.close()
+        # The serving engine unpins every request it looked up; pins left here are a leak (tests read this line).
+        log = logger.warning if pins else logger.info
+        log("LMCache engine closed: live_pins=%d pinned_requests=%d at close (released)", pins, requests)
 
 
 class LMCacheEngineBuilder:

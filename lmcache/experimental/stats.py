@@ -1,5 +1,8 @@
 """Counters of what the cache engine and its tiers did, and the snapshots that report them.
 
+Most numbers only grow; the pin gauges (`live_pins`, `pinned_requests`) are set to the pin
+registry's current state.
+
 The counters are bumped from the serving thread and from the tiers' background threads, so each
 holder guards its numbers with a lock; readers get a frozen snapshot dataclass, never live state.
 """
@@ -34,6 +37,9 @@ class EngineStatsSnapshot:
     stored_tokens: int = 0  # tokens newly stored
     store_skipped_tokens: int = 0  # tokens whose chunk was already cached
     store_dropped_tokens: int = 0  # tokens not stored: memory full or a tier failed
+    pin_failed_tokens: int = 0  # tokens a pinned lookup found in a tier but could not pin (read or memory failed)
+    live_pins: int = 0  # gauge: (request, chunk) pins held right now; 0 once every request loaded or ended
+    pinned_requests: int = 0  # gauge: request ids holding pins right now
     tiers: Mapping[str, TierStatsSnapshot] = field(default_factory=dict)
 
     @property
@@ -106,6 +112,15 @@ class EngineStats:
 
     def record_lookup(self, requested: int, hit: int) -> None:
         self._add(lookup_requested_tokens=requested, lookup_hit_tokens=hit)
+
+    def record_pin_failure(self, tokens: int) -> None:
+        self._add(pin_failed_tokens=tokens)
+
+    def set_pins(self, live_pins: int, pinned_requests: int) -> None:
+        """Set the pin gauges (the pin registry calls this on every change)."""
+        with self._lock:
+            self._counts["live_pins"] = live_pins
+            self._counts["pinned_requests"] = pinned_requests
 
     def record_store(self, requested: int, stored: int, skipped: int, dropped: int) -> None:
         self._add(

@@ -3,7 +3,8 @@
 It also owns allocation for the whole engine. The engine has one allocator of
 `max_local_cpu_size` GB; when it is full, this tier frees least recently used objects that nobody
 else holds (an object whose only reference is the tier's own) until the allocation fits. Objects
-in use - being copied to a connector, or waiting for a disk/remote write - are never evicted.
+in use - being copied to a connector, waiting for a disk/remote write, or pinned by a lookup
+(`pins.py`) - are never evicted.
 """
 
 import math

@@ -4,14 +4,19 @@ Writes go to every tier; reads come from the fastest tier that has the chunk, an
 lower tier is promoted into the CPU tier. A tier that raises is logged and counted, and the
 operation degrades to a miss or a dropped put: a cache problem never reaches the serving path.
 Allocation goes through the CPU tier, which evicts idle objects to make room.
+
+Pins (`pins.py`): `pin_prefix` makes a run of chunks resident in CPU memory and holds them for a
+request until it is unpinned; reads look at pinned objects right after the CPU tier, so a pinned
+chunk is served from memory even if every tier has lost it since.
 """
 
 import threading
-from typing import Iterable, List, Optional, Sequence, Set
+from typing import Callable, Iterable, List, Optional, Sequence, Set
 
 import torch
 
 from lmcache.experimental.memory_management import MemoryFormat, MemoryObj
+from lmcache.experimental.pins import PinRegistry
 from lmcache.experimental.stats import EngineStats
 from lmcache.experimental.storage_backend.abstract_backend import StorageBackendInterface
 from lmcache.experimental.storage_backend.local_cpu_backend import LocalCPUBackend
@@ -36,6 +41,7 @@ class StorageManager:
         self._cpu = local_cpu_backend
         self._tiers: List[StorageBackendInterface] = list(tiers)
         self._stats = stats if stats is not None else EngineStats()
+        self.pins = PinRegistry(self._stats)
         self._lock = threading.Lock()
         self._warned_names: Set[str] = set()
         self._closed = False
@@ -98,20 +104,68 @@ class StorageManager:
                 self._tier_failed(tier, "store", key, err)
         return taken
 
+    def _read(self, tier: StorageBackendInterface, key: CacheEngineKey) -> Optional[MemoryObj]:
+        try:
+            return tier.get_blocking(key)
+        except Exception as err:
+            self._tier_failed(tier, "read", key, err)
+            return None
+
     def get(self, key: CacheEngineKey, search_range: Optional[Iterable[str]] = None) -> Optional[MemoryObj]:
-        """The chunk from the fastest selected tier that has it (caller owns one reference)."""
-        for tier in self._selected(search_range):
-            try:
-                obj = tier.get_blocking(key)
-            except Exception as err:
-                self._tier_failed(tier, "read", key, err)
+        """The chunk from the CPU tier, a pin, or the fastest selected lower tier that has it
+        (caller owns one reference); a lower-tier hit is promoted into the CPU tier."""
+        selected = self._selected(search_range)
+        obj = self.get_resident(key, cpu_tier=self._cpu in selected)
+        if obj is not None:
+            return obj
+        for tier in selected:
+            if tier is self._cpu:
                 continue
+            obj = self._read(tier, key)
             if obj is None:
                 continue
-            if tier is not self._cpu and self._cpu in self._tiers:
+            if self._cpu in self._tiers:
                 self._promote(key, obj)
             return obj
         return None
+
+    def get_resident(self, key: CacheEngineKey, cpu_tier: bool = True) -> Optional[MemoryObj]:
+        """The chunk if it is in CPU memory already (CPU tier or a pin), without reading a lower tier."""
+        if cpu_tier and self._cpu in self._tiers:
+            obj = self._read(self._cpu, key)
+            if obj is not None:
+                return obj
+        return self.pins.get(key)
+
+    def pin_prefix(
+        self,
+        request_id: str,
+        keys: Sequence[CacheEngineKey],
+        search_range: Optional[Iterable[str]] = None,
+        usable: Optional[Callable[[int, MemoryObj], bool]] = None,
+    ) -> int:
+        """Hold the longest run of leading `keys` in CPU memory for `request_id` (replacing its
+        earlier pins); the number of keys pinned. Never raises for a cache problem.
+
+        Chunks already in memory are taken first, so reading the others from slower tiers (which
+        allocates, and may evict idle objects) cannot evict a later chunk of the same run. A
+        chunk that cannot be read, or that `usable(index, obj)` rejects, ends the run.
+        """
+        held: List[Optional[MemoryObj]] = [self.get_resident(key) for key in keys]
+        count = len(keys)
+        for i, key in enumerate(keys):
+            if held[i] is None:
+                held[i] = self.get(key, search_range)
+            obj = held[i]
+            if obj is None or (usable is not None and not usable(i, obj)):
+                count = i
+                break
+        for obj in held[count:]:
+            if obj is not None:
+                obj.ref_count_down()
+        pinned = [(key, obj) for key, obj in zip(keys[:count], held[:count]) if obj is not None]
+        assert len(pinned) == count
+        return count if self.pins.pin(request_id, pinned) else 0
 
     def _promote(self, key: CacheEngineKey, obj: MemoryObj) -> None:
         try:
@@ -121,7 +175,7 @@ class StorageManager:
 
     def prefetch(self, key: CacheEngineKey) -> bool:
         """Start bringing `key` into the CPU tier; True if some tier has it (there or on its way)."""
-        if self._cpu in self._tiers and self._cpu.contains(key):
+        if (self._cpu in self._tiers and self._cpu.contains(key)) or self.pins.contains(key):
             return True
         for tier in self._tiers:
             if tier is self._cpu:
@@ -145,11 +199,12 @@ class StorageManager:
         return removed
 
     def close(self) -> None:
-        """Flush every tier's pending writes (slowest first), then release the CPU tier."""
+        """Flush every tier's pending writes (slowest first), then release pins and the CPU tier."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
+        self.pins.close()
         for tier in reversed(self._tiers):
             if tier is self._cpu:
                 continue

@@ -11,6 +11,11 @@ vLLM calls, per step:
   because stores finish inside the step (`wait_for_save`).
 
 No engine lives here: lookups and the worker's counters go through a `WorkerChannel`.
+
+Each lookup names its request, so the worker's engine pins the prefix it reports until the load
+(see `worker_side.py`). When a promise is not kept - vLLM already has at least as much, or it
+allocated no blocks for LMCache's tokens - this side releases the pins at once (`unpin`); a
+request that ends without loading is released by the worker's `get_finished`.
 """
 
 from __future__ import annotations
@@ -97,7 +102,7 @@ class LMCacheSchedulerSide:
         if num_lookup <= 0:
             return 0
         try:
-            hit = self._channel.lookup(prompt[:num_lookup], policy.cache_salt)
+            hit = self._channel.lookup(prompt[:num_lookup], policy.cache_salt, req_id)
         except ChannelError as err:
             logger.error("request %s: LMCache lookup failed, computing it all: %s", req_id, err)
             return 0
@@ -105,6 +110,8 @@ class LMCacheSchedulerSide:
         # vLLM must compute at least the last prompt token to sample from it.
         claimed = len(prompt) - 1 if hit >= len(prompt) else hit
         if claimed <= num_computed_tokens:
+            if hit > 0:
+                self._unpin(req_id)
             return 0
         self._load_specs[req_id] = LoadSpec(vllm_cached_tokens=num_computed_tokens, lmcache_cached_tokens=hit)
         return claimed - num_computed_tokens
@@ -116,6 +123,7 @@ class LMCacheSchedulerSide:
             return
         if num_external_tokens == 0:
             del self._load_specs[request.request_id]
+            self._unpin(request.request_id)
             return
         promised = min(spec.lmcache_cached_tokens, len(request.prompt_token_ids) - 1) - spec.vllm_cached_tokens
         if num_external_tokens != promised:
@@ -154,6 +162,8 @@ class LMCacheSchedulerSide:
         for i, req_id in enumerate(cached.req_ids):
             tracker, request = self._trackers.get(req_id), self._requests.get(req_id)
             if tracker is None or request is None:
+                if self._load_specs.pop(req_id, None) is not None:
+                    self._unpin(req_id)  # nothing to load it into: drop the promise
                 continue
             # Speculative tokens are scheduled but not part of the request's tokens yet.
             total = min(cached.num_computed_tokens[i] + scheduler_output.num_scheduled_tokens[req_id], request.num_tokens)
@@ -192,6 +202,14 @@ class LMCacheSchedulerSide:
             logger.info("%s", format_request_line(req_id, stats, counters, reason))
         self._forget(req_id)
         return False, None
+
+    def _unpin(self, req_id: str) -> None:
+        """The worker need not hold this request's lookup any longer."""
+        try:
+            self._channel.unpin([req_id])
+        except ChannelError as err:
+            # The worker still releases them when the request ends (`get_finished`).
+            logger.warning("request %s: cannot release LMCache pins now: %s", req_id, err)
 
     def _forget(self, req_id: str) -> None:
         for table in (self._requests, self._policies, self._stats, self._load_specs, self._trackers):

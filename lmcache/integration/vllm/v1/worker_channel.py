@@ -1,18 +1,23 @@
-"""How the scheduler side asks the worker-side engine things: lookups and per-request counters.
+"""How the scheduler side asks the worker-side engine things: lookups, unpins, per-request counters.
 
 In vLLM 0.9.2 v1 with one worker (the `uni` executor) the scheduler and the worker live in the
 engine-core process, so `InProcessChannel` calls the worker side directly. With separate worker
-processes (`mp` executor) worker rank 0 serves the same two calls over a Unix-domain socket on
+processes (`mp` executor) worker rank 0 serves the same calls over a Unix-domain socket on
 this host (`WorkerChannelServer`), and the scheduler side connects to it (`SocketChannel`).
+
+A lookup that names a request id pins the prefix it reports in the worker's engine until the
+worker loads it, the request finishes, or the scheduler side drops the promise (`unpin`).
 
 Wire format (little-endian, no pickle), one request and one reply per exchange:
 
 ```
 request: magic "LMCW" | version u8 | op u8 | body_len u32 | body
-   op 1 LOOKUP:  salt_len u32 | salt utf-8 | token ids int32 ...
+   op 1 LOOKUP:   id_len u32 | request id utf-8 (empty: no pin) | salt_len u32 | salt utf-8
+                  | token ids int32 ...
    op 2 COUNTERS: request id utf-8
+   op 3 UNPIN:    count u32 | count x (id_len u32 | request id utf-8)
 reply:   magic "LMCW" | version u8 | status u8 | body_len u32 | body
-   status 0 OK:  LOOKUP -> hit i64;  COUNTERS -> loaded i64 | stored i64
+   status 0 OK:  LOOKUP -> hit i64;  COUNTERS -> loaded i64 | stored i64;  UNPIN -> empty
    status 1 ERR: message utf-8
 ```
 """
@@ -25,7 +30,7 @@ import struct
 import tempfile
 import threading
 import time
-from typing import TYPE_CHECKING, Optional, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol, Sequence
 
 import numpy as np
 
@@ -38,18 +43,20 @@ if TYPE_CHECKING:
 logger = init_logger(__name__)
 
 MAGIC = b"LMCW"
-VERSION = 1
+VERSION = 2
 OP_LOOKUP = 1
 OP_COUNTERS = 2
+OP_UNPIN = 3
 STATUS_OK = 0
 STATUS_ERROR = 1
 _HEADER = struct.Struct("<4sBBI")
-_LOOKUP_PREFIX = struct.Struct("<I")
+_LEN = struct.Struct("<I")
 _HIT = struct.Struct("<q")
 _COUNTERS = struct.Struct("<qq")
 # A prompt of 16M tokens is far beyond any model; anything bigger is a broken peer.
 MAX_BODY_BYTES = 64 << 20
 MAX_SALT_BYTES = 1 << 20
+MAX_REQUEST_ID_BYTES = 4096
 # UNIX socket paths are limited to 108 bytes including the terminating NUL.
 _MAX_SOCKET_PATH = 107
 
@@ -61,7 +68,9 @@ class ChannelError(RuntimeError):
 class WorkerEndpoint(Protocol):
     """What the worker side answers (implemented by `LMCacheWorkerSide`)."""
 
-    def lookup(self, token_ids: Sequence[int], cache_salt: str) -> int: ...
+    def lookup(self, token_ids: Sequence[int], cache_salt: str, request_id: str = "") -> int: ...
+
+    def unpin(self, request_ids: Sequence[str]) -> None: ...
 
     def pop_request_counters(self, req_id: str) -> RequestCounters: ...
 
@@ -69,7 +78,11 @@ class WorkerEndpoint(Protocol):
 class WorkerChannel(Protocol):
     """What the scheduler side calls."""
 
-    def lookup(self, token_ids: Sequence[int], cache_salt: str) -> int: ...
+    def lookup(self, token_ids: Sequence[int], cache_salt: str, request_id: str = "") -> int:
+        """Cached prefix length; with a `request_id`, that prefix stays pinned for the request."""
+
+    def unpin(self, request_ids: Sequence[str]) -> None:
+        """Release the pins of these requests' lookups."""
 
     def pop_request_counters(self, req_id: str) -> RequestCounters: ...
 
@@ -82,8 +95,11 @@ class InProcessChannel:
     def __init__(self, endpoint: WorkerEndpoint) -> None:
         self._endpoint = endpoint
 
-    def lookup(self, token_ids: Sequence[int], cache_salt: str) -> int:
-        return self._endpoint.lookup(token_ids, cache_salt)
+    def lookup(self, token_ids: Sequence[int], cache_salt: str, request_id: str = "") -> int:
+        return self._endpoint.lookup(token_ids, cache_salt, request_id)
+
+    def unpin(self, request_ids: Sequence[str]) -> None:
+        self._endpoint.unpin(list(request_ids))
 
     def pop_request_counters(self, req_id: str) -> RequestCounters:
         return self._endpoint.pop_request_counters(req_id)
@@ -134,26 +150,60 @@ def _recv_frame(sock: socket.socket) -> tuple[int, bytes]:
     return code, _recv_exact(sock, length)
 
 
-def encode_lookup(token_ids: Sequence[int], cache_salt: str) -> bytes:
-    salt = cache_salt.encode("utf-8")
-    if len(salt) > MAX_SALT_BYTES:
-        raise ValueError(f"cache_salt of {len(salt)} bytes exceeds the {MAX_SALT_BYTES}-byte limit")
-    tokens = np.asarray(token_ids, dtype="<i4").tobytes()
-    return _LOOKUP_PREFIX.pack(len(salt)) + salt + tokens
+def _encode_text(text: str, limit: int, what: str) -> bytes:
+    raw = text.encode("utf-8")
+    if len(raw) > limit:
+        raise ValueError(f"{what} of {len(raw)} bytes exceeds the {limit}-byte limit")
+    return _LEN.pack(len(raw)) + raw
 
 
-def decode_lookup(body: bytes) -> tuple[list[int], str]:
-    if len(body) < _LOOKUP_PREFIX.size:
-        raise ValueError("lookup body shorter than its salt length field")
-    (salt_len,) = _LOOKUP_PREFIX.unpack_from(body)
-    start = _LOOKUP_PREFIX.size
-    if salt_len > MAX_SALT_BYTES or start + salt_len > len(body):
-        raise ValueError(f"lookup salt length {salt_len} does not fit the {len(body)}-byte body")
-    salt = body[start : start + salt_len].decode("utf-8")
-    tokens = body[start + salt_len :]
+def _decode_text(body: bytes, offset: int, limit: int, what: str) -> tuple[str, int]:
+    """The length-prefixed string at `offset` and the offset after it."""
+    if offset + _LEN.size > len(body):
+        raise ValueError(f"{what}: body of {len(body)} bytes ends before its length field")
+    (length,) = _LEN.unpack_from(body, offset)
+    start = offset + _LEN.size
+    if length > limit or start + length > len(body):
+        raise ValueError(f"{what} length {length} does not fit the {len(body)}-byte body (limit {limit})")
+    return body[start : start + length].decode("utf-8"), start + length
+
+
+def encode_lookup(token_ids: Sequence[int], cache_salt: str, request_id: str = "") -> bytes:
+    head = _encode_text(request_id, MAX_REQUEST_ID_BYTES, "request id")
+    salt = _encode_text(cache_salt, MAX_SALT_BYTES, "cache_salt")
+    return head + salt + np.asarray(token_ids, dtype="<i4").tobytes()
+
+
+def decode_lookup(body: bytes) -> tuple[list[int], str, str]:
+    """(token ids, cache salt, request id) of a LOOKUP body."""
+    request_id, offset = _decode_text(body, 0, MAX_REQUEST_ID_BYTES, "lookup request id")
+    salt, offset = _decode_text(body, offset, MAX_SALT_BYTES, "lookup salt")
+    tokens = body[offset:]
     if len(tokens) % 4:
         raise ValueError(f"lookup token bytes ({len(tokens)}) are not whole int32 values")
-    return np.frombuffer(tokens, dtype="<i4").tolist(), salt
+    return np.frombuffer(tokens, dtype="<i4").tolist(), salt, request_id
+
+
+def encode_unpin(request_ids: Sequence[str]) -> bytes:
+    parts = [_LEN.pack(len(request_ids))]
+    parts.extend(_encode_text(request_id, MAX_REQUEST_ID_BYTES, "request id") for request_id in request_ids)
+    return b"".join(parts)
+
+
+def decode_unpin(body: bytes) -> list[str]:
+    if len(body) < _LEN.size:
+        raise ValueError("unpin body shorter than its count field")
+    (count,) = _LEN.unpack_from(body)
+    # Each id takes at least its length field: a count the body cannot hold is a broken peer.
+    if count * _LEN.size > len(body) - _LEN.size:
+        raise ValueError(f"unpin count {count} does not fit the {len(body)}-byte body")
+    request_ids, offset = [], _LEN.size
+    for _ in range(count):
+        request_id, offset = _decode_text(body, offset, MAX_REQUEST_ID_BYTES, "unpin request id")
+        request_ids.append(request_id)
+    if offset != len(body):
+        raise ValueError(f"unpin body has {len(body) - offset} bytes after its {count} request ids")
+    return request_ids
 
 
 # ----- server (worker side) ------------------------------------------------------------------
@@ -211,8 +261,11 @@ class WorkerChannelServer:
 
     def _handle(self, op: int, body: bytes) -> bytes:
         if op == OP_LOOKUP:
-            tokens, salt = decode_lookup(body)
-            return _HIT.pack(self._endpoint.lookup(tokens, salt))
+            tokens, salt, request_id = decode_lookup(body)
+            return _HIT.pack(self._endpoint.lookup(tokens, salt, request_id))
+        if op == OP_UNPIN:
+            self._endpoint.unpin(decode_unpin(body))
+            return b""
         if op == OP_COUNTERS:
             counters = self._endpoint.pop_request_counters(body.decode("utf-8"))
             return _COUNTERS.pack(counters.loaded_tokens, counters.stored_tokens)
@@ -275,9 +328,20 @@ class SocketChannel:
             raise ChannelError(f"LMCache worker channel at {self.path!r}: reply of {len(reply)} bytes, expected {layout.size}")
         return layout.unpack(reply)
 
-    def lookup(self, token_ids: Sequence[int], cache_salt: str) -> int:
-        reply = self._call(OP_LOOKUP, encode_lookup(token_ids, cache_salt))
+    def _encode(self, encoder: Callable[..., bytes], *args: Any) -> bytes:
+        try:
+            return encoder(*args)
+        except ValueError as err:  # a call this channel cannot carry is a failed call, like a dead peer
+            raise ChannelError(f"LMCache worker channel at {self.path!r}: cannot send the call: {err}") from err
+
+    def lookup(self, token_ids: Sequence[int], cache_salt: str, request_id: str = "") -> int:
+        reply = self._call(OP_LOOKUP, self._encode(encode_lookup, token_ids, cache_salt, request_id))
         return self._unpack(_HIT, reply)[0]
+
+    def unpin(self, request_ids: Sequence[str]) -> None:
+        reply = self._call(OP_UNPIN, self._encode(encode_unpin, list(request_ids)))
+        if reply:
+            raise ChannelError(f"LMCache worker channel at {self.path!r}: unpin reply of {len(reply)} bytes, expected 0")
 
     def pop_request_counters(self, req_id: str) -> RequestCounters:
         loaded, stored = self._unpack(_COUNTERS, self._call(OP_COUNTERS, req_id.encode("utf-8")))

@@ -2,12 +2,20 @@
 
 vLLM calls, per step (inside the forward context):
 - `start_load_kv(metadata, forward_context)`: collect each attention layer's KV cache on first
-  use, then for every request with a load, retrieve LMCache's chunks into vLLM's blocks;
+  use, then for every request with a load, retrieve LMCache's chunks into vLLM's blocks and
+  release the request's pins;
 - `wait_for_save(metadata)`: for every request with a store, store the step's new tokens;
-- `get_finished(finished_req_ids)`: nothing is in flight between steps, so `(None, None)`.
+- `get_finished(finished_req_ids)`: nothing is in flight between steps, so `(None, None)`;
+  pins of requests that ended before their load are released here.
 
-It also answers the scheduler side's channel (`lookup`, `pop_request_counters`), in-process or
-through `WorkerChannelServer` when the scheduler runs in another process.
+It also answers the scheduler side's channel (`lookup`, `unpin`, `pop_request_counters`),
+in-process or through `WorkerChannelServer` when the scheduler runs in another process.
+
+Pins: the scheduler side's lookup names its request, and the engine holds the prefix it reports
+in CPU memory (`LMCacheEngine.lookup(..., pin=True)`) so nothing evicts it before the load. Every
+pin is released by exactly one of: the load (`start_load_kv`, loaded or not), the scheduler side
+dropping the promise (`unpin` over the channel), the request's end (`get_finished`), a new lookup
+for the same request (replaces), or the engine's close.
 
 ```
   load of one request (chunk C, vLLM's own prefix cache V, LMCache hit H):
@@ -113,11 +121,18 @@ class LMCacheWorkerSide:
 
     # ----- channel endpoint ------------------------------------------------------------------------
 
-    def lookup(self, token_ids: Sequence[int], cache_salt: str) -> int:
-        """How many leading tokens of `token_ids` LMCache holds under `cache_salt`."""
+    def lookup(self, token_ids: Sequence[int], cache_salt: str, request_id: str = "") -> int:
+        """How many leading tokens of `token_ids` LMCache holds under `cache_salt`; with a
+        `request_id`, that prefix is pinned for the request's load."""
         tokens = torch.tensor(list(token_ids), dtype=torch.long)
         with self._lock:
+            if request_id:
+                return self.engine.lookup(tokens, cache_salt=cache_salt, request_id=request_id, pin=True)
             return self.engine.lookup(tokens, cache_salt=cache_salt)
+
+    def unpin(self, request_ids: Sequence[str]) -> None:
+        """Release the pins of these requests' lookups (ids without pins are ignored)."""
+        self.engine.lookup_unpin(list(request_ids))
 
     def pop_request_counters(self, req_id: str) -> RequestCounters:
         """What this worker loaded and stored for a request, forgetting it."""
@@ -151,12 +166,18 @@ class LMCacheWorkerSide:
 
     def start_load_kv(self, metadata: Any, forward_context: Optional["ForwardContext"]) -> None:
         """Retrieve every request's promised tokens into vLLM's blocks (before the forward pass)."""
-        if not isinstance(metadata, LMCacheConnectorMetadata) or not metadata.requests:
+        if not isinstance(metadata, LMCacheConnectorMetadata):
             return
-        kv_caches = self._ensure_kv_caches(forward_context)
-        for req in metadata.requests:
-            if req.load_spec is not None:
+        loads = [req for req in metadata.requests if req.load_spec is not None]
+        if not loads:
+            return
+        try:
+            kv_caches = self._ensure_kv_caches(forward_context)
+            for req in loads:
                 self._load(req, kv_caches)
+        finally:
+            # Loaded, short, or failed: the promise is settled and the pins have done their job.
+            self.unpin([req.req_id for req in loads])
 
     def _load(self, req: ReqMeta, kv_caches: list[torch.Tensor]) -> None:
         spec = req.load_spec
@@ -207,7 +228,10 @@ class LMCacheWorkerSide:
             self._count(req.req_id, stored=spec.num_tokens - spec.skip_leading_tokens)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[Optional[set[str]], Optional[set[str]]]:
-        """Nothing is sent or received asynchronously; drop counters nobody asked for."""
+        """Nothing is sent or received asynchronously; drop counters nobody asked for and the pins
+        of requests that ended (aborted, or finished) before their load."""
+        if finished_req_ids:
+            self.unpin(list(finished_req_ids))
         with self._lock:
             for req_id in finished_req_ids:
                 self._counters.pop(req_id, None)
