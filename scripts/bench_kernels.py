@@ -162,7 +162,7 @@ def main() -> None:
     print(
         f"c_ops bench: {args.layers} layers, {args.heads} heads x {args.head_size}, block {args.block_size}, "
         f"{args.tokens} tokens, {args.blocks} blocks/layer, {torch.get_num_threads()} threads, "
-        f"best of {args.repeat}"
+        f"best of {args.repeat}, CPU tiles {c_ops.cpu_isa()}"
     )
     header = (
         f"{'layout':<11} {'dtype':<9} {'direction':<9} {'MiB':>5} {'kernel':>7} {'torch':>7} {'copy':>7} "
