@@ -405,3 +405,10 @@ def test_retrieve_reads_the_next_chunk_ahead(tmp_path):
     check_loaded(geo, source, slots, target, slots, 32)
     assert asked == [k for _, _, k in engine.token_database.process_tokens(tokens)][1:]
     assert engine.lookup(tokens, ["Hot"]) == 32  # read-ahead and promotion both landed in RAM
+
+
+def test_engine_refuses_a_switch_whose_feature_it_lacks():
+    geo = geometry()
+    with pytest.raises(ValueError, match="enable_blending=True"):
+        LMCacheEngineBuilder.get_or_create("refused", config(enable_blending=True), metadata(geo), connector(geo))
+    assert LMCacheEngineBuilder.get("refused") is None

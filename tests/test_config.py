@@ -13,6 +13,7 @@ from lmcache.experimental.config import (
     LEGACY_DISK_SIZE_GB,
     NON_FIELD_ENV_VARS,
     LMCacheEngineConfig,
+    UNSUPPORTED_WHEN_ON,
     RemoteUrl,
     env_var_name,
     field_names,
@@ -433,3 +434,12 @@ def test_readme_documents_every_field_and_variable() -> None:
         assert f"`{name}`" in section and f"`{env_var_name(name)}`" in section, name
     for var in NON_FIELD_ENV_VARS:
         assert f"`{var}`" in section, var
+
+
+@pytest.mark.parametrize("field", sorted(UNSUPPORTED_WHEN_ON))
+def test_switches_without_a_feature_are_refused_not_ignored(field):
+    extra = {"lookup_url": "localhost:8100", "distributed_url": "localhost:8200"} if field == "enable_p2p" else {}
+    cfg = LMCacheEngineConfig.from_defaults(**{field: True}, **extra)
+    with pytest.raises(ValueError, match=f"{field}=True"):
+        cfg.check_supported()
+    LMCacheEngineConfig.from_defaults().check_supported()  # all off: fine

@@ -52,6 +52,7 @@ class LMCacheEngine:
         token_database: TokenDatabase,
         gpu_connector: GPUConnectorInterface,
     ) -> None:
+        config.check_supported()
         self.config = config
         self.metadata = metadata
         self.memory_allocator = memory_allocator

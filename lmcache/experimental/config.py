@@ -22,6 +22,7 @@ import types
 import typing
 import urllib.parse
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any, Dict, Mapping, Optional, Tuple
 
 import yaml
@@ -199,6 +200,20 @@ def prefixed_overrides(extra: Mapping[str, Any], prefix: str = EXTRA_CONFIG_PREF
     """`{"lmcache.chunk_size": 128, "other": 1}` -> `{"chunk_size": 128}`: keys without the prefix
     belong to someone else (vLLM, the door) and are left out; the rest feed `with_overrides`."""
     return {key[len(prefix):]: value for key, value in extra.items() if isinstance(key, str) and key.startswith(prefix)}
+
+
+# Switches that exist so upstream configs parse, but whose features this engine does not have.
+# Turning one on is refused when an engine is built (see `check_supported`), never silently ignored.
+UNSUPPORTED_WHEN_ON: Mapping[str, str] = MappingProxyType(
+    {
+        "use_layerwise": "the engine stores and retrieves whole chunks across all layers; "
+        "layer-by-layer transfer is not available",
+        "enable_async_loading": "loads are synchronous within the step that asks for them",
+        "enable_blending": "CacheBlend (reusing non-prefix chunks) is not implemented",
+        "enable_p2p": "peer-to-peer sharing is not implemented; share through remote_url instead",
+        "enable_pd": "prefill/decode disaggregation is not implemented",
+    }
+)
 
 
 def default_legacy_disk_path() -> str:
@@ -382,6 +397,12 @@ class LMCacheEngineConfig:
         )
 
     # ----- variants -------------------------------------------------------------------------
+
+    def check_supported(self) -> None:
+        """Raise ValueError naming each switch that is on but whose feature this engine lacks."""
+        problems = [f"{name}=True: {why}" for name, why in UNSUPPORTED_WHEN_ON.items() if getattr(self, name)]
+        if problems:
+            raise ValueError("; ".join(problems) + " (set it to false)")
 
     def with_overrides(self, overrides: Mapping[str, Any], source: str = "override") -> "LMCacheEngineConfig":
         """A copy with `{field: value}` applied, checked like any other config; `source` names

@@ -90,11 +90,7 @@ class LMCacheWorkerSide:
     def from_vllm_config(cls, vllm_config: "VllmConfig", config: LMCacheEngineConfig) -> "LMCacheWorkerSide":
         """Create (or reuse, by `ENGINE_NAME`) this process's engine for vLLM's model and layout;
         open the worker channel on rank 0 when the scheduler runs in another process."""
-        if config.use_layerwise:
-            raise ValueError(
-                "use_layerwise=True: the LMCache engine stores and retrieves whole chunks across all "
-                "layers; layer-by-layer transfer is not available, set use_layerwise to false"
-            )
+        config.check_supported()
         world_size, rank = worker_rank(vllm_config)
         metadata = create_engine_metadata(vllm_config, config, world_size, rank)
         layout = detect_kv_layout(vllm_config)
