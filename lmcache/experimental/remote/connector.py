@@ -26,17 +26,17 @@ class RemoteUnavailableError(ConnectionError):
 class RemoteConnector(ABC):
     """A byte store behind a network connection; safe to call from several threads."""
 
-    @abstractmethod
     def exists(self, key: str) -> bool:
         """Whether `key` is stored now."""
+        return self.batched_exists([key])[0]
 
-    @abstractmethod
     def get(self, key: str) -> Optional[Buffer]:
         """The value under `key`, or None if absent."""
+        return self.batched_get([key])[0]
 
-    @abstractmethod
     def put(self, key: str, value: Buffer) -> bool:
         """Store `value`; True once the server acknowledged it, False if it refused it."""
+        return self.batched_put([(key, value)])[0]
 
     @abstractmethod
     def delete(self, key: str) -> bool:

@@ -126,15 +126,6 @@ class LMServerConnector(RemoteConnector):
     def url(self) -> str:
         return f"lm://{self._host}:{self._port}"
 
-    def exists(self, key: str) -> bool:
-        return self.batched_exists([key])[0]
-
-    def get(self, key: str) -> Optional[Buffer]:
-        return self.batched_get([key])[0]
-
-    def put(self, key: str, value: Buffer) -> bool:
-        return self.batched_put([(key, value)])[0]
-
     def delete(self, key: str) -> bool:
         reply = self._call([_Request(Op.DELETE, _key_bytes(key))], self._timeout)[0]
         return reply.status == Status.OK

@@ -91,15 +91,6 @@ class RedisConnector(RemoteConnector):
         """Puts Redis would not take (OOM replies plus values over the size limit)."""
         return self._oom_refusals + self._oversize_refusals
 
-    def exists(self, key: str) -> bool:
-        return self.batched_exists([key])[0]
-
-    def get(self, key: str) -> Optional[Buffer]:
-        return self.batched_get([key])[0]
-
-    def put(self, key: str, value: Buffer) -> bool:
-        return self.batched_put([(key, value)])[0]
-
     def delete(self, key: str) -> bool:
         client, _ = self._clients()
         try:
