@@ -215,6 +215,39 @@ void single_layer_kv_transfer(const at::Tensor& obj_layer, const at::Tensor& key
            num_heads, to_cache, "obj_layer", "key_cache", "value_cache");
 }
 
+// Element offsets that kv_layout.h gives for every (token, hidden index) of a slot mapping,
+// computed the way the CUDA kernel does (i -> head, dim -> cache_offset). Lets the CPU tests
+// check the shared address arithmetic element by element, including where no CPU kernel
+// path calls it per element.
+at::Tensor cache_offsets(int64_t layout, int64_t kv, const at::Tensor& slot_mapping,
+                         int64_t block_size, int64_t num_heads, int64_t head_size,
+                         int64_t element_size) {
+  TORCH_CHECK(layout >= 0 && layout < kNumLayouts, "layout must be 0..3, got ", layout);
+  TORCH_CHECK(kv == kKey || kv == kValue, "kv must be 0 (K) or 1 (V), got ", kv);
+  TORCH_CHECK(block_size > 0 && num_heads > 0 && head_size > 0,
+              "block_size, num_heads and head_size must be positive");
+  TORCH_CHECK(element_size == 1 || element_size == 2 || element_size == 4 || element_size == 8,
+              "element_size must be 1, 2, 4 or 8, got ", element_size);
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.dim() == 1,
+              "slot_mapping must be a 1-D int64 tensor");
+  const PagedGeometry g = make_geometry(static_cast<int>(layout), block_size, num_heads,
+                                        head_size, element_size);
+  TORCH_CHECK(head_size % g.pack == 0, "head_size must be a multiple of x = ", g.pack);
+  const at::Tensor slots = slot_mapping.cpu().contiguous();
+  const int64_t n = slots.numel(), hidden = g.hidden();
+  at::Tensor out = at::empty({n, hidden}, at::kLong);
+  const int64_t* s = slots.data_ptr<int64_t>();
+  int64_t* o = out.data_ptr<int64_t>();
+  for (int64_t t = 0; t < n; ++t) {
+    TORCH_CHECK(s[t] >= 0, "slot_mapping[", t, "] is negative");
+    for (int64_t i = 0; i < hidden; ++i) {
+      const int64_t h = i / head_size;
+      o[t * hidden + i] = cache_offset(g, static_cast<int>(kv), s[t], h, i - h * head_size);
+    }
+  }
+  return out;
+}
+
 }  // namespace
 }  // namespace lmcache
 
@@ -229,6 +262,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #else
   m.attr("WITH_CUDA") = false;
 #endif
+  m.def("_cache_offsets", &lmcache::cache_offsets,
+        "Debug/test helper: [T, hidden] element offsets of each slot's (head, dim) in one "
+        "layer's K (kv=0) or V (kv=1) cache, from csrc/kv_layout.h.",
+        py::arg("layout"), py::arg("kv"), py::arg("slot_mapping"), py::arg("block_size"),
+        py::arg("num_heads"), py::arg("head_size"), py::arg("element_size"));
   m.def("cpu_isa", &lmcache::cpu_isa_name,
         "Vector instruction set of the CPU transposes (CPU_PACKED): avx512, avx2 or base. "
         "LMCACHE_CPU_ISA caps it.");

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Compile-only check of every CUDA kernel in csrc/ for sm_80 and sm_90.
+# Compile-only check of every CUDA kernel in csrc/ for sm_80 and sm_90, plus a syntax check of
+# the bindings as they are built on CUDA machines.
 #
 # Nothing built for CUDA can run on these machines (no GPU), so CI proves the .cu files
 # compile against torch's headers with the real nvcc; their index arithmetic is shared with the
@@ -64,4 +65,15 @@ for src in "${SOURCES[@]}"; do
         fi
     done
 done
+# The bindings' CUDA-only branches (dispatch, pinned-object checks) are host C++: syntax-check
+# them with the CUDA define, since setup.py only compiles them that way on CUDA machines.
+start=$SECONDS
+if g++ -fsyntax-only -std=c++17 -D_GLIBCXX_USE_CXX11_ABI=0 -DLMCACHE_WITH_CUDA=1 \
+    -DTORCH_EXTENSION_NAME=c_ops -DTORCH_API_INCLUDE_EXTENSION_H "${INCLUDE_FLAGS[@]}" \
+    csrc/bindings.cpp; then
+    echo "check_cuda: ok     csrc/bindings.cpp with LMCACHE_WITH_CUDA ($((SECONDS - start)) s)"
+else
+    echo "check_cuda: FAILED csrc/bindings.cpp with LMCACHE_WITH_CUDA" >&2
+    failed=1
+fi
 exit "$failed"

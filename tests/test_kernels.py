@@ -316,3 +316,35 @@ def test_fallback_tile_paths_match_reference(isa: str) -> None:
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert " passed" in proc.stdout
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.uint8], ids=str)
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda layout: layout.name)
+def test_header_offsets_match_layout_shapes(layout: KVLayout, dtype: torch.dtype) -> None:
+    """kv_layout.h's per-element arithmetic (what the CUDA kernel calls for every element)
+    against the position of each element in a tensor of the layout's own shape."""
+    heads = 1 if layout == KVLayout.MLA else 3
+    head_size, block_size, num_blocks = 32, 5, 7
+    es = torch.empty((), dtype=dtype).element_size()
+    slots = torch.tensor([0, 4, 5, 17, 34, 12, 33], dtype=torch.int64)
+    for kv in range(1 if layout == KVLayout.MLA else 2):
+        shape = layout_shape(layout, num_blocks, block_size, heads, head_size, dtype, is_value=kv == 1)
+        positions = torch.arange(num_blocks * block_size * heads * head_size).view(shape)
+        want = _gather(positions, layout, kv == 1, slots, block_size)
+        got = c_ops._cache_offsets(int(layout), kv, slots, block_size, heads, head_size, es)
+        assert torch.equal(got, want)
+
+
+def test_split_kv_caches_feed_the_kernel() -> None:
+    """vLLM-shaped per-layer caches -> split_kv_caches -> kernel, against the oracle."""
+    from lmcache.experimental.kv_layout import split_kv_caches
+
+    for layout, vllm_shape in ((KVLayout.FLASH, lambda t: t), (KVLayout.CPU_IPEX, lambda t: t.reshape(t.shape[0], -1))):
+        c = make_case(layout, torch.float16)
+        want = c.obj.clone()
+        reference_store(c, want)  # the oracle reads the caches in their layout's own shape
+        # Flash hands (2, blocks, bs, H, D) per layer; the CPU backend (2, blocks, bs * H * D).
+        stacked = [torch.stack([vllm_shape(k), vllm_shape(v)]) for k, v in zip(c.keys, c.values)]
+        keys, values = split_kv_caches(stacked, layout)
+        run_multi(c, to_cache=False, keys=keys, values=values)
+        assert_same_bytes(c.obj, want)
