@@ -2,6 +2,8 @@
 //
 // Every check that keeps a kernel inside its buffers lives here, so the kernels can trust the
 // TransferPlan they get. Errors are TORCH_CHECKs (RuntimeError in Python) naming the argument.
+// The transfers run without the GIL (arguments are converted before it is released), so a
+// store on a background thread does not stall the Python threads around it.
 #include <torch/extension.h>
 
 #include <string>
@@ -276,11 +278,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "to_cache=False stores (cache -> obj), True retrieves (obj -> cache); slots < 0 are "
         "skipped.",
         py::arg("obj"), py::arg("key_caches"), py::arg("value_caches"), py::arg("slot_mapping"),
-        py::arg("layout"), py::arg("block_size"), py::arg("num_heads"), py::arg("to_cache"));
+        py::arg("layout"), py::arg("block_size"), py::arg("num_heads"), py::arg("to_cache"),
+        py::call_guard<py::gil_scoped_release>());
   m.def("single_layer_kv_transfer", &lmcache::single_layer_kv_transfer,
         "One layer of multi_layer_kv_transfer: obj_layer is [2, tokens, hidden] "
         "([1, tokens, head_size] for MLA, with value_cache None).",
         py::arg("obj_layer"), py::arg("key_cache"), py::arg("value_cache"),
         py::arg("slot_mapping"), py::arg("layout"), py::arg("block_size"), py::arg("num_heads"),
-        py::arg("to_cache"));
+        py::arg("to_cache"), py::call_guard<py::gil_scoped_release>());
 }
