@@ -19,7 +19,7 @@ import torch
 from lmcache import c_ops
 from lmcache.experimental.kv_layout import KVLayout, layout_shape
 
-DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.uint8, torch.float8_e4m3fn]
+DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.uint8, torch.float8_e4m3fn, torch.float64]
 LAYOUTS = list(KVLayout)
 
 
