@@ -94,12 +94,6 @@ LMC_HD int64_t cache_token_stride(const PagedGeometry& g, int kv) {
   }
 }
 
-// Distance in elements between dim d and d + 1 of the same slot and head, where they are not
-// in the same contiguous run (only CPU_PACKED V is strided; everything else is 1).
-LMC_HD int64_t cache_dim_stride(const PagedGeometry& g, int kv) {
-  return (g.layout == kLayoutCpuPacked && kv == kValue) ? g.block_size : 1;
-}
-
 // Length of the runs of consecutive (h, d) elements of one slot that are also consecutive in
 // the cache. A run starts at a (h, d) whose flat index h * head_size + d is a multiple of it.
 LMC_HD int64_t cache_run_elems(const PagedGeometry& g, int kv) {
