@@ -69,15 +69,13 @@ def kernel_fn(s: Setup, to_cache: bool) -> Callable[[], None]:
     return run
 
 
-def _index(cache: torch.Tensor, layout: KVLayout, is_value: bool, block: torch.Tensor, off: torch.Tensor):
-    """The advanced-indexing key that selects the chunk's tokens in `layout`."""
+def _index(layout: KVLayout, block: torch.Tensor, off: torch.Tensor):
+    """The advanced-indexing key that selects the chunk's tokens in `layout` (K or V)."""
     if layout == KVLayout.FLASH:
         return (block, off)
     if layout == KVLayout.CPU_IPEX:
         return (block, slice(None), off)
-    if layout == KVLayout.CPU_PACKED and not is_value:
-        return (block, slice(None), slice(None), off)
-    return (block, slice(None), slice(None), off)
+    return (block, slice(None), slice(None), off)  # CPU_PACKED: K [.., D/x, bs, x], V [.., D, bs]
 
 
 def torch_fn(s: Setup, to_cache: bool) -> Callable[[], None]:
@@ -97,7 +95,7 @@ def torch_fn(s: Setup, to_cache: bool) -> Callable[[], None]:
                     else:
                         torch.index_select(flat, 0, flat_slots, out=rows)
                     continue
-                key = _index(cache, s.layout, kv == 1, block, off)
+                key = _index(s.layout, block, off)
                 if to_cache:
                     cache[key] = rows.view(cache[key].shape)
                 else:
@@ -137,13 +135,23 @@ def bench_row(fns: List[Callable[[], None]], repeat: int) -> List[float]:
 
 
 def check_same(s: Setup) -> None:
-    """The kernel and the torch reference agree on this setup (a benchmark of a wrong kernel is moot)."""
+    """Kernel and torch reference agree in both directions (a benchmark of a wrong kernel is moot)."""
     kernel_fn(s, False)()
     got = s.obj.clone()
     s.obj.zero_()
     torch_fn(s, False)()
     if not torch.equal(got.view(torch.uint8), s.obj.view(torch.uint8)):
-        raise SystemExit(f"kernel and torch reference disagree for {s.layout.name} {s.dtype}")
+        raise SystemExit(f"store: kernel and torch reference disagree for {s.layout.name} {s.dtype}")
+    caches = s.keys + s.values
+    before = [t.clone() for t in caches]
+    s.obj.copy_(torch.randn(s.obj.shape).to(s.dtype))
+    kernel_fn(s, True)()
+    got_caches = [t.clone() for t in caches]
+    for t, b in zip(caches, before):
+        t.copy_(b)
+    torch_fn(s, True)()
+    if not all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(got_caches, caches)):
+        raise SystemExit(f"retrieve: kernel and torch reference disagree for {s.layout.name} {s.dtype}")
 
 
 def main() -> None:
