@@ -348,3 +348,21 @@ def test_split_kv_caches_feed_the_kernel() -> None:
         keys, values = split_kv_caches(stacked, layout)
         run_multi(c, to_cache=False, keys=keys, values=values)
         assert_same_bytes(c.obj, want)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda layout: layout.name)
+def test_negative_slots_anywhere_are_skipped(layout: KVLayout) -> None:
+    """Any slot < 0 (not only a -1 prefix) skips its token, both directions, and splits runs."""
+    c = make_case(layout, torch.bfloat16, prefix=0)
+    c.slots[[3, 10, 11, 36]] = torch.tensor([-1, -7, -1, -2])
+    want = c.obj.clone()
+    reference_store(c, want)
+    run_multi(c, to_cache=False)
+    assert_same_bytes(c.obj, want)
+    want_k = [t.clone() for t in c.keys]
+    want_v = [t.clone() for t in c.values]
+    c.obj.copy_(random_bytes(tuple(c.obj.shape), c.dtype, torch.Generator().manual_seed(5)))
+    reference_retrieve(c, want_k, want_v)
+    run_multi(c, to_cache=True)
+    for got, exp in zip(c.keys + c.values, want_k + want_v):
+        assert_same_bytes(got, exp)
