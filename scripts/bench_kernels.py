@@ -164,6 +164,8 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, default=64, help="blocks per layer cache")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--repeat", type=int, default=15)
+    parser.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated torch dtypes")
+    parser.add_argument("--layouts", default="FLASH,CPU_IPEX,CPU_PACKED", help="comma-separated KVLayout names")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -179,8 +181,10 @@ def main() -> None:
     print(header + "   (GB/s)")
     print("-" * len(header))
     misses = []
-    for dtype in (torch.float32, torch.bfloat16):
-        for layout in (KVLayout.FLASH, KVLayout.CPU_IPEX, KVLayout.CPU_PACKED):
+    dtypes = [getattr(torch, name) for name in args.dtypes.split(",")]
+    layouts = [KVLayout[name] for name in args.layouts.split(",")]
+    for dtype in dtypes:
+        for layout in layouts:
             s = make_setup(layout, dtype, args)
             check_same(s)
             nbytes = s.obj.numel() * s.obj.element_size()
