@@ -12,7 +12,8 @@ and the ratios kernel/copy (target >= 0.70) and kernel/torch (target > 1). Each 
 of --repeat rounds (the machine is shared and noisy: the minimum is the least disturbed run), and
 the contenders run interleaved round by round so a slow patch hits all of them alike.
 
-Usage: .venv/bin/python scripts/bench_kernels.py [--threads 2] [--repeat 15] [--blocks 64]
+Usage: .venv/bin/python scripts/bench_kernels.py [--threads 2] [--repeat 25] [--blocks 64]
+       [--dtypes float32,bfloat16] [--layouts FLASH,CPU_IPEX,CPU_PACKED]
 """
 
 from __future__ import annotations
@@ -163,7 +164,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--blocks", type=int, default=64, help="blocks per layer cache")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
-    parser.add_argument("--repeat", type=int, default=15)
+    parser.add_argument("--repeat", type=int, default=25)
     parser.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated torch dtypes")
     parser.add_argument("--layouts", default="FLASH,CPU_IPEX,CPU_PACKED", help="comma-separated KVLayout names")
     args = parser.parse_args()
