@@ -26,7 +26,9 @@ def _want_cuda() -> bool:
 
 def _extension():
     # The rpath lets `import lmcache.c_ops` find libc10/libtorch even before torch is imported.
-    link_args = ["-fopenmp"] + [f"-Wl,-rpath,{d}" for d in cpp_extension.library_paths()]
+    # -fopenmp compiles only: linking it would load the system libgomp, and kernels imported before
+    # torch would then run a second thread pool that ignores torch.set_num_threads.
+    link_args = [f"-Wl,-rpath,{d}" for d in cpp_extension.library_paths()]
     cpu_sources = sorted(glob("csrc/*.cpp") + glob("csrc/cpu/*.cpp"))
     cxx_flags = ["-O3", "-std=c++17", "-fopenmp"]
     include_dirs = [os.path.join(ROOT, "csrc")]
