@@ -1,6 +1,6 @@
 """Serving benchmark: what LMCache buys over vLLM alone, measured over HTTP on real servers (issue 8).
 
-    .venv/bin/python scripts/bench_serving.py            # full run (~30 min on 2 cores)
+    .venv/bin/python scripts/bench_serving.py            # full run (~15-20 min on 2 quiet cores)
     .venv/bin/python scripts/bench_serving.py --quick    # tiny model, 2-3 requests per workload
 
 Builds a random Llama big enough that a 3k-token prefill costs seconds (`make_tiny_model`), starts
@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_serving_report import attach_lmcache_hits, plot, ratios, summarize, targets  # noqa: E402
 from bench_serving_servers import (  # noqa: E402
-    ALL_KINDS, PERSISTENT_KINDS, VLLM_KIND, ManagedProcess, ServerError, ServerSettings, describe, free_port,
+    ALL_KINDS, PERSISTENT_KINDS, VLLM_KIND, CpuMeter, ManagedProcess, ServerError, ServerSettings, describe, free_port,
     launch, remote_server_launch, server_launch, stop_all,
 )
 from bench_serving_client import RequestFailed  # noqa: E402
@@ -145,6 +145,7 @@ class Bench:
         self.server_wall_s: dict[str, float] = {}
         self.clock_zero = time.perf_counter()
         self.bar: Optional[tqdm] = None
+        self.meters: dict[int, CpuMeter] = {}
 
     def plans_for(self, kind: str) -> tuple[list, list]:
         """(steps on the first process, steps on the restarted process)."""
@@ -163,6 +164,7 @@ class Bench:
         proc = launch(spec, ROOT)
         running.append(proc)
         proc.wait_healthy(self.args.startup_timeout)
+        self.meters[proc.pid] = CpuMeter({p.pid for p in running})
         self.processes.setdefault(kind, []).append(
             {**describe(spec), "ready_s": proc.ready_s, "load_at_ready": os.getloadavg()})
         return proc, f"http://127.0.0.1:{port}"
@@ -183,6 +185,7 @@ class Bench:
 
     def _finish(self, kind: str, proc: ManagedProcess) -> None:
         self.processes[kind][-1]["load_at_stop"] = os.getloadavg()
+        self.processes[kind][-1]["cpu_while_measured"] = self.meters.pop(proc.pid).read()
         proc.stop()
         self.processes[kind][-1]["exit_code"] = proc.exit_code
         self.processes[kind][-1]["stopped_by"] = proc.stop_signal
@@ -313,6 +316,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     shutil.copyfile(json_path, out_dir / "latest.json")
     shutil.copyfile(png_path, out_dir / "latest.png")
     print_table(summaries, rat, tgt)
+    for kind, runs in bench.processes.items():
+        for run in runs:
+            cpu = run.get("cpu_while_measured")
+            if cpu:
+                print(f"{kind}: other programs used {100 * cpu['foreign_share']:.0f}% of the machine's CPU "
+                      f"while it was measured ({cpu['foreign_cpu_s']:.0f} of {cpu['busy_cpu_s']:.0f} busy CPU-s)")
     print(f"bench_serving: wrote {shown(json_path)} and {shown(png_path)} (logs in {shown(log_dir)})")
     return 1 if bench.errors else 0
 

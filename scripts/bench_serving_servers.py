@@ -15,12 +15,16 @@ so vLLM's own KV space is the same small size everywhere) and the development en
 
 Processes are started in their own session and stopped by their own ids: SIGINT first (a clean
 shutdown flushes the disk tier), SIGTERM, then SIGKILL of the process group they lead.
+
+`CpuMeter` tells how much CPU time *other* programs used while a server was measured (the machine
+is shared): the machine's busy time minus what our sessions and this process used.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import resource
 import signal
 import socket
 import subprocess
@@ -290,3 +294,56 @@ def stop_all(processes: Sequence[ManagedProcess]) -> None:
     for proc in reversed(processes):
         if proc.popen.poll() is None:
             proc.stop()
+
+
+def machine_busy_cpu_s() -> float:
+    """CPU seconds all cores spent busy since boot (`/proc/stat`; idle and iowait left out)."""
+    with open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:9]]
+    user, nice, system, _idle, _iowait, irq, softirq, steal = fields
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+def session_cpu_s(sessions: set[int]) -> float:
+    """CPU seconds used by the live processes of `sessions` (and the children they reaped)."""
+    total = 0
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                after_name = f.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        # Fields after the name: state ppid pgrp session ... utime(11) stime(12) cutime(13) cstime(14).
+        if int(after_name[3]) in sessions:
+            total += sum(int(x) for x in after_name[11:15])
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+def own_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+@dataclass
+class CpuMeter:
+    """Started when a server is ready, read before it stops: CPU time others used meanwhile."""
+
+    sessions: set[int]
+    wall0: float = field(default_factory=time.monotonic)
+    busy0: float = field(default_factory=machine_busy_cpu_s)
+    ours0: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.ours0 = session_cpu_s(self.sessions) + own_cpu_s()
+
+    def read(self) -> dict:
+        """{"wall_s", "busy_cpu_s", "our_cpu_s", "foreign_cpu_s", "foreign_share"} since the start."""
+        wall = time.monotonic() - self.wall0
+        busy = machine_busy_cpu_s() - self.busy0
+        ours = session_cpu_s(self.sessions) + own_cpu_s() - self.ours0
+        foreign = max(0.0, busy - ours)
+        return {"wall_s": round(wall, 1), "busy_cpu_s": round(busy, 1), "our_cpu_s": round(ours, 1),
+                "foreign_cpu_s": round(foreign, 1),
+                "foreign_share": round(foreign / (wall * (os.cpu_count() or 1)), 3) if wall > 0 else 0.0}

@@ -39,14 +39,14 @@ class WorkloadSizes:
 
     vocab: int
     seed: int = 0
-    repeat_prompts: int = 4
+    repeat_prompts: int = 6
     prompt_tokens: int = 3000
     docs: int = 8
     doc_tokens: int = 3072
     question_tokens: int = 32
-    rounds: int = 2
+    rounds: int = 3
     unique_prompts: int = 4  # per pass
-    unique_passes: int = 3
+    unique_passes: int = 5
     unique_tokens: int = 2048
     concurrency: int = 2
     max_tokens: int = 8  # generated tokens per TTFT request

@@ -208,4 +208,8 @@ def test_quick_run_on_a_real_server_writes_sane_json_and_png(tmp_path):
     assert summary["repeat"]["limit"]["vllm_prefix_hit_rate"] > 0.0
     assert len(result["requests"]) == sum(x["n"] for p in summary.values() for x in p.values())
     for runs in result["processes"].values():
-        assert all(p["exit_code"] is not None and p["ready_s"] > 0 for p in runs)
+        assert len(runs) == 2  # the restart ran on a second process
+        for run in runs:
+            assert run["exit_code"] is not None and run["ready_s"] > 0
+            cpu = run["cpu_while_measured"]
+            assert cpu["our_cpu_s"] > 0 and 0.0 <= cpu["foreign_share"] <= 1.0
