@@ -7,7 +7,7 @@
   cache (warm) and evicted from it with posix_fadvise (cold) vs reading that file the same ways;
   and retrieve from disk into an empty CPU tier (a restarted process: read-ahead plus promotion).
 - Lookup latency for a 32k-token prompt that is fully cached, and one that misses at once.
-- The BLAKE2b-64 checksum the disk tier computes on every write and read, as its ceiling.
+- The XXH3-64 checksum the disk tier computes on every write and read, as its ceiling.
 
 The KV cache is the vLLM CPU backend's (IPEX layout) for a Llama-8B-like geometry by default.
 Usage: OMP_NUM_THREADS=2 .venv/bin/python scripts/bench_engine.py [--tokens 4096] [--reps 3]
@@ -247,7 +247,7 @@ def main() -> None:
         ("memcpy (torch copy_)", gbps(n, memcpy_s), None),
         ("CPU tier store", gbps(n, cpu_store_s), memcpy_s / cpu_store_s),
         ("CPU tier retrieve", gbps(n, cpu_retrieve_s), memcpy_s / cpu_retrieve_s),
-        ("BLAKE2b-64 checksum, one thread", gbps(n, checksum_s), memcpy_s / checksum_s),
+        ("XXH3-64 checksum, one thread", gbps(n, checksum_s), memcpy_s / checksum_s),
         ("file write, sequential", gbps(n, file_write_s), None),
         ("disk tier store (until written)", gbps(n, disk_store_s), file_write_s / disk_store_s),
         ("file read, page cache", gbps(n, file_warm_s), None),
