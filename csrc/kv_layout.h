@@ -82,18 +82,6 @@ LMC_HD int64_t cache_offset(const PagedGeometry& g, int kv, int64_t slot, int64_
   }
 }
 
-// Distance in elements between slot s and slot s + 1 of the same block (same h, d).
-LMC_HD int64_t cache_token_stride(const PagedGeometry& g, int kv) {
-  switch (g.layout) {
-    case kLayoutCpuIpex:
-      return g.head_size;
-    case kLayoutCpuPacked:
-      return kv == kKey ? g.pack : 1;
-    default:
-      return g.hidden();
-  }
-}
-
 // Length of the runs of consecutive (h, d) elements of one slot that are also consecutive in
 // the cache. A run starts at a (h, d) whose flat index h * head_size + d is a multiple of it.
 LMC_HD int64_t cache_run_elems(const PagedGeometry& g, int kv) {
@@ -106,6 +94,11 @@ LMC_HD int64_t cache_run_elems(const PagedGeometry& g, int kv) {
       return g.hidden();
   }
 }
+
+// Distance in elements between slot s and slot s + 1 of the same block (same h, d). In every
+// layout the block-offset axis sits just outside a slot's run, so the next slot's run starts
+// right after this one's: the stride is the run length.
+LMC_HD int64_t cache_token_stride(const PagedGeometry& g, int kv) { return cache_run_elems(g, kv); }
 
 // Shape of the contiguous object [num_kv, num_layers, num_tokens, hidden].
 struct ObjectGeometry {
