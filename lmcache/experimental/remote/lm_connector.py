@@ -172,31 +172,28 @@ class LMServerConnector(RemoteConnector):
         self._pool.close()
 
     def _call(self, requests: Sequence[_Request], timeout: float) -> list[_Reply]:
+        """One pipelined exchange. A pooled connection that broke (e.g. the server restarted)
+        is retried once on a fresh one; a timeout or a second failure means the server is down."""
         if not requests:
             return []
-        sock, reused = self._pool.acquire()
-        try:
-            replies = self._exchange(sock, requests, timeout)
-        except socket.timeout as err:
-            sock.close()
-            raise RemoteUnavailableError(f"{self.url} did not answer within {timeout} s") from err
-        except (OSError, ProtocolError) as err:
-            sock.close()
-            self._pool.clear()
-            if not reused:
-                raise RemoteUnavailableError(f"{self.url}: {err}") from err
-            logger.debug("pooled connection to %s failed (%s); retrying on a new one", self.url, err)
-            sock, _ = self._pool.acquire()
+        may_retry = True
+        while True:
+            sock, reused = self._pool.acquire()
             try:
                 replies = self._exchange(sock, requests, timeout)
-            except socket.timeout as err2:
+            except socket.timeout as err:
                 sock.close()
-                raise RemoteUnavailableError(f"{self.url} did not answer within {timeout} s") from err2
-            except (OSError, ProtocolError) as err2:
+                raise RemoteUnavailableError(f"{self.url} did not answer within {timeout} s") from err
+            except (OSError, ProtocolError) as err:
                 sock.close()
-                raise RemoteUnavailableError(f"{self.url}: {err2}") from err2
-        self._pool.release(sock)
-        return replies
+                self._pool.clear()
+                if not (reused and may_retry):
+                    raise RemoteUnavailableError(f"{self.url}: {err}") from err
+                may_retry = False
+                logger.debug("pooled connection to %s failed (%s); retrying on a new one", self.url, err)
+                continue
+            self._pool.release(sock)
+            return replies
 
     def _exchange(
         self, sock: socket.socket, requests: Sequence[_Request], timeout: float
