@@ -85,3 +85,31 @@ def test_v0_chunked_prefill_batch_with_decodes_and_a_later_chunk(tiny_model):
         (324, 256, 68),
         (647, 512, 135),
     ]
+
+
+LATER_CHUNK_LINE = re.compile(
+    r"LMCache v0 door: prompt chunk of (\d+) tokens after (\d+): (\d+) hit tokens loaded, computing (\d+)"
+)
+
+
+def later_chunk_steps(log: str) -> List[Tuple[int, int, int, int]]:
+    """(chunk tokens, context before it, loaded, computed) per later prefill chunk, in log order."""
+    return [tuple(int(x) for x in m.groups()) for m in LATER_CHUNK_LINE.finditer(log)]
+
+
+def test_v0_a_prompt_over_several_prefill_chunks_is_stored_and_loaded_chunk_by_chunk(tiny_model):
+    # A 512-token step budget splits the 1,100-token prompt into steps of 512, 512 and 76 tokens.
+    # The first send stores each step's whole chunks as they are computed (and the trailing
+    # partial one with the last step); the second send loads every step's tokens and computes
+    # only the last token of each.
+    long_prompt = random_prompt(1100, seed=15)
+    kwargs = {"enable_chunked_prefill": True, "max_num_batched_tokens": 512}
+    cached, plain = run_pair(tiny_model, [long_prompt, long_prompt], kwargs)
+    assert_same_generation(cached, plain)
+    assert door_steps(cached.log) == [(512, 0, 512), (512, 512, 1)]
+    assert later_chunk_steps(cached.log) == [
+        (512, 512, 0, 512),
+        (76, 1024, 0, 76),
+        (512, 512, 512, 1),
+        (76, 1024, 76, 1),
+    ]
