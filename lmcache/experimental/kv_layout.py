@@ -6,6 +6,8 @@ dimensions inside a block depends on the attention backend. The kernels in
 `lmcache.c_ops` take the layout as an explicit code; `KVLayout` mirrors those
 codes (`csrc/kv_layout.h` holds the matching address arithmetic).
 
+`layout_shape` is the one definition of each layout's K (V) shape in Python, and
+`vllm_layer_cache_shape` of the tensor vLLM hands out per layer.
 `split_layer_cache` / `split_kv_caches` turn what vLLM hands out per layer
 (one tensor with K and V stacked, a (K, V) pair, or MLA's single latent cache)
 into the per-layer K and V tensors the kernels want.
@@ -80,6 +82,22 @@ def layout_shape(
     if is_value:
         raise ValueError("layout MLA has no value cache")
     return (num_blocks, block_size, head_size)
+
+
+def vllm_layer_cache_shape(
+    layout: KVLayout, num_blocks: int, block_size: int, num_heads: int, head_size: int
+) -> Tuple[int, ...]:
+    """The shape of the one tensor vLLM hands out per layer for `layout`.
+
+    FLASH: K and V stacked, `(2, *layout_shape)`; the CPU layouts: K and V stacked with each
+    block flattened, `(2, num_blocks, block_size * heads * head_size)` (the layout is how the
+    backend views a block); MLA: the latent cache itself."""
+    layout = KVLayout(layout)
+    if layout == KVLayout.MLA:
+        return layout_shape(layout, num_blocks, block_size, 1, head_size, torch.float32)
+    if layout == KVLayout.FLASH:
+        return (2,) + layout_shape(layout, num_blocks, block_size, num_heads, head_size, torch.float32)
+    return (2, num_blocks, block_size * num_heads * head_size)
 
 
 def split_layer_cache(kv_cache: LayerCache, layout: KVLayout) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
