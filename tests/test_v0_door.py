@@ -13,12 +13,11 @@ from typing import Dict, List
 
 import pytest
 import torch
+from helpers import config, make_engine
+from kv_reference import Geometry
 from v0_inputs import BLOCK, Seq, assert_cpu_inputs_equal, build_cpu_input, decode_seq, make_seqs
 
-from lmcache.config import LMCacheEngineMetadata
 from lmcache.experimental.cache_engine import LMCacheEngineBuilder
-from lmcache.experimental.config import LMCacheEngineConfig
-from lmcache.experimental.gpu_connector import VLLMPagedMemGPUConnectorV2
 from lmcache.experimental.kv_layout import KVLayout
 from lmcache.integration.vllm import vllm_adapter
 from lmcache.integration.vllm.utils import ENGINE_NAME
@@ -38,23 +37,18 @@ LAYERS, HEADS, HEAD, NUM_BLOCKS = 2, 2, 16, 64
 CACHE_CONFIG = types.SimpleNamespace(block_size=BLOCK)
 
 
-def make_engine(**config_fields):
-    config = LMCacheEngineConfig.from_defaults(
-        chunk_size=16, max_local_cpu_size=0.02, remote_url=None, **config_fields
-    )
-    metadata = LMCacheEngineMetadata(
-        model_name="tiny", world_size=1, worker_id=0, fmt="vllm",
-        kv_dtype=torch.float32, kv_shape=(LAYERS, 2, 16, HEADS, HEAD),
-    )
-    connector = VLLMPagedMemGPUConnectorV2(
-        HEADS * HEAD, LAYERS, layout=KVLayout.CPU_IPEX, num_kv_heads=HEADS, block_size=BLOCK, chunk_size=16
-    )
-    return LMCacheEngineBuilder.get_or_create(ENGINE_NAME, config, metadata, connector)
+GEO = Geometry(KVLayout.CPU_IPEX, num_layers=LAYERS, num_blocks=NUM_BLOCKS, block_size=BLOCK, num_heads=HEADS,
+               head_size=HEAD, dtype=torch.float32)
+
+
+def door_engine(**config_fields):
+    """The engine the door finds under ENGINE_NAME: chunks of 16, vLLM's CPU (IPEX) caches."""
+    return make_engine(GEO, config(chunk_size=16, max_local_cpu_size=0.02, **config_fields), register_as=ENGINE_NAME)
 
 
 @pytest.fixture
 def engine():
-    yield make_engine()
+    yield door_engine()
     LMCacheEngineBuilder.destroy(ENGINE_NAME)
 
 
@@ -321,7 +315,7 @@ def test_a_failing_retrieve_computes_the_whole_step(engine, monkeypatch):
 
 
 def test_unfull_last_chunk_is_not_stored_when_configured_so():
-    eng = make_engine(save_unfull_chunk=False)
+    eng = door_engine(save_unfull_chunk=False)
     try:
         caches = new_caches()
         seq = make_seqs()[0]

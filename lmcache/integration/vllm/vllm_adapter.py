@@ -37,6 +37,7 @@ import torch
 
 from lmcache.experimental.cache_engine import LMCacheEngine, LMCacheEngineBuilder
 from lmcache.experimental.token_database import skip_prefix_mask
+from lmcache.integration.vllm.request_log import format_v0_step_line
 from lmcache.integration.vllm.utils import ENGINE_NAME, extra_config_of, force_skip_save, lmcache_get_config
 from lmcache.integration.vllm.v0_model_input import rebuild_model_input
 from lmcache.integration.vllm.v0_step_plan import PrefillPlan, StepPlan, StepPlans, plan_step, warn_once
@@ -230,16 +231,7 @@ def retrieve_step(
     for prefill, skip in zip(plan.prefills, skips):
         if prefill.served and prefill.may_skip:
             seq = prefill.seq
-            if seq.context_len == 0:
-                logger.info(
-                    "LMCache v0 door: prompt of %d tokens: %d hit tokens loaded, computing %d",
-                    seq.query_len, prefill.loaded, seq.query_len - skip,
-                )
-            else:
-                logger.info(
-                    "LMCache v0 door: prompt chunk of %d tokens after %d: %d hit tokens loaded, computing %d",
-                    seq.query_len, seq.context_len, prefill.loaded, seq.query_len - skip,
-                )
+            logger.info("%s", format_v0_step_line(seq.query_len, seq.context_len, prefill.loaded, seq.query_len - skip))
     return rebuilt, plan
 
 
