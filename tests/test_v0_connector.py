@@ -18,7 +18,7 @@ from v0_inputs import BLOCK, Seq, build_cpu_input, make_seqs
 
 from lmcache.experimental.cache_engine import LMCacheEngineBuilder
 from lmcache.integration.vllm.utils import ENGINE_NAME
-from lmcache.integration.vllm.vllm_adapter import PLAN_ATTR, init_lmcache_engine
+from lmcache.integration.vllm.vllm_adapter import init_lmcache_engine, step_plan_of
 
 LAYERS, KV_HEADS, HEAD, NUM_BLOCKS = 4, 2, 32, 64  # the tiny model's attention geometry
 
@@ -75,7 +75,7 @@ def test_vllms_v0_lmcache_connector_stores_and_loads_through_our_adapter(vllm_co
     hidden, bypass, rebuilt = connector.recv_kv_caches_and_hidden_states(None, again, caches)
     assert hidden is None and bypass is False
     assert rebuilt.input_tokens.tolist() == [seq.prompt[-1]]
-    assert getattr(rebuilt, PLAN_ATTR).loaded == [50]
+    assert step_plan_of(rebuilt).loaded == [50]
     # vLLM then hands the rebuilt input to send: nothing new to store, nothing breaks.
     connector.send_kv_caches_and_hidden_states(None, rebuilt, caches, None)
     assert engine.stats().stored_tokens == 50
@@ -93,6 +93,20 @@ def test_init_builds_once_and_refuses_pipeline_parallelism(vllm_config):
     pp = dataclasses.replace(vllm_config.parallel_config, pipeline_parallel_size=2)
     assert init_lmcache_engine(vllm_config.model_config, pp, vllm_config.cache_config) is None
     assert LMCacheEngineBuilder.get(ENGINE_NAME) is None
+
+
+@pytest.mark.vllm
+def test_both_doors_share_one_engine_and_one_close(vllm_config):
+    """The v0 door and the v1 worker side build through `open_worker_engine`: one engine per
+    process, closed once."""
+    from lmcache.integration.vllm.utils import lmcache_get_config
+    from lmcache.integration.vllm.worker_engine import close_worker_engine, open_worker_engine
+
+    v0 = init_lmcache_engine(vllm_config.model_config, vllm_config.parallel_config, vllm_config.cache_config)
+    v1 = open_worker_engine(vllm_config, lmcache_get_config(), "v1 worker")
+    assert v1.engine is v0 and (v1.world_size, v1.rank) == (1, 0)
+    assert close_worker_engine("v0 door") is True
+    assert LMCacheEngineBuilder.get(ENGINE_NAME) is None and close_worker_engine("v0 door") is False
 
 
 def test_config_errors_are_loud(monkeypatch):
