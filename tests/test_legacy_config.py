@@ -4,11 +4,11 @@ keys that contradict new ones are refused, naming the key."""
 
 from __future__ import annotations
 
-import logging
 import pathlib
-from typing import Any, Callable, Dict, Iterator, List
+from typing import Any, Callable, Dict, List
 
 import pytest
+from test_config import warnings_log  # noqa: F401  (fixture)
 
 from lmcache.experimental.config import LEGACY_DISK_SIZE_GB, LMCacheEngineConfig, RemoteUrl
 
@@ -31,23 +31,12 @@ EXPECTED: Dict[str, Dict[str, Any]] = {
 }
 
 
-@pytest.fixture
-def warnings_log(caplog: pytest.LogCaptureFixture) -> Iterator[Callable[[], List[str]]]:
-    top = logging.getLogger("lmcache")
-    top.addHandler(caplog.handler)
-    try:
-        with caplog.at_level(logging.WARNING, logger="lmcache"):
-            yield lambda: [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
-    finally:
-        top.removeHandler(caplog.handler)
-
-
 def test_every_harness_file_is_covered() -> None:
     assert sorted(p.name for p in DATA.glob("*.yaml")) == sorted(EXPECTED)
 
 
 @pytest.mark.parametrize("name", sorted(EXPECTED))
-def test_harness_files_load_to_their_meaning(name: str, warnings_log: Callable[[], List[str]]) -> None:
+def test_harness_files_load_to_their_meaning(name: str, warnings_log: Callable[[], List[str]]) -> None:  # noqa: F811
     config = LMCacheEngineConfig.from_file(str(DATA / name))
     for field, value in EXPECTED[name].items():
         assert getattr(config, field) == value, field
@@ -75,7 +64,7 @@ def test_sentinel_file_parses_hosts() -> None:
      "use local_disk"),
 ])
 def test_env_local_device_and_size(device: str, fields: Dict[str, Any], phrase: str,
-                                   warnings_log: Callable[[], List[str]]) -> None:
+                                   warnings_log: Callable[[], List[str]]) -> None:  # noqa: F811
     env = {"LMCACHE_LOCAL_DEVICE": device, "LMCACHE_MAX_LOCAL_CACHE_SIZE": "20"}
     config = LMCacheEngineConfig.from_env(env)
     for field, value in fields.items():
@@ -88,7 +77,7 @@ def test_env_local_device_and_size(device: str, fields: Dict[str, Any], phrase: 
     assert not any("not an LMCache setting" in w for w in warnings)
 
 
-def test_size_alone_is_the_cpu_tier_and_null_device_ignores_it(warnings_log: Callable[[], List[str]]) -> None:
+def test_size_alone_is_the_cpu_tier_and_null_device_ignores_it(warnings_log: Callable[[], List[str]]) -> None:  # noqa: F811
     assert LMCacheEngineConfig.from_env({"LMCACHE_MAX_LOCAL_CACHE_SIZE": "3"}).max_local_cpu_size == 3.0
     assert any("use max_local_cpu_size: 3.0" in w for w in warnings_log())
     config = LMCacheEngineConfig.from_env({"LMCACHE_LOCAL_DEVICE": "null", "LMCACHE_MAX_LOCAL_CACHE_SIZE": "3"})
@@ -97,7 +86,7 @@ def test_size_alone_is_the_cpu_tier_and_null_device_ignores_it(warnings_log: Cal
 
 
 @pytest.mark.parametrize("serde", ["torch", "fast"])
-def test_pickle_era_serdes_become_naive(serde: str, warnings_log: Callable[[], List[str]]) -> None:
+def test_pickle_era_serdes_become_naive(serde: str, warnings_log: Callable[[], List[str]]) -> None:  # noqa: F811
     config = LMCacheEngineConfig.from_env({"LMCACHE_REMOTE_URL": "lm://h:1", "LMCACHE_REMOTE_SERDE": serde})
     assert config.remote_serde == "naive"
     assert any(f"remote_serde={serde!r}" in w and "naive" in w for w in warnings_log())
@@ -130,7 +119,7 @@ def test_yaml_errors_name_the_file_and_key(tmp_path: pathlib.Path) -> None:
 
 
 def test_config_file_wins_over_old_variables_too(tmp_path: pathlib.Path,
-                                                 warnings_log: Callable[[], List[str]]) -> None:
+                                                 warnings_log: Callable[[], List[str]]) -> None:  # noqa: F811
     path = tmp_path / "c.yaml"
     path.write_text("chunk_size: 128\n")
     config = LMCacheEngineConfig.from_env({"LMCACHE_CONFIG_FILE": str(path), "LMCACHE_LOCAL_DEVICE": "null"})

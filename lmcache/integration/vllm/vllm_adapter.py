@@ -361,10 +361,20 @@ def lmcache_store_kv(
         )
 
 
+def start_engine_for_runner(runner: Any) -> None:
+    """Create the engine for a v0 model runner whose model just loaded, so a bad LMCache config
+    stops the `LLM`/engine build rather than its first request. Runners the door leaves alone (a
+    user's own KV transfer config, sliding-window attention) get none."""
+    if runner.vllm_config.kv_transfer_config is not None or getattr(runner, "sliding_window", None) is not None:
+        return
+    init_lmcache_engine(runner.model_config, runner.parallel_config, runner.cache_config, vllm_config=runner.vllm_config)
+
+
 def execute_with_cache(runner: Any, model_input: Any, kv_caches: List[torch.Tensor], forward: Callable[[Any], T]) -> T:
     """One v0 step with LMCache: retrieve and rebuild, `forward(input)`, store.
 
-    Starts the engine at the first real step. Steps it does not serve (profiling, a user's own
+    Starts the engine here if `start_engine_for_runner` did not (or it was closed since). Steps it
+    does not serve (profiling, a user's own
     KV transfer config, pipeline parallelism, sliding-window attention) go to `forward`
     untouched. A failure inside the cache is logged and the step computes everything, as it
     would without LMCache.
