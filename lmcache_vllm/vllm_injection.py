@@ -10,7 +10,7 @@
   engine is built, not at the first request. The engine is closed when the process exits.
 - `vllm.model_executor.models.registry._run_in_subprocess` on the CPU platform: vLLM inspects a
   model's class in a fresh Python process so that this one never initialises CUDA; a CPU
-  platform has no CUDA, and that process (importing torch and vLLM again) cost 12-17 s of every
+  platform has no CUDA, and that process (importing torch and vLLM again) took 17-22 s of every
   server start on a 2-core machine. Elsewhere it is left as it is.
 - `EngineArgs._set_default_args_v1`, which vLLM calls exactly when it picks the v1 engine: when
   the user gave no KV transfer config, ours becomes `LMCacheConnectorV1` (vLLM's built-in shell

@@ -49,6 +49,10 @@ del os.environ["_LMCACHE_VLLM_INJECT"]
 out["siblings_untouched"] = [not getattr(f, "__lmcache_wrapped__", False)
                              for f in (CPUModelRunnerBase.load_model, CPUPoolingModelRunner.load_model)]
 out["otel_before"] = os.environ.get("OTEL_SDK_DISABLED")
+# Marked, vLLM's model-class inspection runs in this process on the CPU platform (no CUDA to keep
+# uninitialised), instead of a fresh interpreter that took 17-22 s of every start on 2 cores.
+from vllm.model_executor.models import registry
+out["inspection_in_process"] = registry._run_in_subprocess(os.getpid) == os.getpid()
 
 import vllm, vllm.entrypoints.openai.api_server as real_api
 import lmcache_vllm.vllm as proxy
@@ -102,6 +106,7 @@ def test_general_plugin_acts_only_when_the_wrapper_marked_the_environment(probe)
     assert probe["unmarked"] == [False] * 5
     assert probe["marked"] == [True] * 5
     assert probe["siblings_untouched"] == [True, True]
+    assert probe["inspection_in_process"]
     assert probe["idempotent"]
 
 
