@@ -6,6 +6,8 @@ Operations:
   `LMCACHE_<FIELD>` variables; unknown `LMCACHE_*` variables are warned about.
 - `from_file(path)`: a YAML mapping over the CPU-only defaults.
 - `from_legacy(backend=...)`: the old single-string backend names.
+- Old `lmcache_vllm` keys in YAML or `LMCACHE_<KEY>` (`LEGACY_KEYS`) are mapped onto fields by
+  `legacy_config.map_legacy_keys`; old serde names by `LEGACY_SERDE_ALIASES`.
 - `with_overrides(mapping)`: a copy with some fields replaced (the v1 door's
   `lmcache.`-prefixed extra config, see `prefixed_overrides`).
 
