@@ -33,6 +33,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     from lmcache_vllm.compat import vllm_metadata_version_shim
     from lmcache_vllm.import_hook import prepare
 
+    # vLLM's CLI reads sys.argv; `prepare` looks at it too (vLLM's OpenTelemetry flag).
+    sys.argv = [sys.argv[0] if sys.argv else "lmcache_vllm", *args]
     try:
         prepare()
     except ImportError as exc:
@@ -40,7 +42,6 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         raise SystemExit(1) from None
     from vllm.entrypoints.cli.main import main as vllm_main
 
-    sys.argv = [sys.argv[0] if sys.argv else "lmcache_vllm", *args]
     with vllm_metadata_version_shim():
         vllm_main()
 

@@ -4,8 +4,14 @@
 - `ModelRunner.execute_model` (v0, GPU) and `CPUModelRunner.execute_model` (v0, CPU): wrapped,
   not copied. The wrapper hands the step to `lmcache.integration.vllm.vllm_adapter.
   execute_with_cache`, which retrieves and rebuilds the input, calls vLLM's own
-  `execute_model` with it, and stores afterwards. The engine starts at the first real step and
-  is closed when the process exits.
+  `execute_model` with it, and stores afterwards.
+- `load_model` of the same two runners: after vLLM's own, the LMCache engine starts
+  (`vllm_adapter.start_engine_for_runner`), so a bad LMCache config fails while the `LLM` or
+  engine is built, not at the first request. The engine is closed when the process exits.
+- vLLM's model-class inspection (`vllm_compat.wrapper_patch_points`), on the CPU platform only:
+  vLLM inspects a model's class in a fresh Python process so that this one never initialises
+  CUDA; a CPU platform has no CUDA, and that process (importing torch and vLLM again) took
+  17-22 s of every server start on a 2-core machine.
 - the method vLLM calls exactly when it picks the v1 engine (`vllm_compat.wrapper_patch_points`): when
   the user gave no KV transfer config, ours becomes `LMCacheConnectorV1` (vLLM's built-in shell
   around `lmcache.integration.vllm.vllm_v1_adapter`). A user's own setting is left alone.
@@ -16,6 +22,9 @@ inherit; `lmcache_vllm.plugin.general_plugin` (a `vllm.general_plugins` entry po
 loads in each of its processes) applies the same injection when it sees the mark and does
 nothing otherwise, so plain `vllm` users are untouched.
 
+`quiet_telemetry_by_default()` turns the OpenTelemetry SDK off for the wrapper's processes unless
+the user configured OpenTelemetry (see its docstring).
+
 This module imports vLLM only inside `apply_injection`.
 """
 
@@ -23,7 +32,9 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import Any, Callable
+import sys
+import types
+from typing import Any, Callable, Optional, Sequence
 
 from lmcache.logging import init_logger
 
@@ -35,6 +46,31 @@ INJECT_ENV = "_LMCACHE_VLLM_INJECT"
 V1_CONNECTOR = "LMCacheConnectorV1"
 # Marks functions this module produced, so a second `apply_injection` changes nothing.
 _WRAPPED_MARK = "__lmcache_wrapped__"
+
+
+OTEL_SWITCH = "OTEL_SDK_DISABLED"
+# vLLM's own flag that exports traces through OpenTelemetry.
+OTLP_TRACES_FLAG = "--otlp-traces-endpoint"
+
+
+def quiet_telemetry_by_default(argv: Optional[Sequence[str]] = None) -> bool:
+    """Set `OTEL_SDK_DISABLED=true` unless the user configured OpenTelemetry; True if it did.
+
+    transformers (imported by vLLM) sets up OTLP exporters to `localhost:4318` at import time
+    whenever the OpenTelemetry SDK and OTLP exporter are installed, and vLLM's
+    `fastapi[standard]` installs them: with no collector running, a server logs an export error
+    every second or two and waits 20-35 s for the exporters to give up when stopped. Any
+    `OTEL_*` variable, or vLLM's `--otlp-traces-endpoint` in `argv` (default `sys.argv`), counts
+    as configuring OpenTelemetry and leaves everything as it is."""
+    args = sys.argv if argv is None else argv
+    if any(name.startswith("OTEL_") for name in os.environ) or any(a.startswith(OTLP_TRACES_FLAG) for a in args):
+        return False
+    os.environ[OTEL_SWITCH] = "true"
+    logger.info(
+        "lmcache_vllm: no OTEL_* variable set, so OpenTelemetry is off (%s=true); set any OTEL_* "
+        "variable to configure it yourself", OTEL_SWITCH,
+    )
+    return True
 
 
 def mark_environment() -> None:
@@ -65,6 +101,36 @@ def wrap_execute_model(original: Callable[..., Any]) -> Callable[..., Any]:
     return execute_model
 
 
+def wrap_load_model(original: Callable[..., Any]) -> Callable[..., Any]:
+    """A v0 runner's `load_model` that also starts the LMCache engine once the model is loaded."""
+
+    @functools.wraps(original)
+    def load_model(self: Any, *args: Any, **kwargs: Any) -> Any:
+        result = original(self, *args, **kwargs)
+        from lmcache.integration.vllm.vllm_adapter import start_engine_for_runner
+
+        start_engine_for_runner(self)
+        return result
+
+    setattr(load_model, _WRAPPED_MARK, True)
+    return load_model
+
+
+def wrap_run_in_subprocess(original: Callable[..., Any]) -> Callable[..., Any]:
+    """vLLM's model-class inspection in this process on the CPU platform, in a subprocess elsewhere."""
+
+    @functools.wraps(original)
+    def _run_in_subprocess(fn: Callable[[], Any]) -> Any:
+        from vllm.platforms import current_platform
+
+        if current_platform.is_cpu():
+            return fn()
+        return original(fn)
+
+    setattr(_run_in_subprocess, _WRAPPED_MARK, True)
+    return _run_in_subprocess
+
+
 def wrap_set_default_args_v1(original: Callable[..., Any]) -> Callable[..., Any]:
     """vLLM's v1 engine-args defaults that also turn on our v1 connector by default."""
 
@@ -90,13 +156,18 @@ def wrap_set_default_args_v1(original: Callable[..., Any]) -> Callable[..., Any]
 _WRAPPERS: dict[str, Callable[[Callable[..., Any]], Callable[..., Any]]] = {
     "v0_execute_model": wrap_execute_model,
     "v1_default_args": wrap_set_default_args_v1,
+    "v0_load_model": wrap_load_model,
+    "model_inspection": wrap_run_in_subprocess,
 }
 
 
-def _patch(owner: type, name: str, wrapper: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
-    current = owner.__dict__.get(name)
+def _patch(owner: Any, name: str, wrapper: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
+    """Wrap `owner.name` (a class's, defined there or inherited, or a module's); the wrapper is
+    set on `owner` only."""
+    current = getattr(owner, name, None)
     if current is None:
-        raise ImportError(f"lmcache_vllm: vLLM has no {owner.__module__}.{owner.__qualname__}.{name} to wrap")
+        where = owner.__name__ if isinstance(owner, types.ModuleType) else f"{owner.__module__}.{owner.__qualname__}"
+        raise ImportError(f"lmcache_vllm: vLLM has no {where}.{name} to wrap")
     if not is_wrapped(current):
         setattr(owner, name, wrapper(current))
 

@@ -41,6 +41,17 @@ from lmcache.integration.vllm.request_log import parse_request_lines, parse_v0_s
 
 MODEL_DIR = ROOT / ".cache" / "tiny-model"
 ENGINE_CLOSED = "LMCache v0 door: engine closed"
+# What a starting server is doing, by the first log line of each phase (vLLM's and ours).
+START_PHASES = (
+    ("vLLM API server version", "vLLM is imported; reading the model's configuration"),
+    ("LLM engine (v0.9.2) with config", "starting the engine: loading the model, sizing the KV cache"),
+    ("created LMCache engine", "LMCache engine created"),
+    ("LMCache v0 door: engine ready", "LMCache engine created"),
+    ("Warming up model for the compilation",
+     "compiling the model with torch.compile (v1 engine); the first start on a machine also builds "
+     "C++ kernels, which takes about a minute on 2 cores, later starts reuse them"),
+    ("Starting vLLM API server", "engine ready; the HTTP server is starting"),
+)
 
 
 @dataclass
@@ -71,8 +82,6 @@ def server_env(engine: str, disk: Optional[Path]) -> dict:
             "VLLM_NO_USAGE_STATS": "1",
             "HF_HUB_OFFLINE": "1",
             "TOKENIZERS_PARALLELISM": "false",
-            # Installed OpenTelemetry exporters would otherwise retry a collector nobody runs here.
-            "OTEL_SDK_DISABLED": env.get("OTEL_SDK_DISABLED", "true"),
         }
     )
     if disk is not None:
@@ -90,9 +99,22 @@ def server_command(model: Path, port: int, engine: str) -> List[str]:
     return cmd
 
 
+def report_phases(log: Path, seen: set, started: float) -> None:
+    """Print each start phase the server's log has reached since the last call, once."""
+    text = log.read_text(errors="replace")
+    for marker, what in START_PHASES:
+        if what not in seen and marker in text:
+            seen.add(what)
+            print(f"  {time.monotonic() - started:5.1f} s  {what}", flush=True)
+
+
 def wait_healthy(proc: subprocess.Popen, port: int, log: Path, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
+    """Wait for /health, saying what the server is doing meanwhile (its start takes a while)."""
+    started = time.monotonic()
+    deadline = started + timeout_s
+    seen: set = set()
     while time.monotonic() < deadline:
+        report_phases(log, seen, started)
         if proc.poll() is not None:
             raise RuntimeError(f"the server exited with {proc.returncode} while starting; log tail:\n{tail(log)}")
         try:
@@ -193,6 +215,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     port = free_port()
     cmd = server_command(args.model, port, args.engine)
     print(f"starting ({args.engine} engine, log {args.log}): {' '.join(cmd)}", flush=True)
+    print("  (importing vLLM and torch takes 10-20 s on 2 cores)", flush=True)
     with open(args.log, "w") as log_file:
         proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, cwd=str(ROOT),
                                 env=server_env(args.engine, args.disk), start_new_session=True)

@@ -26,8 +26,6 @@ VLLM_TEST_ENV = {
     "DO_NOT_TRACK": "1",
     "HF_HUB_OFFLINE": "1",
     "TOKENIZERS_PARALLELISM": "false",
-    # Installed telemetry hooks otherwise retry a collector on localhost:4318 that nothing runs.
-    "OTEL_SDK_DISABLED": "true",
 }
 
 

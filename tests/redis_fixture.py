@@ -1,8 +1,10 @@
-"""Real servers for remote-tier tests: `redis-server` (single and a three-master cluster) and ours.
+"""Real servers for remote-tier tests: `redis-server` (single, a three-master cluster, a master
+with a replica watched by three `redis-sentinel`s) and ours.
 
-`redis-server` comes from Debian's package; when it is missing, `ensure_redis_installed()`
-installs it with apt-get (the test machines run as root). Every server binds 127.0.0.1 on a
-free port and keeps nothing on disk beyond its temporary directory.
+`redis-server` and `redis-sentinel` come from Debian's packages; when one is missing,
+`ensure_debian_binary()` installs it with apt-get (the test machines run as root), so a fresh
+machine's `make test` gets them. Every server binds 127.0.0.1 on a free port and keeps nothing
+on disk beyond its temporary directory.
 """
 
 from __future__ import annotations
@@ -17,9 +19,10 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import pytest
+import redis
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -46,22 +49,25 @@ def free_cluster_port() -> int:
     raise RuntimeError("no free port pair (port, port + 10000) for a cluster node")
 
 
-def ensure_redis_installed() -> str:
-    """Path of `redis-server`, installing Debian's package when it is missing."""
-    found = shutil.which("redis-server")
-    if found and shutil.which("redis-cli"):
+def ensure_debian_binary(binary: str, package: str, also: Sequence[str] = ()) -> str:
+    """Path of `binary` (and `also` on PATH), installing Debian's `package` when missing."""
+    found = shutil.which(binary)
+    if found and all(shutil.which(b) for b in also):
         return found
     if os.geteuid() != 0:
-        pytest.skip("redis-server is not installed and installing it needs root")
+        pytest.skip(f"{binary} is not installed and installing {package} needs root")
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
     subprocess.run(["apt-get", "update", "-qq"], check=True, env=env, capture_output=True)
-    subprocess.run(
-        ["apt-get", "install", "-y", "-qq", "redis-server"], check=True, env=env, capture_output=True
-    )
-    found = shutil.which("redis-server")
+    subprocess.run(["apt-get", "install", "-y", "-qq", package], check=True, env=env, capture_output=True)
+    found = shutil.which(binary)
     if not found:
-        raise RuntimeError("apt-get installed redis-server but it is not on PATH")
+        raise RuntimeError(f"apt-get installed {package} but {binary} is not on PATH")
     return found
+
+
+def ensure_redis_installed() -> str:
+    """Path of `redis-server`, installing Debian's package when it is missing."""
+    return ensure_debian_binary("redis-server", "redis-server", also=("redis-cli",))
 
 
 def _wait_port(port: int, proc: subprocess.Popen, what: str, timeout: float = 20.0) -> None:
@@ -183,6 +189,99 @@ class RedisCluster:
         return "redis-cluster://" + ",".join(f"127.0.0.1:{n.port}" for n in self.nodes)
 
 
+SENTINEL_SERVICE = "lmcache-test"
+
+
+def _wait_until(cond: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if cond():
+                return
+        except redis.RedisError:
+            pass
+        time.sleep(0.05)
+    raise RuntimeError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+@dataclass
+class RedisSentinelSet:
+    """A master and one replica (`redis-server`) watched by three `redis-sentinel` processes
+    (quorum 2), tuned to fail over within seconds: a master is down after 500 ms."""
+
+    workdir: Path
+    master: Optional[RedisServer] = None
+    replica: Optional[RedisServer] = None
+    sentinel_ports: list[int] = field(default_factory=list)
+    sentinels: list[subprocess.Popen] = field(default_factory=list)
+
+    def start(self) -> "RedisSentinelSet":
+        binary = ensure_debian_binary("redis-sentinel", "redis-sentinel")
+        self.master = RedisServer(self.workdir / "master").start()
+        self.replica = RedisServer(
+            self.workdir / "replica", extra_args=("--replicaof", "127.0.0.1", str(self.master.port))
+        ).start()
+        replica = redis.Redis(port=self.replica.port)
+        _wait_until(lambda: replica.info("replication")["master_link_status"] == "up", "the replica to sync")
+        # Started after the replica synced, so the Sentinels' first INFO of the master lists it.
+        for i in range(3):
+            port = free_port()
+            conf = self.workdir / f"sentinel{i}.conf"
+            conf.write_text(
+                f"port {port}\nbind 127.0.0.1\ndaemonize no\ndir {self.workdir}\n"
+                f"logfile {self.workdir / f'sentinel{i}.log'}\n"
+                f"sentinel monitor {SENTINEL_SERVICE} 127.0.0.1 {self.master.port} 2\n"
+                f"sentinel down-after-milliseconds {SENTINEL_SERVICE} 500\n"
+                f"sentinel failover-timeout {SENTINEL_SERVICE} 3000\n"
+            )
+            proc = subprocess.Popen([binary, str(conf)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            self.sentinels.append(proc)
+            self.sentinel_ports.append(port)
+            _wait_port(port, proc, f"redis-sentinel on port {port}")
+
+        def ready() -> bool:
+            states = [redis.Redis(port=p).sentinel_master(SENTINEL_SERVICE) for p in self.sentinel_ports]
+            return all(s["num-other-sentinels"] == 2 and s["num-slaves"] == 1 for s in states)
+
+        _wait_until(ready, "the Sentinels to see each other and the replica")
+        return self
+
+    def master_port(self) -> int:
+        """The master's port as the first Sentinel reports it."""
+        _, port = redis.Redis(port=self.sentinel_ports[0]).sentinel_get_master_addr_by_name(SENTINEL_SERVICE)
+        return int(port)
+
+    def kill_master(self) -> None:
+        """SIGKILL the master: a crash, nothing closed or handed over."""
+        assert self.master is not None and self.master.proc is not None
+        self.master.proc.kill()
+        self.master.proc.wait()
+
+    def wait_for_failover(self, timeout: float = 30.0) -> None:
+        """Return once every Sentinel names the replica as master and the replica agrees."""
+        assert self.replica is not None
+        replica_port = self.replica.port
+
+        def promoted() -> bool:
+            return all(
+                int(redis.Redis(port=p).sentinel_get_master_addr_by_name(SENTINEL_SERVICE)[1]) == replica_port
+                for p in self.sentinel_ports
+            ) and redis.Redis(port=replica_port).info("replication")["role"] == "master"
+
+        _wait_until(promoted, "the Sentinels to promote the replica", timeout)
+
+    def url(self, with_service: bool = True) -> str:
+        hosts = ",".join(f"127.0.0.1:{p}" for p in self.sentinel_ports)
+        return f"redis-sentinel://{hosts}" + (f"/{SENTINEL_SERVICE}" if with_service else "")
+
+    def stop(self) -> None:
+        for proc in self.sentinels:
+            _stop(proc)
+        for server in (self.replica, self.master):
+            if server is not None:
+                server.stop()
+
+
 @dataclass
 class LMServerProcess:
     """Our `lm://` server as a separate process (`python -m lmcache.server`), restartable."""
@@ -231,6 +330,13 @@ def redis_cluster(tmp_path_factory: pytest.TempPathFactory):
     cluster = RedisCluster(tmp_path_factory.mktemp("redis-cluster")).start()
     yield cluster
     cluster.stop()
+
+
+@pytest.fixture
+def redis_sentinels(tmp_path: Path):
+    sentinels = RedisSentinelSet(tmp_path / "sentinel").start()
+    yield sentinels
+    sentinels.stop()
 
 
 @pytest.fixture

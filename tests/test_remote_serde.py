@@ -1,5 +1,6 @@
-"""Serdes: naive is exact, cachegen stays within its stated error bound, anything off is a miss;
-cachegen on real KV of the tiny model (compression, error, greedy tokens against cache-off)."""
+"""Serdes: naive and safetensor are exact, cachegen stays within its stated error bound, anything
+off is a miss; cachegen on real KV of the tiny model (compression, error, greedy tokens against
+cache-off)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 from lmcache.experimental.memory_management import BufferAllocator, HostMemoryAllocator, MemoryFormat, MemoryObj
-from lmcache.experimental.remote.serde import CacheGenSerde, NaiveSerde, create_serde
+from lmcache.experimental.remote.serde import SERDES, CacheGenSerde, NaiveSerde, SafetensorSerde, create_serde
 from lmcache.experimental.remote.serde.cachegen import _HEAD, MAGIC, MODE_QUANTIZED, VERSION, error_bound
 from lmcache.experimental.storage_backend import chunk_format
 
@@ -34,21 +35,33 @@ def _kv(shape=(2, 4, 256, 128), dtype=torch.float16, seed=0) -> torch.Tensor:
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("shape", [(2, 4, 256, 128), (2, 3, 77, 64), (1, 4, 100, 96)], ids=["full", "partial", "mla"])
-def test_naive_is_bit_exact(dtype, shape) -> None:
+@pytest.mark.parametrize("serde", [NaiveSerde(), SafetensorSerde()], ids=["naive", "safetensor"])
+def test_naive_and_safetensor_are_bit_exact(dtype, shape, serde) -> None:
     obj = _obj(_kv(shape, dtype))
-    serde = NaiveSerde()
     out = serde.decode(KEY, serde.encode(KEY, obj), ALLOC.allocate, dtype=dtype)
     assert out is not None and torch.equal(out.tensor.view(torch.uint8), obj.tensor.view(torch.uint8))
     out.ref_count_down()
     obj.ref_count_down()
 
 
-def test_naive_round_trips_byte_objects() -> None:
+@pytest.mark.parametrize("serde", [NaiveSerde(), SafetensorSerde()], ids=["naive", "safetensor"])
+def test_exact_serdes_round_trip_byte_objects(serde) -> None:
     alloc = BufferAllocator()
     obj = alloc.allocate((1000,), None, MemoryFormat.BINARY_BUFFER)
     obj.byte_array[:] = bytes(range(256)) * 3 + bytes(232)
-    out = NaiveSerde().decode(KEY, NaiveSerde().encode(KEY, obj), alloc.allocate)
+    out = serde.decode(KEY, serde.encode(KEY, obj), alloc.allocate)
     assert out is not None and bytes(out.byte_array) == bytes(obj.byte_array)
+    assert out.metadata.fmt == MemoryFormat.BINARY_BUFFER and out.metadata.dtype is None
+
+
+def test_safetensor_chunks_are_safetensors_files() -> None:
+    from safetensors.torch import load
+
+    x = _kv((2, 2, 40, 16), torch.bfloat16)
+    data = SafetensorSerde().encode(KEY, _obj(x))
+    header = chunk_format.decode_header(data)
+    assert header is not None and header.fmt == MemoryFormat.BINARY and header.dtype is None
+    assert torch.equal(load(bytes(data[header.size :]))["kv"], x)  # any safetensors reader opens it
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
@@ -83,7 +96,7 @@ def test_cachegen_is_exact_on_constant_channels_and_lossless_for_integer_blobs()
     assert out is not None and torch.equal(out.tensor, ints)
 
 
-@pytest.mark.parametrize("name", ["naive", "cachegen"])
+@pytest.mark.parametrize("name", SERDES)
 def test_anything_off_is_a_miss(name: str) -> None:
     serde = create_serde(name)
     obj = _obj(_kv())
@@ -96,8 +109,9 @@ def test_anything_off_is_a_miss(name: str) -> None:
     assert serde.decode(KEY, bytes(flipped), ALLOC.allocate) is None  # checksum
     assert serde.decode(KEY, b"", ALLOC.allocate) is None
     assert serde.decode(KEY, data, ALLOC.allocate, dtype=torch.bfloat16) is None  # other dtype
-    other = create_serde("cachegen" if name == "naive" else "naive")
-    assert serde.decode(KEY, other.encode(KEY, obj), ALLOC.allocate) is None  # other serde
+    for other_name in SERDES:
+        if other_name != name:  # a chunk of another serde
+            assert serde.decode(KEY, create_serde(other_name).encode(KEY, obj), ALLOC.allocate) is None, other_name
     assert serde.decode(KEY, data, ALLOC.allocate) is not None  # and the real thing still decodes
 
 
@@ -117,6 +131,26 @@ def test_hostile_cachegen_streams_are_misses() -> None:
     assert serde.decode(KEY, _forged_cachegen(bytes(good_len), good_len + 1), ALLOC.allocate) is None
     assert serde.decode(KEY, _forged_cachegen(bytes(good_len), good_len, version=VERSION + 1), ALLOC.allocate) is None
     assert serde.decode(KEY, _forged_cachegen(bytes(good_len), good_len, shape=(2, 1, -4, 4)), ALLOC.allocate) is None
+
+
+def _forged_safetensor(tensors: dict, metadata: dict) -> bytes:
+    from safetensors.torch import save
+
+    blob = save(tensors, metadata={"lmcache_serde": "safetensor", **metadata})
+    return chunk_format.encode_header(KEY, (len(blob),), None, MemoryFormat.BINARY, blob) + blob
+
+
+def test_hostile_safetensor_payloads_are_misses() -> None:
+    serde, x = SafetensorSerde(), torch.zeros(2, 1, 4, 4)
+    good = {"fmt": "KV_BLOB", "dtype": "float32", "shape": "[2, 1, 4, 4]"}
+    assert serde.decode(KEY, _forged_safetensor({"kv": x}, good), ALLOC.allocate) is not None
+    assert serde.decode(KEY, _forged_safetensor({"kv": x}, {**good, "dtype": "float16"}), ALLOC.allocate) is None
+    assert serde.decode(KEY, _forged_safetensor({"kv": x}, {**good, "shape": "[2, 1, 4, 5]"}), ALLOC.allocate) is None
+    assert serde.decode(KEY, _forged_safetensor({"kv": x}, {**good, "fmt": "NOPE"}), ALLOC.allocate) is None
+    assert serde.decode(KEY, _forged_safetensor({"kv": x}, {**good, "shape": "oops"}), ALLOC.allocate) is None
+    assert serde.decode(KEY, _forged_safetensor({"kv": x, "extra": x.clone()}, good), ALLOC.allocate) is None
+    assert serde.decode(KEY, _forged_safetensor({"other": x}, good), ALLOC.allocate) is None
+    assert serde.decode(KEY, _forged_safetensor({"kv": x.to(torch.int16)}, good), ALLOC.allocate) is None
 
 
 def test_unknown_serde_name_is_rejected() -> None:

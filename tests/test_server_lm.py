@@ -241,6 +241,16 @@ def test_cli_defaults_to_loopback_and_validates_arguments(tmp_path) -> None:
     assert f"listening on 127.0.0.1:{port}" in log.read_text()
 
 
+def test_cli_takes_the_old_device_argument(capsys) -> None:
+    # The old server's form: `lmcache_server HOST PORT [DEVICE]`.
+    config = _parse_args(["localhost", "65431", "cpu"])
+    assert (config.host, config.port) == ("localhost", 65431)
+    for device in ("cuda", "file:///tmp/x"):
+        with pytest.raises(SystemExit):
+            _parse_args(["localhost", "65431", device])
+        assert f"DEVICE {device!r} is not supported" in capsys.readouterr().err
+
+
 def test_console_script_runs() -> None:
     exe = os.path.join(os.path.dirname(sys.executable), "lmcache_server")
     if not os.path.exists(exe):

@@ -25,9 +25,13 @@ from vllm.worker.model_runner import ModelRunner
 from vllm.worker.cpu_model_runner import CPUModelRunner
 from vllm.engine.arg_utils import EngineArgs
 
+from vllm.worker.cpu_model_runner import CPUModelRunnerBase
+from vllm.worker.cpu_pooling_model_runner import CPUPoolingModelRunner
+
 def wrapped():
     return [bool(getattr(f, "__lmcache_wrapped__", False)) for f in
-            (ModelRunner.execute_model, CPUModelRunner.execute_model, EngineArgs._set_default_args_v1)]
+            (ModelRunner.execute_model, CPUModelRunner.execute_model, EngineArgs._set_default_args_v1,
+             ModelRunner.load_model, CPUModelRunner.load_model)]
 
 # vLLM's own discovery finds our general plugin; without the wrapper's mark it does nothing.
 plugins = load_plugins_by_group("vllm.general_plugins")
@@ -41,6 +45,14 @@ first = CPUModelRunner.execute_model
 plugins["lmcache_vllm"]()
 out["idempotent"] = CPUModelRunner.execute_model is first
 del os.environ["_LMCACHE_VLLM_INJECT"]
+# load_model is wrapped on the two runners only, not on the base class their siblings share.
+out["siblings_untouched"] = [not getattr(f, "__lmcache_wrapped__", False)
+                             for f in (CPUModelRunnerBase.load_model, CPUPoolingModelRunner.load_model)]
+out["otel_before"] = os.environ.get("OTEL_SDK_DISABLED")
+# Marked, vLLM's model-class inspection runs in this process on the CPU platform (no CUDA to keep
+# uninitialised), instead of a fresh interpreter that took 17-22 s of every start on 2 cores.
+from vllm.model_executor.models import registry
+out["inspection_in_process"] = registry._run_in_subprocess(os.getpid) == os.getpid()
 
 import vllm, vllm.entrypoints.openai.api_server as real_api
 import lmcache_vllm.vllm as proxy
@@ -50,6 +62,10 @@ import lmcache_vllm.vllm.worker.model_runner as proxy_mr
 out["same_objects"] = [proxy is vllm, LLM is vllm.LLM, SamplingParams is vllm.SamplingParams,
                        api_server is real_api, proxy_mr.ModelRunner is ModelRunner]
 out["mark_after_import"] = os.environ.get("_LMCACHE_VLLM_INJECT")
+out["otel_after"] = os.environ.get("OTEL_SDK_DISABLED")
+from lmcache_vllm import close_lmcache_engine
+close_lmcache_engine()  # the old wrapper's API: no engine in this process, so nothing to do
+out["close_lmcache_engine"] = True
 try:
     import lmcache_vllm.vllm.no_such_module
     out["missing"] = "imported"
@@ -87,8 +103,10 @@ def probe(tiny_model):
 @pytest.mark.vllm
 def test_general_plugin_acts_only_when_the_wrapper_marked_the_environment(probe):
     assert probe["plugin_found"]
-    assert probe["unmarked"] == [False, False, False]
-    assert probe["marked"] == [True, True, True]
+    assert probe["unmarked"] == [False] * 5
+    assert probe["marked"] == [True] * 5
+    assert probe["siblings_untouched"] == [True, True]
+    assert probe["inspection_in_process"]
     assert probe["idempotent"]
 
 
@@ -97,6 +115,23 @@ def test_proxy_names_are_the_real_vllm_modules(probe):
     assert probe["same_objects"] == [True] * 5
     assert probe["mark_after_import"] == "1"
     assert probe["missing"] == "lmcache_vllm.vllm.no_such_module"
+    assert probe["close_lmcache_engine"]
+
+
+@pytest.mark.vllm
+def test_wrapper_turns_opentelemetry_off_unless_the_user_configured_it(probe, monkeypatch):
+    # The probe's environment has no OTEL_* variable: the wrapper's first import turned it off.
+    assert probe["otel_before"] is None and probe["otel_after"] == "true"
+    from lmcache_vllm.vllm_injection import quiet_telemetry_by_default
+
+    for name in [n for n in os.environ if n.startswith("OTEL_")] + ["OTEL_SDK_DISABLED"]:
+        monkeypatch.delenv(name, raising=False)  # also restores the absence after the test
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://collector:4318")
+    assert not quiet_telemetry_by_default([]) and "OTEL_SDK_DISABLED" not in os.environ
+    monkeypatch.delenv("OTEL_EXPORTER_OTLP_ENDPOINT")
+    assert not quiet_telemetry_by_default(["serve", "m", "--otlp-traces-endpoint", "http://c:4317"])
+    assert "OTEL_SDK_DISABLED" not in os.environ
+    assert quiet_telemetry_by_default(["serve", "m"]) and os.environ["OTEL_SDK_DISABLED"] == "true"
 
 
 @pytest.mark.vllm

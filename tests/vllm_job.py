@@ -8,7 +8,8 @@ and other settings at import time, and the v1 engine spawns an engine-core proce
      "llm_kwargs": {...}, "vllm_module": "vllm" | "lmcache_vllm.vllm",
      "sampling_extra_args": {...} | null,
      "prompt_extra_args": [{...} | null per prompt] | null,   # replaces sampling_extra_args
-     "logprobs": false | true}                                # also report the sampled logprobs
+     "logprobs": false | true,                                # also report the sampled logprobs
+     "close_engine": false | true}        # end with the old wrapper's `close_lmcache_engine()`
 
 Each round sends every prompt once, one prompt per `generate` call, in order, so a later prompt can
 hit what an earlier one stored. An entry of "prompts" that is itself a list of prompts goes to vLLM
@@ -68,6 +69,10 @@ def run(job: dict) -> dict:
         outputs.append(round_out)
         latencies.append(round_lat)
         logprobs.append(round_lp)
+    if job.get("close_engine", False):
+        from lmcache_vllm import close_lmcache_engine
+
+        close_lmcache_engine()
     result = {"outputs": outputs, "latencies": latencies}
     if with_logprobs:
         result["logprobs"] = logprobs

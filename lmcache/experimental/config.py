@@ -6,6 +6,8 @@ Operations:
   `LMCACHE_<FIELD>` variables; unknown `LMCACHE_*` variables are warned about.
 - `from_file(path)`: a YAML mapping over the CPU-only defaults.
 - `from_legacy(backend=...)`: the old single-string backend names.
+- Old `lmcache_vllm` keys in YAML or `LMCACHE_<KEY>` (`LEGACY_KEYS`) are mapped onto fields by
+  `legacy_config.map_legacy_keys`; old serde names by `LEGACY_SERDE_ALIASES`.
 - `with_overrides(mapping)`: a copy with some fields replaced (the v1 door's
   `lmcache.`-prefixed extra config, see `prefixed_overrides`).
 
@@ -45,11 +47,20 @@ NON_FIELD_ENV_VARS: Tuple[str, ...] = (
     "LMCACHE_BUILD_CUDA",
 )
 
-REMOTE_SCHEMES: Tuple[str, ...] = ("lm", "redis", "rediss", "redis-cluster")
-REMOTE_SERDES: Tuple[str, ...] = ("naive", "cachegen")
+# Keys of the old `lmcache_vllm` config, loaded from YAML and `LMCACHE_<KEY>` variables with a
+# deprecation warning (mapped in `legacy_config.py`).
+LEGACY_KEYS: Tuple[str, ...] = ("local_device", "max_local_cache_size", "pipelined_backend")
+
+REMOTE_SCHEMES: Tuple[str, ...] = ("lm", "redis", "rediss", "redis-cluster", "redis-sentinel")
+REMOTE_SERDES: Tuple[str, ...] = ("naive", "cachegen", "safetensor")
+# Schemes whose URL lists several host:port pairs (cluster nodes, Sentinels).
+MULTI_HOST_SCHEMES: Tuple[str, ...] = ("redis-cluster", "redis-sentinel")
 
 # Legacy backends that keep chunks on disk get this much room when the caller gave none.
 LEGACY_DISK_SIZE_GB = 5.0
+# Old `remote_serde` names that now mean `naive`: `torch` was pickle-based (never unpickled
+# here) and `fast` was its raw-bytes variant.
+LEGACY_SERDE_ALIASES: Mapping[str, str] = MappingProxyType({"torch": "naive", "fast": "naive"})
 
 _TRUE_WORDS = ("true", "1", "yes", "on")
 _FALSE_WORDS = ("false", "0", "no", "off")
@@ -76,10 +87,12 @@ def parse_bool(value: Any) -> Optional[bool]:
 
 @dataclass(frozen=True)
 class RemoteUrl:
-    """A parsed `remote_url`: the scheme and one (host, port) per server (several for a cluster)."""
+    """A parsed `remote_url`: the scheme, one (host, port) per server (several for a cluster or
+    the Sentinels), and for `redis-sentinel://` the master's service name when the URL names it."""
 
     scheme: str
     hosts: Tuple[Tuple[str, int], ...]
+    service: Optional[str] = None
 
 
 def _parse_host_port(text: str, key: str, whole: str) -> Tuple[str, int]:
@@ -97,17 +110,31 @@ def _parse_host_port(text: str, key: str, whole: str) -> Tuple[str, int]:
 
 
 def parse_remote_url(url: str, key: str = "remote_url") -> RemoteUrl:
-    """Parse `lm://h:p`, `redis://h:p`, `rediss://h:p` or `redis-cluster://h1:p1,h2:p2`."""
+    """Parse `lm://h:p`, `redis://h:p`, `rediss://h:p`, `redis-cluster://h1:p1,h2:p2` or
+    `redis-sentinel://h1:p1,h2:p2[/service]`."""
     scheme, sep, rest = url.partition("://")
     if not sep:
         raise ValueError(f"{key}={url!r}: expected scheme://host:port with scheme in {REMOTE_SCHEMES}")
     if scheme not in REMOTE_SCHEMES:
         raise ValueError(f"{key}={url!r}: unknown scheme {scheme!r}, expected one of {REMOTE_SCHEMES}")
     rest = rest[:-1] if rest.endswith("/") else rest
+    service = None
+    if scheme == "redis-sentinel":
+        rest, service = _split_sentinel_service(rest, key, url)
     parts = rest.split(",")
-    if scheme != "redis-cluster" and len(parts) != 1:
-        raise ValueError(f"{key}={url!r}: only redis-cluster:// takes several host:port pairs")
-    return RemoteUrl(scheme, tuple(_parse_host_port(part, key, url) for part in parts))
+    if scheme not in MULTI_HOST_SCHEMES and len(parts) != 1:
+        raise ValueError(f"{key}={url!r}: only {' and '.join(MULTI_HOST_SCHEMES)} take several host:port pairs")
+    return RemoteUrl(scheme, tuple(_parse_host_port(part, key, url) for part in parts), service)
+
+
+def _split_sentinel_service(rest: str, key: str, url: str) -> Tuple[str, Optional[str]]:
+    """`h1:p1,h2:p2/mymaster` -> (`h1:p1,h2:p2`, `mymaster`); no `/` -> (rest, None)."""
+    hosts, sep, service = rest.partition("/")
+    if not sep:
+        return rest, None
+    if not re.fullmatch(r"[A-Za-z0-9._-]+", service):
+        raise ValueError(f"{key}={url!r}: Sentinel service name {service!r} must be letters, digits, '.', '_' or '-'")
+    return hosts, service
 
 
 def _normalise_local_disk(value: str) -> str:
@@ -164,6 +191,12 @@ def _coerce(name: str, hint: Any, value: Any) -> Any:
             raise ValueError(f"{name}={value!r}: expected a finite number")
         return float(value)
     raise TypeError(f"LMCacheEngineConfig field {name} has unsupported type {hint!r}")
+
+
+def parse_key_value(name: str, hint: Any, value: Any) -> Any:
+    """`value` parsed as a field of type `hint` would be, errors naming `name` (for keys that are
+    not fields, such as the legacy ones)."""
+    return _coerce(name, hint, value)
 
 
 def _parse_string(name: str, base: type, text: str) -> Any:
@@ -263,6 +296,8 @@ class LMCacheEngineConfig:
     save_unfull_chunk: bool = True
     priority_limit: Optional[int] = None
     enable_pd: bool = False
+    blend_separator: str = "[BLEND_SEP]"
+    blend_add_special_in_precomp: bool = False
 
     def __post_init__(self) -> None:
         """The one place values are parsed and checked; errors name the key and the value."""
@@ -271,6 +306,8 @@ class LMCacheEngineConfig:
             object.__setattr__(self, f.name, _coerce(f.name, hints[f.name], getattr(self, f.name)))
         if self.local_disk is not None:
             object.__setattr__(self, "local_disk", _normalise_local_disk(self.local_disk))
+        if self.remote_serde in LEGACY_SERDE_ALIASES:
+            object.__setattr__(self, "remote_serde", _legacy_serde(self.remote_serde))
 
         if self.chunk_size <= 0:
             raise ValueError(f"chunk_size={self.chunk_size!r}: must be a positive int")
@@ -323,6 +360,8 @@ class LMCacheEngineConfig:
         save_unfull_chunk: bool = True,
         priority_limit: Optional[int] = None,
         enable_pd: bool = False,
+        blend_separator: str = "[BLEND_SEP]",
+        blend_add_special_in_precomp: bool = False,
         **unknown: Any,
     ) -> "LMCacheEngineConfig":
         """The spec's defaults with some fields replaced; an unknown keyword is a ValueError."""
@@ -340,12 +379,16 @@ class LMCacheEngineConfig:
 
     @staticmethod
     def from_env(environ: Optional[Mapping[str, str]] = None) -> "LMCacheEngineConfig":
-        """`LMCACHE_CONFIG_FILE` if set; else CPU-only defaults overlaid with `LMCACHE_<FIELD>`.
+        """`LMCACHE_CONFIG_FILE` if set; else CPU-only defaults overlaid with `LMCACHE_<FIELD>`
+        (and the legacy `LMCACHE_<KEY>` variables, see `legacy_config`).
 
         `environ` defaults to `os.environ` (tests pass a dict)."""
+        from lmcache.experimental.legacy_config import map_legacy_keys
+
         env = os.environ if environ is None else environ
         _warn_unknown_env_vars(env)
-        field_vars = {name: env[env_var_name(name)] for name in field_names() if env_var_name(name) in env}
+        field_vars = {name: env[env_var_name(name)] for name in (*field_names(), *LEGACY_KEYS)
+                      if env_var_name(name) in env}
         config_file = env.get(CONFIG_FILE_ENV, "").strip()
         if config_file:
             if field_vars:
@@ -354,7 +397,8 @@ class LMCacheEngineConfig:
                                CONFIG_FILE_ENV, config_file, ignored)
             return LMCacheEngineConfig.from_file(config_file)
         try:
-            return LMCacheEngineConfig.cpu_only_defaults().with_overrides(field_vars, source="environment")
+            overrides = map_legacy_keys(field_vars, source="environment")
+            return LMCacheEngineConfig.cpu_only_defaults().with_overrides(overrides, source="environment")
         except ValueError as exc:
             # Name the variables as the user typed them, not only the parsed values.
             culprits = [f"{env_var_name(name)}={raw!r}" for name, raw in field_vars.items()
@@ -363,7 +407,10 @@ class LMCacheEngineConfig:
 
     @staticmethod
     def from_file(file_path: str) -> "LMCacheEngineConfig":
-        """A YAML mapping `{field: value}` over the CPU-only defaults."""
+        """A YAML mapping `{field: value}` over the CPU-only defaults (legacy keys mapped, see
+        `legacy_config`)."""
+        from lmcache.experimental.legacy_config import map_legacy_keys
+
         try:
             with open(file_path, encoding="utf-8") as handle:
                 loaded = yaml.safe_load(handle)
@@ -376,7 +423,8 @@ class LMCacheEngineConfig:
                 f"config file {file_path!r} must hold a YAML mapping of config fields, "
                 f"got {type(loaded).__name__}"
             )
-        return LMCacheEngineConfig.cpu_only_defaults().with_overrides(loaded, source=f"config file {file_path!r}")
+        source = f"config file {file_path!r}"
+        return LMCacheEngineConfig.cpu_only_defaults().with_overrides(map_legacy_keys(loaded, source), source=source)
 
     @staticmethod
     def from_legacy(
@@ -466,9 +514,18 @@ def legacy_tiers(backend: str, remote_url: Optional[str]) -> Tuple[bool, bool, b
     return local_cpu, use_disk, use_remote, remote_url
 
 
+def _legacy_serde(name: str) -> str:
+    """The serde an old `remote_serde` name means now (see `LEGACY_SERDE_ALIASES`), with a warning."""
+    logger.warning(
+        "remote_serde=%r is deprecated (the old torch serde pickled chunks, and LMCache never "
+        "unpickles): using remote_serde: %s", name, LEGACY_SERDE_ALIASES[name],
+    )
+    return LEGACY_SERDE_ALIASES[name]
+
+
 def _warn_unknown_env_vars(env: Mapping[str, str]) -> None:
     """Warn about `LMCACHE_*` variables that are neither a field nor one of ours (likely typos)."""
-    known = set(NON_FIELD_ENV_VARS) | {env_var_name(name) for name in field_names()}
+    known = set(NON_FIELD_ENV_VARS) | {env_var_name(name) for name in (*field_names(), *LEGACY_KEYS)}
     for var in sorted(v for v in env if v.startswith(ENV_PREFIX) and v not in known):
         hint = _closest_field(var[len(ENV_PREFIX):])
         if hint:

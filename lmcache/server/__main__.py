@@ -1,7 +1,8 @@
-"""`lmcache_server [HOST] PORT` / `python -m lmcache.server [HOST] PORT`: run the `lm://` server.
+"""`lmcache_server [HOST] PORT [DEVICE]` / `python -m lmcache.server ...`: run the `lm://` server.
 
 HOST defaults to 127.0.0.1: the server has no authentication, so listening on other
-interfaces is something to ask for explicitly (`lmcache_server 0.0.0.0 65432`).
+interfaces is something to ask for explicitly (`lmcache_server 0.0.0.0 65432`). DEVICE is the
+old server's storage device; only `cpu` (where chunks always live) is accepted.
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from __future__ import annotations
 import argparse
 import signal
 import sys
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Tuple
 
 from lmcache.logging import init_logger
 from lmcache.server.protocol import DEFAULT_MAX_PAYLOAD_BYTES, HARD_MAX_PAYLOAD_BYTES
@@ -18,6 +19,8 @@ from lmcache.server.server import LMCacheServer, ServerConfig
 logger = init_logger(__name__)
 
 DEFAULT_HOST = "127.0.0.1"
+# The old `lmcache_server HOST PORT [DEVICE]` form: the devices this server can store chunks on.
+SUPPORTED_DEVICES = ("cpu",)
 # Sizes in "GB" are GiB, as everywhere in LMCache's config (max_local_cpu_size, ...).
 GB = 1024**3
 
@@ -30,8 +33,9 @@ def _parse_args(argv: Optional[Sequence[str]]) -> ServerConfig:
     parser.add_argument(
         "address",
         nargs="+",
-        metavar="[HOST] PORT",
-        help=f"interface to bind (default {DEFAULT_HOST}) and TCP port (0 = any free port)",
+        metavar="[HOST] PORT [DEVICE]",
+        help=f"interface to bind (default {DEFAULT_HOST}), TCP port (0 = any free port) and, as the old "
+        "server took it, the storage device (only 'cpu')",
     )
     parser.add_argument(
         "--max-size-gb",
@@ -53,12 +57,7 @@ def _parse_args(argv: Optional[Sequence[str]]) -> ServerConfig:
         help="seconds a started frame may stall before the connection is closed",
     )
     args = parser.parse_args(argv)
-    if len(args.address) == 1:
-        host, port_text = DEFAULT_HOST, args.address[0]
-    elif len(args.address) == 2:
-        host, port_text = args.address
-    else:
-        parser.error(f"expected [HOST] PORT, got {' '.join(args.address)}")
+    host, port_text = _split_address(parser, args.address)
     try:
         port = int(port_text)
     except ValueError:
@@ -81,6 +80,23 @@ def _parse_args(argv: Optional[Sequence[str]]) -> ServerConfig:
         )
     except ValueError as err:
         parser.error(str(err))
+    raise AssertionError("unreachable")
+
+
+def _split_address(parser: argparse.ArgumentParser, words: Sequence[str]) -> Tuple[str, str]:
+    """`[HOST] PORT [DEVICE]` -> (host, port text); a DEVICE other than `cpu` is refused."""
+    if len(words) == 1:
+        return DEFAULT_HOST, words[0]
+    if len(words) == 3:
+        device = words[2]
+        if device.lower() not in SUPPORTED_DEVICES:
+            parser.error(
+                f"DEVICE {device!r} is not supported: this server keeps chunks in CPU memory only "
+                f"(give 'cpu' or leave DEVICE out)"
+            )
+    if len(words) in (2, 3):
+        return words[0], words[1]
+    parser.error(f"expected [HOST] PORT [DEVICE], got {' '.join(words)}")
     raise AssertionError("unreachable")
 
 

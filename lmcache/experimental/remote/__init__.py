@@ -1,5 +1,6 @@
 """Remote stores for the remote tier: connectors (`lm://`, `redis://`, `rediss://`,
-`redis-cluster://`) behind one byte-level interface, and the serdes that fill them.
+`redis-cluster://`, `redis-sentinel://`) behind one byte-level interface, and the serdes that
+fill them.
 
 `create_connector(url)` is the one place that maps a `remote_url` to a connector class; the
 URL grammar is the config's (`lmcache.experimental.config.parse_remote_url`).
@@ -40,6 +41,21 @@ def create_connector(
         host, port = parsed.hosts[0]
         return LMServerConnector(
             host, port, timeout=timeout, lookup_timeout=lookup_timeout, pool_size=pool_size
+        )
+    if parsed.scheme == "redis-sentinel":
+        from lmcache.experimental.remote.redis_sentinel_connector import (
+            RedisSentinelConnector,
+            sentinel_service_name,
+        )
+
+        return RedisSentinelConnector(
+            parsed.hosts,
+            sentinel_service_name(parsed.service),
+            key_prefix=key_prefix,
+            ttl_s=ttl_s,
+            timeout=timeout,
+            lookup_timeout=lookup_timeout,
+            pool_size=pool_size,
         )
     from lmcache.experimental.remote.redis_connector import RedisConnector
 

@@ -337,11 +337,21 @@ def lmcache_store_kv(
     store_step(engine, plan, kv_caches, cache_config.block_size, wanted)
 
 
+def start_engine_for_runner(runner: Any) -> None:
+    """Create the engine for a v0 model runner whose model just loaded, so a bad LMCache config
+    stops the `LLM`/engine build rather than its first request. Runners the door leaves alone
+    (`RunnerView.reason_to_step_aside`) get none."""
+    view = RunnerView.of(runner)
+    if view.reason_to_step_aside() is None and LMCacheEngineBuilder.get(ENGINE_NAME) is None:
+        _open_engine(view.vllm_config)
+
+
 def execute_with_cache(runner: Any, model_input: Any, kv_caches: List[torch.Tensor], forward: Callable[[Any], T]) -> T:
     """One v0 step with LMCache: plan, retrieve and rebuild, `forward(input)`, store.
 
-    Starts the engine at the first real step. Steps it does not serve (profiling, decode-only,
-    and every step of a runner `RunnerView.reason_to_step_aside` names) go to `forward`
+    Starts the engine here if `start_engine_for_runner` did not (or it was closed since). Steps
+    it does not serve (profiling, decode-only, and every step of a runner
+    `RunnerView.reason_to_step_aside` names) go to `forward`
     untouched. A failure inside the cache is logged and the step computes everything, as it
     would without LMCache.
     """

@@ -101,23 +101,29 @@ def multimodal_placeholders(request: Any) -> Optional[List[Tuple[Optional[str], 
 class PatchPoint:
     """One vLLM method the wrapper wraps."""
 
-    owner: type
+    owner: Any  # a class, or a module for a module-level function
     name: str
-    # What the wrapper puts around it: "v0_execute_model" (LMCache around a v0 step) or
-    # "v1_default_args" (turn on the v1 connector when vLLM picks the v1 engine).
+    # What the wrapper puts around it: "v0_execute_model" (LMCache around a v0 step),
+    # "v0_load_model" (start the engine once the model is loaded), "model_inspection" (vLLM's
+    # model-class inspection, in-process on the CPU platform) or "v1_default_args" (turn on the
+    # v1 connector when vLLM picks the v1 engine).
     role: str
 
 
 def wrapper_patch_points() -> List[PatchPoint]:
     """The methods `lmcache_vllm.vllm_injection` wraps. vLLM 0.9.2: the v0 GPU and CPU model
-    runners' `execute_model`, and `EngineArgs._set_default_args_v1`, which vLLM calls exactly
-    when it chose the v1 engine (private: there is no public hook at that moment)."""
+    runners' `execute_model` and `load_model`; `EngineArgs._set_default_args_v1`, which vLLM
+    calls exactly when it chose the v1 engine (private: there is no public hook at that moment);
+    `vllm.model_executor.models.registry._run_in_subprocess`, which runs the model-class
+    inspection in a fresh interpreter (private)."""
     from vllm.engine.arg_utils import EngineArgs
+    from vllm.model_executor.models import registry
     from vllm.worker.cpu_model_runner import CPUModelRunner
     from vllm.worker.model_runner import ModelRunner
 
-    return [
-        PatchPoint(ModelRunner, "execute_model", "v0_execute_model"),
-        PatchPoint(CPUModelRunner, "execute_model", "v0_execute_model"),
-        PatchPoint(EngineArgs, "_set_default_args_v1", "v1_default_args"),
-    ]
+    points = [PatchPoint(EngineArgs, "_set_default_args_v1", "v1_default_args")]
+    for runner in (ModelRunner, CPUModelRunner):
+        points.append(PatchPoint(runner, "execute_model", "v0_execute_model"))
+        points.append(PatchPoint(runner, "load_model", "v0_load_model"))
+    points.append(PatchPoint(registry, "_run_in_subprocess", "model_inspection"))
+    return points

@@ -7,7 +7,9 @@ hands back is checked before it is trusted:
 - `cachegen`: the header describes a `BINARY` payload that is a cachegen stream (magic
   `LMCG`, its own version, the original shape/dtype/format, quantization parameters, then
   entropy-coded codes). Lossy, with a stated error bound (see `cachegen.py`).
-A chunk written by the other serde, for another key, with another shape or dtype, with a bad
+- `safetensor`: the header describes a `BINARY` payload that is a safetensors file holding the
+  object as one tensor (see `safetensor.py`). Decoding is exact.
+A chunk written by another serde, for another key, with another shape or dtype, with a bad
 checksum, or cut short is a miss (`decode` returns None), never an exception.
 """
 
@@ -16,10 +18,11 @@ from __future__ import annotations
 from lmcache.experimental.remote.serde.base import AllocateFn, Serde
 from lmcache.experimental.remote.serde.cachegen import CacheGenSerde
 from lmcache.experimental.remote.serde.naive import NaiveSerde
+from lmcache.experimental.remote.serde.safetensor import SafetensorSerde
 
-SERDES = ("naive", "cachegen")
+SERDES = ("naive", "cachegen", "safetensor")
 
-__all__ = ["SERDES", "AllocateFn", "CacheGenSerde", "NaiveSerde", "Serde", "create_serde"]
+__all__ = ["SERDES", "AllocateFn", "CacheGenSerde", "NaiveSerde", "SafetensorSerde", "Serde", "create_serde"]
 
 
 def create_serde(name: str) -> Serde:
@@ -28,4 +31,6 @@ def create_serde(name: str) -> Serde:
         return NaiveSerde()
     if name == "cachegen":
         return CacheGenSerde()
+    if name == "safetensor":
+        return SafetensorSerde()
     raise ValueError(f"remote_serde={name!r}: expected one of {SERDES}")

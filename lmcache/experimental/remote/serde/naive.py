@@ -9,6 +9,7 @@ import torch
 from lmcache.experimental.memory_management import MemoryFormat, MemoryObj
 from lmcache.experimental.remote.serde.base import AllocateFn, Buffer, KeyLike, Serde
 from lmcache.experimental.remote.serde.cachegen import is_cachegen_chunk
+from lmcache.experimental.remote.serde.safetensor import is_safetensor_chunk
 from lmcache.experimental.storage_backend import chunk_format
 from lmcache.logging import init_logger
 
@@ -16,7 +17,8 @@ logger = init_logger(__name__)
 
 
 class NaiveSerde(Serde):
-    """Raw payload + header. A cachegen chunk under the same key is a miss, not lossy data."""
+    """Raw payload + header. A cachegen or safetensor chunk under the same key is a miss, not
+    its encoded bytes handed back as an object."""
 
     name = "naive"
 
@@ -29,10 +31,12 @@ class NaiveSerde(Serde):
         header = chunk_format.decode_header(data)
         if header is None:
             return None
-        if header.fmt == MemoryFormat.BINARY and is_cachegen_chunk(header, data):
-            logger.warning(
-                "chunk %s was written with remote_serde=cachegen; this instance reads naive: miss",
-                header.key,
-            )
-            return None
+        if header.fmt == MemoryFormat.BINARY:
+            for other, is_other in (("cachegen", is_cachegen_chunk), ("safetensor", is_safetensor_chunk)):
+                if is_other(header, data):
+                    logger.warning(
+                        "chunk %s was written with remote_serde=%s; this instance reads naive: miss",
+                        header.key, other,
+                    )
+                    return None
         return chunk_format.decode_into(data, allocate, key=key, dtype=dtype)
