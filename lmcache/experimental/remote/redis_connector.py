@@ -12,8 +12,8 @@ down:
   lowered to the server's `proto-max-bulk-len` when `CONFIG GET` answers. Where `CONFIG` is
   disabled (managed Redis) and the server's real limit is lower, Redis rejects the value
   ("invalid bulk length") and drops that connection: if the server still answers a ping, the
-  batch's puts are refused, the limit drops below the largest value sent, and the pool simply
-  opens a new connection;
+  limit drops below the largest value sent, the batch is sent again under it (what is still
+  too long refused before sending), and the pool simply opens a new connection;
 - a write under `maxmemory` with the default `noeviction` policy gets an `OOM` reply: that put
   is counted as refused and logged (once per burst), the others in the pipeline still land.
 
@@ -163,7 +163,8 @@ class RedisConnector(RemoteConnector):
         except RemoteUnavailableError:
             if not self._rejected_for_size([memoryview(items[i][1]).nbytes for i in slots]):
                 raise
-            return results
+            # Again under the lowered limit: what is still too long is refused without sending.
+            return self.batched_put(items)
         for slot, reply in zip(slots, replies):
             if _is_too_long(reply):
                 self._learn_limit(memoryview(items[slot][1]).nbytes, items[slot][0])
@@ -256,10 +257,10 @@ class RedisConnector(RemoteConnector):
             self._max_value = min([self._max_value_configured, *values])
         return self._max_value
 
-    def _learn_limit(self, size: int, key: str) -> None:
+    def _learn_limit(self, size: int, key: str, refused: int = 1) -> None:
         """Redis called a value of `size` bytes too long: refuse that size from now on."""
         with self._lock:
-            self._oversize_refusals += 1
+            self._oversize_refusals += refused
             self._max_value = min(self._max_value or size, size - 1)
             limit = self._max_value
         logger.warning(
@@ -281,7 +282,7 @@ class RedisConnector(RemoteConnector):
             self.ping()
         except RemoteUnavailableError:
             return False  # the server is really gone
-        self._learn_limit(largest, f"a batch of {len(sizes)} values")
+        self._learn_limit(largest, f"a batch of {len(sizes)} values", refused=0)
         return True
 
     def _run(self, client: Any, commands: Sequence[tuple]) -> list[Any]:
