@@ -146,6 +146,8 @@ class LMCacheServer:
         self._lock = threading.Lock()
         self._connections: dict[socket.socket, _ConnState] = {}
         self._budget = _PendingBudget(self.pending_limit)
+        # Where every refused payload is drained; shared, since nobody reads what lands there.
+        self._scratch = memoryview(bytearray(_DISCARD_BLOCK))
         self._counts = {
             "protocol_errors": 0,
             "frame_timeouts": 0,
@@ -432,13 +434,15 @@ class LMCacheServer:
         """Receive a put's payload, each step reserved from the pending budget before it arrives.
 
         Over the budget, what arrived is dropped, the rest drained and the put refused (None)."""
-        buf = alloc_buffer(size)
+        buf: Optional[memoryview] = None
         held = 0
         try:
             while held < size:
                 step = min(_RECV_STEP, size - held)
                 if not self._budget.try_reserve(step):
                     break
+                if buf is None:
+                    buf = alloc_buffer(size)
                 held += step
                 n = self._recv_into(conn, buf[held - step : held], deadline, "the payload")
                 if n != step:
@@ -446,7 +450,7 @@ class LMCacheServer:
                         f"connection closed after {held - step + n} of {size} bytes of the payload"
                     )
             else:
-                return buf
+                return alloc_buffer(0) if buf is None else buf  # (None only for an empty payload)
         finally:
             self._budget.release(held)
         del buf
@@ -471,10 +475,10 @@ class LMCacheServer:
                 self.pending_limit,
                 count,
             )
-        block = memoryview(bytearray(min(unread, _DISCARD_BLOCK)))
         left = unread
         while left:
-            n = self._recv_into(conn, block[: min(left, len(block))], deadline, "a refused payload")
+            scratch = self._scratch[: min(left, _DISCARD_BLOCK)]
+            n = self._recv_into(conn, scratch, deadline, "a refused payload")
             if n == 0:
                 raise TruncatedFrameError(f"connection closed with {left} payload bytes unread")
             left -= n
