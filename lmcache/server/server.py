@@ -52,8 +52,11 @@ from lmcache.server.store import LRUChunkStore
 logger = init_logger(__name__)
 
 _DISCARD_BLOCK = 1 << 20
-# Payload is received (and counted against the pending budget) in steps of at most this much.
-_RECV_STEP = 8 << 20
+# Payload is received (and counted against the pending budget) in steps: the first is this
+# small, each next one at most what the peer already sent, up to the last constant. A peer that
+# announces a large payload and then drips holds a little budget, never its announcement.
+_FIRST_RECV_STEP = 64 << 10
+_MAX_RECV_STEP = 8 << 20
 # Log one line per this many connections closed to make room, so an attack does not flood the log.
 _REAP_LOG_EVERY = 100
 
@@ -431,14 +434,16 @@ class LMCacheServer:
             send_frame(conn, Op.PUT, Status.REFUSED, payload=self._refusal(RefusalReason.OVER_STORE))
 
     def _recv_payload(self, conn: socket.socket, size: int, deadline: float) -> Optional[memoryview]:
-        """Receive a put's payload, each step reserved from the pending budget before it arrives.
+        """Receive a put's payload, each step reserved from the pending budget before it arrives
+        (so the budget bounds what all unfinished frames hold: at most twice what they sent, plus
+        one first step each).
 
         Over the budget, what arrived is dropped, the rest drained and the put refused (None)."""
         buf: Optional[memoryview] = None
         held = 0
         try:
             while held < size:
-                step = min(_RECV_STEP, size - held)
+                step = min(_MAX_RECV_STEP, size - held, max(_FIRST_RECV_STEP, held))
                 if not self._budget.try_reserve(step):
                     break
                 if buf is None:
