@@ -1,4 +1,5 @@
-"""Ports in URLs and on the server's command line: ASCII digits in range, or an error naming the key."""
+"""Hostile config values: ports in URLs and on the server's command line are ASCII digits in
+range, and any text in any `LMCACHE_*` variable is a config or a ValueError naming its key."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lmcache.experimental.config import LMCacheEngineConfig, parse_remote_url
+from lmcache.experimental.config import LMCacheEngineConfig, env_var_name, field_names, parse_remote_url
 from lmcache.server.__main__ import _parse_args
 
 # Characters `str.isdigit` or `int()` accept that are not a port: superscripts, full-width and
@@ -40,3 +41,12 @@ def test_server_cli_port_must_be_ascii_digits_in_range(port: str, capsys) -> Non
         _parse_args(["127.0.0.1", port])
     assert "PORT" in capsys.readouterr().err
     assert _parse_args(["127.0.0.1", "0"]).port == 0  # 0 = any free port, for tests and embedding
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.sampled_from(field_names()), st.text(max_size=12))
+def test_any_text_in_any_variable_is_a_config_or_an_error_naming_the_key(name: str, text: str) -> None:
+    try:
+        LMCacheEngineConfig.from_env({env_var_name(name): text})
+    except ValueError as err:
+        assert name in str(err) and env_var_name(name) in str(err)
