@@ -29,6 +29,7 @@ from lmcache.server.protocol import (
     pack_header,
     parse_header,
     recv_exact,
+    refusal_limit,
 )
 
 FRAME_LIMIT = 1 << 16
@@ -46,6 +47,14 @@ def test_parse_header_returns_a_bounded_header_or_raises_protocol_error(raw: byt
     assert header.key_len <= MAX_KEY_BYTES and header.payload_len <= min(limit, HARD_MAX_PAYLOAD_BYTES)
     if is_request:
         assert header.op != Op.ERROR and header.status == Status.OK
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.one_of(st.binary(max_size=64), st.from_regex(rb'\{"max_payload_bytes": ?-?[0-9]{1,25}\}', fullmatch=True)))
+def test_a_refusal_payload_names_a_positive_limit_or_none(payload: bytes) -> None:
+    limit = refusal_limit(payload)
+    assert limit is None or (isinstance(limit, int) and limit > 0)
+    assert refusal_limit(b"[" * 100_000) is None
 
 
 @pytest.fixture(scope="module")

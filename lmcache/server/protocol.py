@@ -99,15 +99,20 @@ def refusal_payload(reason: RefusalReason, max_payload_bytes: int) -> bytes:
     return json.dumps({"reason": reason.value, "max_payload_bytes": max_payload_bytes}).encode()
 
 
+def frame_limit_of(fields: object) -> Optional[int]:
+    """`max_payload_bytes` of a decoded INFO or refusal object, or None if absent or not valid."""
+    limit = fields.get("max_payload_bytes") if isinstance(fields, dict) else None
+    return limit if isinstance(limit, int) and not isinstance(limit, bool) and limit > 0 else None
+
+
 def refusal_limit(payload: Optional[Buffer]) -> Optional[int]:
     """The frame limit a `REFUSED` reply names, or None when it names none (or is not JSON)."""
     if not payload:
         return None
     try:
-        limit = json.loads(bytes(payload)).get("max_payload_bytes")
-    except (ValueError, AttributeError):
+        return frame_limit_of(json.loads(bytes(payload)))
+    except (ValueError, RecursionError):  # not JSON (or nested past the parser's depth)
         return None
-    return limit if isinstance(limit, int) and not isinstance(limit, bool) and limit > 0 else None
 
 
 class ProtocolError(Exception):

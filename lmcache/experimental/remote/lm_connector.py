@@ -36,6 +36,7 @@ from lmcache.server.protocol import (
     Op,
     ProtocolError,
     Status,
+    frame_limit_of,
     pack_header,
     parse_header,
     recv_exact,
@@ -189,9 +190,8 @@ class LMServerConnector(RemoteConnector):
 
     def _learn_limit(self) -> None:
         """Ask the server for its frame limit (an older server without one: use our own)."""
-        limit = self.info().get("max_payload_bytes")
-        valid = isinstance(limit, int) and not isinstance(limit, bool) and limit > 0
-        self._server_limit = limit if valid else self._max_payload
+        limit = frame_limit_of(self.info())
+        self._server_limit = self._max_payload if limit is None else limit
 
     def _refuse_too_large(self, key: str, size: int, limit: int) -> None:
         self._too_large += 1
