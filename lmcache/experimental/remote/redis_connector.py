@@ -44,7 +44,7 @@ logger = init_logger(__name__)
 DEFAULT_PROTO_MAX_BULK_LEN = 512 * 1024 * 1024
 # The smallest `proto-max-bulk-len` Redis accepts: a value at most this large is never too long.
 MIN_PROTO_MAX_BULK_LEN = 1024 * 1024
-# Log one OOM line per this many refused puts, so a full Redis does not flood the log.
+# Log one OOM (or too-long) line per this many refused puts, so the log is not flooded.
 _OOM_LOG_EVERY = 100
 
 # What redis-py raises when the server is gone or slow (cluster errors include "no node").
@@ -144,14 +144,17 @@ class RedisConnector(RemoteConnector):
             if size > limit:
                 with self._lock:
                     self._oversize_refusals += 1
-                logger.warning(
-                    "not storing %s on %s: %d bytes exceed the server's proto-max-bulk-len of %d "
-                    "(raise it in redis.conf, or use a smaller chunk_size)",
-                    key,
-                    self.url,
-                    size,
-                    limit,
-                )
+                    refusals = self._oversize_refusals
+                if refusals % _OOM_LOG_EVERY == 1:
+                    logger.warning(
+                        "not storing %s on %s: %d bytes exceed the server's proto-max-bulk-len of %d "
+                        "(raise it in redis.conf, or use a smaller chunk_size; %d refused so far)",
+                        key,
+                        self.url,
+                        size,
+                        limit,
+                        refusals,
+                    )
                 continue
             command: tuple = ("SET", self._prefix + key, value)
             if self._ttl_ms is not None:
