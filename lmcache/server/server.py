@@ -25,6 +25,7 @@ deadline) is answered with `BAD_REQUEST` where possible and closed, with the rea
 from __future__ import annotations
 
 import json
+import mmap
 import socket
 import threading
 import time
@@ -447,7 +448,7 @@ class LMCacheServer:
                 if not self._budget.try_reserve(step):
                     break
                 if buf is None:
-                    buf = alloc_buffer(size)
+                    buf = _payload_buffer(size)
                 held += step
                 n = self._recv_into(conn, buf[held - step : held], deadline, "the payload")
                 if n != step:
@@ -489,6 +490,16 @@ class LMCacheServer:
             left -= n
         conn.settimeout(self.config.frame_timeout_s)
         send_frame(conn, Op.PUT, Status.REFUSED, payload=self._refusal(reason))
+
+
+def _payload_buffer(size: int) -> memoryview:
+    """A buffer for one put's payload whose pages become resident only as bytes arrive, and go
+    back to the system as soon as the value is dropped: a private anonymous mapping. (A block
+    recycled by malloc is resident in full, so peers announcing sizes they never send could pin
+    that much memory whatever the pending budget says.)"""
+    if size < _FIRST_RECV_STEP:
+        return alloc_buffer(size)
+    return memoryview(mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS))
 
 
 def _hang_up(conn: socket.socket) -> None:
