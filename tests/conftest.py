@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
 import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Iterator, List, Optional
 
 import pytest
 
@@ -35,6 +36,18 @@ def tiny_model() -> str:
     out = CACHE / "tiny-model"
     make_tiny_model(out, TinyModelSpec())
     return str(out)
+
+
+@pytest.fixture
+def warnings_log(caplog: pytest.LogCaptureFixture) -> Iterator[Callable[[], List[str]]]:
+    """Reads the warnings of the lmcache loggers (their tree does not propagate to root)."""
+    top = logging.getLogger("lmcache")
+    top.addHandler(caplog.handler)
+    try:
+        with caplog.at_level(logging.WARNING, logger="lmcache"):
+            yield lambda: [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    finally:
+        top.removeHandler(caplog.handler)
 
 
 def random_prompt(n_tokens: int, seed: int, vocab: int = 1024) -> list[int]:

@@ -8,52 +8,19 @@ import os
 import threading
 
 import pytest
-import torch
 
-from helpers import CHUNK, check_loaded, chunk_bytes, config, geometry, make_engine, prompt, slots_for
+from helpers import CHUNK, check_loaded, prompt, slots_for
+from tier_helpers import ENGINE_GEO, flush, keys_of, retrieve_and_check, small_engine, store_prompt
+
 from kv_reference import make_kvcaches
-from lmcache.experimental.cache_engine import LMCacheEngine
 from lmcache.experimental.pins import PinRegistry
 from lmcache.server import LMCacheServer, ServerConfig
-
-GEO = geometry()
-CHUNK_BYTES = chunk_bytes(GEO)
-
-
-def small_engine(num_chunks: int = 64, **overrides) -> LMCacheEngine:
-    """An engine whose CPU memory holds exactly `num_chunks` chunks (sized in bytes, not GB)."""
-    return make_engine(GEO, config(**overrides), cpu_bytes=num_chunks * CHUNK_BYTES)
-
-
-def keys_of(engine: LMCacheEngine, tokens: torch.Tensor) -> list:
-    return [key for _, _, key in engine.token_database.process_tokens(tokens)]
-
-
-def store(engine: LMCacheEngine, n: int, seed: int):
-    """Store a prompt of `n` tokens; its tokens, source caches and slots."""
-    tokens, source, slots = prompt(n, seed=seed), make_kvcaches(GEO, seed=seed), slots_for(GEO, n, seed=seed)
-    engine.store(tokens, kvcaches=source, slot_mapping=slots)
-    return tokens, source, slots
-
-
-def retrieve_and_check(engine: LMCacheEngine, tokens, source, slots, expected: int) -> None:
-    target, dst = make_kvcaches(GEO, seed=99), slots_for(GEO, len(tokens), seed=98)
-    got = engine.retrieve(tokens, kvcaches=target, slot_mapping=dst)
-    assert int(got.sum()) == expected and bool(got[:expected].all())
-    check_loaded(GEO, source, slots, target, dst, expected)
-
-
-def flush(engine: LMCacheEngine) -> None:
-    """Wait for the slow tiers' writes (a pending write holds a reference: its chunk is not idle)."""
-    for tier in engine.storage_manager.tiers:
-        if hasattr(tier, "flush"):
-            tier.flush()
 
 
 @pytest.mark.parametrize("local_cpu", [True, False], ids=["cpu+disk", "disk-only"])
 def test_pinned_prefix_survives_its_chunks_leaving_every_tier(local_cpu, tmp_path):
     engine = small_engine(local_cpu=local_cpu, local_disk=str(tmp_path), max_local_disk_size=0.01)
-    tokens, source, slots = store(engine, 20, seed=1)  # two whole chunks and a partial one
+    tokens, source, slots = store_prompt(engine, 20, seed=1)  # two whole chunks and a partial one
     flush(engine)
     assert engine.lookup(tokens, request_id="r", pin=True) == 20
     assert engine.stats().live_pins == 3 and engine.stats().pinned_requests == 1
@@ -64,7 +31,7 @@ def test_pinned_prefix_survives_its_chunks_leaving_every_tier(local_cpu, tmp_pat
     retrieve_and_check(engine, tokens, source, slots, 20)  # ... but the promise is kept
     engine.lookup_unpin(["r"])
     assert engine.stats().live_pins == 0 and engine.stats().pinned_requests == 0
-    assert engine.retrieve(tokens, kvcaches=make_kvcaches(GEO), slot_mapping=slots).sum() == 0
+    assert engine.retrieve(tokens, kvcaches=make_kvcaches(ENGINE_GEO), slot_mapping=slots).sum() == 0
     assert engine.memory_allocator.pool.num_live_objects() == 0  # the pins held the last references
     engine.close()
 
@@ -75,7 +42,7 @@ def test_pinned_prefix_survives_the_remote_server_going_away():
     host, port = server.address
     engine = small_engine(local_cpu=False, remote_url=f"lm://{host}:{port}", remote_serde="naive")
     try:
-        tokens, source, slots = store(engine, 24, seed=2)
+        tokens, source, slots = store_prompt(engine, 24, seed=2)
         flush(engine)
         assert engine.lookup(tokens, request_id="r", pin=True) == 24
     finally:
@@ -92,14 +59,14 @@ def test_reading_an_earlier_chunk_cannot_evict_a_later_pinned_one(tmp_path):
 
     def scene(seed: int):
         engine = small_engine(num_chunks=3, local_disk=str(tmp_path / str(seed)), max_local_disk_size=0.01)
-        tokens, source, slots = store(engine, 16, seed=seed)
+        tokens, source, slots = store_prompt(engine, 16, seed=seed)
         flush(engine)
         first, second = keys_of(engine, tokens)
         cpu, disk = engine.storage_manager.tiers
         cpu.remove(first)
         disk.remove(second)
-        store(engine, CHUNK, seed=seed + 100)  # two fillers make the CPU tier full; chunk 1 is LRU
-        store(engine, CHUNK, seed=seed + 200)
+        store_prompt(engine, CHUNK, seed=seed + 100)  # two fillers make the CPU tier full; chunk 1 is LRU
+        store_prompt(engine, CHUNK, seed=seed + 200)
         flush(engine)
         assert len(cpu) == 3 and cpu.keys()[0] == second
         return engine, tokens, source, slots
@@ -120,9 +87,9 @@ def test_reading_an_earlier_chunk_cannot_evict_a_later_pinned_one(tmp_path):
 
 def test_memory_pressure_with_pins_skips_stores_and_shortens_pins_never_raises(tmp_path):
     engine = small_engine(num_chunks=2, local_disk=str(tmp_path), max_local_disk_size=0.01)
-    other, other_source, other_slots = store(engine, 16, seed=5)
+    other, other_source, other_slots = store_prompt(engine, 16, seed=5)
     flush(engine)
-    tokens, source, slots = store(engine, 16, seed=6)  # evicts `other` from RAM (still on disk)
+    tokens, source, slots = store_prompt(engine, 16, seed=6)  # evicts `other` from RAM (still on disk)
     flush(engine)
     assert engine.lookup(tokens, request_id="a", pin=True) == 16
     cpu = engine.storage_manager.tiers[0]
@@ -132,7 +99,7 @@ def test_memory_pressure_with_pins_skips_stores_and_shortens_pins_never_raises(t
         obj.ref_count_down()
     # A new prompt finds no room: nothing idle to evict, so the store is dropped, not raised.
     dropped_before = engine.stats().store_dropped_tokens
-    new, _, _ = store(engine, 16, seed=7)
+    new, _, _ = store_prompt(engine, 16, seed=7)
     assert engine.stats().store_dropped_tokens - dropped_before == 16
     assert engine.lookup(new) == 0
     assert engine.lookup(tokens, ["Hot"]) == 16 and engine.stats().tiers["Hot"].evicted_chunks == 2  # `other` only
@@ -146,7 +113,7 @@ def test_memory_pressure_with_pins_skips_stores_and_shortens_pins_never_raises(t
     assert engine.lookup(other, request_id="b", pin=True) == 16
     retrieve_and_check(engine, other, other_source, other_slots, 16)
     engine.lookup_unpin(["b"])
-    store(engine, 16, seed=7)
+    store_prompt(engine, 16, seed=7)
     assert engine.lookup(new) == 16
     engine.close()
     assert engine.memory_allocator.pool.num_live_objects() == 0
@@ -154,8 +121,8 @@ def test_memory_pressure_with_pins_skips_stores_and_shortens_pins_never_raises(t
 
 def test_replace_unpin_and_close_release_every_reference():
     engine = small_engine()
-    a_tokens, _, _ = store(engine, 16, seed=8)
-    b_tokens, _, _ = store(engine, 24, seed=9)
+    a_tokens, _, _ = store_prompt(engine, 16, seed=8)
+    b_tokens, _, _ = store_prompt(engine, 24, seed=9)
     cpu = engine.storage_manager.tiers[0]
 
     def refs(tokens):
@@ -201,7 +168,7 @@ def test_replace_unpin_and_close_release_every_reference():
 
 def test_registry_refuses_pins_after_close_and_keeps_copies_apart():
     engine = small_engine()
-    tokens, _, _ = store(engine, 8, seed=10)
+    tokens, _, _ = store_prompt(engine, 8, seed=10)
     (key,) = keys_of(engine, tokens)
     registry = PinRegistry()
     first, second = engine.storage_manager.get(key), engine.storage_manager.get(key)
@@ -221,7 +188,7 @@ def test_registry_refuses_pins_after_close_and_keeps_copies_apart():
 
 def test_pinned_lookups_retrieves_and_stores_from_two_threads(tmp_path):
     engine = small_engine(num_chunks=6, local_disk=str(tmp_path), max_local_disk_size=0.01)
-    source = make_kvcaches(GEO, seed=1)
+    source = make_kvcaches(ENGINE_GEO, seed=1)
     errors: list[BaseException] = []
     promised_and_loaded: list[tuple[int, int]] = []
 
@@ -229,18 +196,18 @@ def test_pinned_lookups_retrieves_and_stores_from_two_threads(tmp_path):
         try:
             for round_id in range(12):
                 seed = (worker_id * 5 + round_id) % 10  # the threads share prompts
-                tokens, src_slots = prompt(24, seed=seed), slots_for(GEO, 24, seed=seed)
+                tokens, src_slots = prompt(24, seed=seed), slots_for(ENGINE_GEO, 24, seed=seed)
                 engine.store(tokens, kvcaches=source, slot_mapping=src_slots)
                 request_id = f"w{worker_id}-{round_id}"
                 hit = engine.lookup(tokens, request_id=request_id, pin=True)
                 # The other thread stores in between, which needs memory the pins must not give up.
                 other = prompt(24, seed=seed + 1000 + worker_id)
-                engine.store(other, kvcaches=source, slot_mapping=slots_for(GEO, 24, seed=seed + 1))
-                target, dst = make_kvcaches(GEO, seed=100 + worker_id), slots_for(GEO, 24, seed=50 + worker_id)
+                engine.store(other, kvcaches=source, slot_mapping=slots_for(ENGINE_GEO, 24, seed=seed + 1))
+                target, dst = make_kvcaches(ENGINE_GEO, seed=100 + worker_id), slots_for(ENGINE_GEO, 24, seed=50 + worker_id)
                 got = engine.retrieve(tokens[:hit], kvcaches=target, slot_mapping=dst[:hit])
                 engine.lookup_unpin([request_id])
                 promised_and_loaded.append((hit, int(got.sum())))
-                check_loaded(GEO, source, src_slots, target, dst, hit)
+                check_loaded(ENGINE_GEO, source, src_slots, target, dst, hit)
         except BaseException as err:  # surfaced below
             errors.append(err)
 

@@ -2,10 +2,9 @@
 
 import dataclasses
 import inspect
-import logging
 import os
 import pathlib
-from typing import Any, Callable, Dict, Iterator, List
+from typing import Any, Callable, Dict, List
 
 import pytest
 
@@ -56,18 +55,6 @@ NON_DEFAULT: Dict[str, Any] = {
 
 def _env_text(value: Any) -> str:
     return "None" if value is None else str(value)
-
-
-@pytest.fixture
-def warnings_log(caplog: pytest.LogCaptureFixture) -> Iterator[Callable[[], List[str]]]:
-    """Reads the warnings of the lmcache loggers (their tree does not propagate to root)."""
-    top = logging.getLogger("lmcache")
-    top.addHandler(caplog.handler)
-    try:
-        with caplog.at_level(logging.WARNING, logger="lmcache"):
-            yield lambda: [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
-    finally:
-        top.removeHandler(caplog.handler)
 
 
 # ----- from_defaults and the dataclass itself ----------------------------------------------------

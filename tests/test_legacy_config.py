@@ -8,7 +8,6 @@ import pathlib
 from typing import Any, Callable, Dict, List
 
 import pytest
-from test_config import warnings_log  # noqa: F401  (fixture)
 
 from lmcache.experimental.config import LEGACY_DISK_SIZE_GB, LMCacheEngineConfig, RemoteUrl
 

@@ -5,11 +5,20 @@ from __future__ import annotations
 import socket
 import threading
 import time
-from typing import Callable, Iterator, Optional
+from typing import Iterator, Optional
 
 import pytest
 import torch
 from helpers import key
+from tier_helpers import (
+    REMOTE_CHUNK,
+    REMOTE_LAYERS,
+    remote_backend,
+    remote_chunk,
+    remote_cpu,
+    remote_metadata,
+    wait_for,
+)
 from redis_fixture import (  # noqa: F401
     LMServerProcess,
     RedisServer,
@@ -19,47 +28,12 @@ from redis_fixture import (  # noqa: F401
     redis_server,
 )
 
-from lmcache.config import LMCacheEngineMetadata
-from lmcache.experimental.memory_management import HostMemoryAllocator, MemoryFormat, MemoryObj
+from lmcache.experimental.memory_management import MemoryObj
 from lmcache.experimental.remote.connector import RemoteUnavailableError
 from lmcache.experimental.remote.lm_connector import LMServerConnector
 from lmcache.experimental.remote.serde.cachegen import error_bound
-from lmcache.experimental.storage_backend.local_cpu_backend import LocalCPUBackend
-from lmcache.experimental.storage_backend.remote_backend import RemoteBackend, RemoteBackendOptions
+from lmcache.experimental.storage_backend.remote_backend import RemoteBackendOptions
 from lmcache.server import LMCacheServer, ServerConfig
-
-LAYERS, HEADS, HEAD_SIZE, CHUNK = 4, 2, 64, 256
-FAST = RemoteBackendOptions(lookup_timeout_s=0.5, timeout_s=2.0, backoff_initial_s=0.05, backoff_max_s=0.2)
-
-
-def _metadata(layers: int = LAYERS, dtype: torch.dtype = torch.float16) -> LMCacheEngineMetadata:
-    return LMCacheEngineMetadata("tiny", 1, 0, "vllm", dtype, (layers, 2, CHUNK, HEADS, HEAD_SIZE))
-
-
-def _cpu() -> LocalCPUBackend:
-    return LocalCPUBackend(HostMemoryAllocator(256 << 20))
-
-
-def _chunk(cpu: LocalCPUBackend, seed: int, tokens: int = CHUNK, dtype=torch.float16) -> MemoryObj:
-    obj = cpu.allocate(torch.Size([2, LAYERS, tokens, HEADS * HEAD_SIZE]), dtype, MemoryFormat.KV_BLOB)
-    assert obj is not None and obj.tensor is not None
-    gen = torch.Generator().manual_seed(seed)
-    obj.tensor.copy_(torch.randn(obj.tensor.shape, generator=gen) * 2)
-    return obj
-
-
-def _backend(url: str, serde: str = "naive", options: RemoteBackendOptions = FAST, **kwargs) -> RemoteBackend:
-    return RemoteBackend(url, serde, kwargs.pop("metadata", _metadata()), kwargs.pop("cpu", _cpu()), options=options, **kwargs)
-
-
-def _wait_for(cond: Callable[[], bool], timeout: float = 15.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.02)
-    return cond()
-
 
 @pytest.fixture
 def lm_server() -> Iterator[LMCacheServer]:
@@ -93,15 +67,15 @@ def remote_url(request, tmp_path) -> Iterator[str]:
 
 @pytest.mark.parametrize("serde", ["naive", "cachegen"])
 def test_second_instance_hits_what_the_first_stored(remote_url: str, serde: str) -> None:
-    writer_cpu = _cpu()
-    writer = _backend(remote_url, serde, cpu=writer_cpu)
-    chunks = {i: _chunk(writer_cpu, seed=i, tokens=CHUNK if i < 3 else 100) for i in range(4)}
+    writer_cpu = remote_cpu()
+    writer = remote_backend(remote_url, serde, cpu=writer_cpu)
+    chunks = {i: remote_chunk(writer_cpu, seed=i, tokens=REMOTE_CHUNK if i < 3 else 100) for i in range(4)}
     for i, obj in chunks.items():
         writer.submit_put_task(key(i), obj)
     writer.close()
     assert writer.remote_stats().puts_acknowledged == 4
 
-    reader = _backend(remote_url, serde)
+    reader = remote_backend(remote_url, serde)
     assert all(reader.contains(key(i)) for i in chunks) and not reader.contains(key(99))
     got = reader.batched_get_blocking([key(i) for i in chunks] + [key(99)])
     assert got[-1] is None
@@ -132,13 +106,13 @@ def test_pending_puts_are_served_from_memory_and_a_full_queue_drops(lm_server) -
 
     host, port = lm_server.address
     options = RemoteBackendOptions(put_queue_size=2, put_batch_size=1, lookup_timeout_s=2)
-    cpu = _cpu()
-    backend = _backend(_lm_url(lm_server), options=options, cpu=cpu, connector=GatedConnector(host, port))
-    objs = [_chunk(cpu, seed=i) for i in range(6)]
+    cpu = remote_cpu()
+    backend = remote_backend(_lm_url(lm_server), options=options, cpu=cpu, connector=GatedConnector(host, port))
+    objs = [remote_chunk(cpu, seed=i) for i in range(6)]
     for i, obj in enumerate(objs):
         backend.submit_put_task(key(i), obj)
     # One put is held by the worker at the gate, two wait in the queue: the rest were dropped.
-    assert _wait_for(lambda: backend.remote_stats().puts_dropped_queue_full >= 3)
+    assert wait_for(lambda: backend.remote_stats().puts_dropped_queue_full >= 3)
     assert backend.exists_in_put_tasks(key(0)) and backend.contains(key(0))
     early = backend.get_blocking(key(0))
     assert early is not None and torch.equal(early.tensor, objs[0].tensor)
@@ -151,9 +125,9 @@ def test_pending_puts_are_served_from_memory_and_a_full_queue_drops(lm_server) -
 
 
 def test_dead_server_is_a_fast_miss_and_logged(lmcache_log) -> None:  # noqa: F811
-    cpu = _cpu()
-    backend = _backend(f"lm://127.0.0.1:{free_port()}", cpu=cpu)
-    obj = _chunk(cpu, seed=1)
+    cpu = remote_cpu()
+    backend = remote_backend(f"lm://127.0.0.1:{free_port()}", cpu=cpu)
+    obj = remote_chunk(cpu, seed=1)
     assert not backend.contains(key(1))
     assert backend.get_blocking(key(1)) is None
     backend.submit_put_task(key(1), obj)
@@ -171,7 +145,7 @@ def test_black_hole_server_times_out_once_then_misses_at_once() -> None:
     listener.listen(16)  # accepts through the backlog, never answers
     try:
         options = RemoteBackendOptions(lookup_timeout_s=0.3, timeout_s=0.5, backoff_initial_s=60)
-        backend = _backend(f"lm://127.0.0.1:{listener.getsockname()[1]}", options=options)
+        backend = remote_backend(f"lm://127.0.0.1:{listener.getsockname()[1]}", options=options)
         assert not backend.contains(key(1))
         assert not backend.is_up
         # Down: no more waiting on the server, for lookups or reads.
@@ -184,20 +158,20 @@ def test_black_hole_server_times_out_once_then_misses_at_once() -> None:
 
 def test_server_killed_mid_run_then_restarted_resumes_on_its_own(tmp_path, lmcache_log) -> None:  # noqa: F811
     server = LMServerProcess(log_path=tmp_path / "server.log").start()
-    cpu = _cpu()
-    backend = _backend(server.url, cpu=cpu)
+    cpu = remote_cpu()
+    backend = remote_backend(server.url, cpu=cpu)
     try:
-        backend.submit_put_task(key(1), _chunk(cpu, seed=1))
+        backend.submit_put_task(key(1), remote_chunk(cpu, seed=1))
         assert backend.flush() and backend.contains(key(1))
         server.kill()
         assert not backend.contains(key(1))  # miss, not an error
         assert backend.get_blocking(key(1)) is None
-        backend.submit_put_task(key(2), _chunk(cpu, seed=2))
+        backend.submit_put_task(key(2), remote_chunk(cpu, seed=2))
         assert "is down" in lmcache_log.text
         server.start()  # same port, empty memory
-        assert _wait_for(lambda: backend.is_up)
+        assert wait_for(lambda: backend.is_up)
         assert "is back" in lmcache_log.text
-        obj = _chunk(cpu, seed=3)
+        obj = remote_chunk(cpu, seed=3)
         backend.submit_put_task(key(3), obj)
         assert backend.flush() and backend.contains(key(3))
         hit = backend.get_blocking(key(3))
@@ -212,16 +186,16 @@ def test_server_killed_mid_run_then_restarted_resumes_on_its_own(tmp_path, lmcac
 
 def test_corrupt_foreign_and_misshapen_chunks_are_misses(lm_server) -> None:
     url = _lm_url(lm_server)
-    cpu = _cpu()
-    writer = _backend(url, "cachegen", cpu=cpu)
-    writer.submit_put_task(key(1), _chunk(cpu, seed=1))
+    cpu = remote_cpu()
+    writer = remote_backend(url, "cachegen", cpu=cpu)
+    writer.submit_put_task(key(1), remote_chunk(cpu, seed=1))
     writer.close()
-    naive_reader = _backend(url, "naive")
+    naive_reader = remote_backend(url, "naive")
     assert naive_reader.contains(key(1)) and naive_reader.get_blocking(key(1)) is None
 
     raw = LMServerConnector(*lm_server.address)
-    good = _backend(url, "naive", cpu=cpu)
-    good.submit_put_task(key(2), _chunk(cpu, seed=2))
+    good = remote_backend(url, "naive", cpu=cpu)
+    good.submit_put_task(key(2), remote_chunk(cpu, seed=2))
     good.flush()
     blob = bytearray(raw.get(key(2).to_string()))
     blob[-1] ^= 0xFF
@@ -230,14 +204,14 @@ def test_corrupt_foreign_and_misshapen_chunks_are_misses(lm_server) -> None:
     assert raw.put(key(3).to_string(), b"not a chunk at all")
     assert good.get_blocking(key(3)) is None
     # A chunk stored under another key's name is not handed out for it.
-    good.submit_put_task(key(4), _chunk(cpu, seed=4))
+    good.submit_put_task(key(4), remote_chunk(cpu, seed=4))
     good.flush()
     assert raw.put(key(5).to_string(), raw.get(key(4).to_string()))
     assert good.get_blocking(key(5)) is None
 
-    other_model = _backend(url, "naive", metadata=_metadata(layers=LAYERS + 1))
+    other_model = remote_backend(url, "naive", metadata=remote_metadata(layers=REMOTE_LAYERS + 1))
     assert other_model.get_blocking(key(4)) is None
-    other_dtype = _backend(url, "naive", metadata=_metadata(dtype=torch.bfloat16))
+    other_dtype = remote_backend(url, "naive", metadata=remote_metadata(dtype=torch.bfloat16))
     assert other_dtype.get_blocking(key(4)) is None
     assert good.remote_stats().gets_rejected == 3
     for b in (naive_reader, good, other_model, other_dtype):
@@ -247,12 +221,12 @@ def test_corrupt_foreign_and_misshapen_chunks_are_misses(lm_server) -> None:
 
 def test_redis_out_of_memory_is_a_counted_refusal(tmp_path) -> None:
     server = RedisServer(tmp_path / "r", extra_args=("--maxmemory", "4mb")).start()
-    cpu = _cpu()
+    cpu = remote_cpu()
     # One chunk per write: Redis counts a pipeline's pending input against maxmemory too.
-    backend = _backend(server.url, cpu=cpu, options=RemoteBackendOptions(put_batch_size=1))
+    backend = remote_backend(server.url, cpu=cpu, options=RemoteBackendOptions(put_batch_size=1))
     try:
         for i in range(12):
-            backend.submit_put_task(key(i), _chunk(cpu, seed=i))
+            backend.submit_put_task(key(i), remote_chunk(cpu, seed=i))
         assert backend.flush()
         stats = backend.remote_stats()
         assert stats.puts_refused >= 1 and stats.puts_acknowledged >= 1
@@ -265,15 +239,15 @@ def test_redis_out_of_memory_is_a_counted_refusal(tmp_path) -> None:
 
 def test_prefetch_brings_a_chunk_into_the_cpu_tier(lm_server) -> None:
     url = _lm_url(lm_server)
-    cpu = _cpu()
-    writer = _backend(url, cpu=cpu)
-    obj = _chunk(cpu, seed=7)
+    cpu = remote_cpu()
+    writer = remote_backend(url, cpu=cpu)
+    obj = remote_chunk(cpu, seed=7)
     writer.submit_put_task(key(7), obj)
     writer.close()
-    reader_cpu = _cpu()
-    reader = _backend(url, cpu=reader_cpu)
+    reader_cpu = remote_cpu()
+    reader = remote_backend(url, cpu=reader_cpu)
     assert reader.submit_prefetch_task(key(7))
-    assert _wait_for(lambda: reader_cpu.contains(key(7)))
+    assert wait_for(lambda: reader_cpu.contains(key(7)))
     hit: Optional[MemoryObj] = reader_cpu.get_blocking(key(7))
     assert hit is not None and torch.equal(hit.tensor, obj.tensor)
     hit.ref_count_down()
@@ -282,9 +256,9 @@ def test_prefetch_brings_a_chunk_into_the_cpu_tier(lm_server) -> None:
 
 def test_get_of_a_chunk_being_prefetched_waits_instead_of_reading_twice(lm_server) -> None:
     url = _lm_url(lm_server)
-    cpu = _cpu()
-    writer = _backend(url, cpu=cpu)
-    obj = _chunk(cpu, seed=8)
+    cpu = remote_cpu()
+    writer = remote_backend(url, cpu=cpu)
+    obj = remote_chunk(cpu, seed=8)
     writer.submit_put_task(key(8), obj)
     writer.close()
     gate = threading.Event()
@@ -296,12 +270,12 @@ def test_get_of_a_chunk_being_prefetched_waits_instead_of_reading_twice(lm_serve
             gate.wait(timeout=30)
             return super().batched_get(keys)
 
-    reader = _backend(url, connector=CountingConnector(*lm_server.address))
+    reader = remote_backend(url, connector=CountingConnector(*lm_server.address))
     assert reader.submit_prefetch_task(key(8))
     got: list = []
     getter = threading.Thread(target=lambda: got.append(reader.get_blocking(key(8))))
     getter.start()
-    assert _wait_for(lambda: len(reads) == 1)
+    assert wait_for(lambda: len(reads) == 1)
     time.sleep(0.2)  # give a second (wrong) read the chance to start
     gate.set()
     getter.join(timeout=30)

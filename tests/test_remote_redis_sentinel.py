@@ -10,7 +10,8 @@ import pytest
 import redis
 import torch
 from redis_fixture import SENTINEL_SERVICE, RedisSentinelSet, lmcache_log, redis_sentinels  # noqa: F401
-from test_remote_backend import _backend, _chunk, _cpu, _key, _wait_for
+from helpers import key
+from tier_helpers import remote_backend, remote_chunk, remote_cpu, wait_for
 
 from lmcache.experimental.config import LMCacheEngineConfig
 from lmcache.experimental.remote import create_connector
@@ -39,13 +40,13 @@ def test_master_found_by_redis_service_name_and_a_legacy_config_builds_a_tier(re
     config = LMCacheEngineConfig.from_env({"LMCACHE_REMOTE_URL": redis_sentinels.url(with_service=False),
                                            "LMCACHE_REMOTE_SERDE": "torch", "LMCACHE_LOCAL_DEVICE": "null"})
     assert config.remote_serde == "naive" and config.local_cpu is False
-    cpu = _cpu()
-    backend = _backend(config.remote_url, config.remote_serde, cpu=cpu)
+    cpu = remote_cpu()
+    backend = remote_backend(config.remote_url, config.remote_serde, cpu=cpu)
     try:
-        obj = _chunk(cpu, seed=5)
-        backend.submit_put_task(_key(5), obj)
+        obj = remote_chunk(cpu, seed=5)
+        backend.submit_put_task(key(5), obj)
         assert backend.flush()
-        got = backend.get_blocking(_key(5))
+        got = backend.get_blocking(key(5))
         assert got is not None and torch.equal(got.tensor, obj.tensor)
         got.ref_count_down()
     finally:
@@ -54,30 +55,30 @@ def test_master_found_by_redis_service_name_and_a_legacy_config_builds_a_tier(re
 
 def test_failover_puts_and_gets_resume_on_the_promoted_replica(redis_sentinels: RedisSentinelSet,  # noqa: F811
                                                                lmcache_log) -> None:  # noqa: F811
-    cpu = _cpu()
-    backend = _backend(redis_sentinels.url(), "cachegen", cpu=cpu)
+    cpu = remote_cpu()
+    backend = remote_backend(redis_sentinels.url(), "cachegen", cpu=cpu)
     try:
-        before = _chunk(cpu, seed=1)
-        backend.submit_put_task(_key(1), before)
-        assert backend.flush() and backend.contains(_key(1))
+        before = remote_chunk(cpu, seed=1)
+        backend.submit_put_task(key(1), before)
+        assert backend.flush() and backend.contains(key(1))
         replica = redis.Redis(port=redis_sentinels.replica.port)
-        assert _wait_for(lambda: len(replica.keys("lmcache:tiny:*")) == 1)  # replicated before the crash
+        assert wait_for(lambda: len(replica.keys("lmcache:tiny:*")) == 1)  # replicated before the crash
 
         started = time.monotonic()
         redis_sentinels.kill_master()
         # Until the Sentinels promote the replica there is no master: misses, not errors.
-        assert not backend.contains(_key(1)) and backend.get_blocking(_key(1)) is None
+        assert not backend.contains(key(1)) and backend.get_blocking(key(1)) is None
         assert not backend.is_up and "is down" in lmcache_log.text
         redis_sentinels.wait_for_failover()
         print(f"failover took {time.monotonic() - started:.1f} s")
         assert redis_sentinels.master_port() == redis_sentinels.replica.port
         # The backend's own probe reaches the promoted replica through the Sentinels.
-        assert _wait_for(lambda: backend.is_up, timeout=20)
-        after = _chunk(cpu, seed=2)
-        backend.submit_put_task(_key(2), after)
-        assert backend.flush() and backend.contains(_key(2))
-        for key, want in ((_key(1), before), (_key(2), after)):
-            got = backend.get_blocking(key)
+        assert wait_for(lambda: backend.is_up, timeout=20)
+        after = remote_chunk(cpu, seed=2)
+        backend.submit_put_task(key(2), after)
+        assert backend.flush() and backend.contains(key(2))
+        for k, want in ((key(1), before), (key(2), after)):
+            got = backend.get_blocking(k)
             assert got is not None and got.tensor.shape == want.tensor.shape
             err = (got.tensor.float() - want.tensor.float()).abs()
             assert bool((err <= error_bound(want.tensor, 8, 6, 64)).all())

@@ -16,7 +16,18 @@ from redis_fixture import LMServerProcess, free_port, lmcache_log  # noqa: F401
 from lmcache.experimental.remote.lm_connector import PIPELINE_WINDOW, LMServerConnector
 from lmcache.server import LMCacheServer, ServerConfig
 from lmcache.server.__main__ import _parse_args
-from lmcache.server.protocol import HEADER_SIZE, MAGIC, Op, Status, pack_header, parse_header, recv_exact
+from lmcache.server.protocol import (
+    HARD_MAX_PAYLOAD_BYTES,
+    HEADER,
+    HEADER_SIZE,
+    MAGIC,
+    PROTOCOL_VERSION,
+    Op,
+    Status,
+    pack_header,
+    parse_header,
+    recv_exact,
+)
 
 
 @pytest.fixture
@@ -82,7 +93,7 @@ def test_lru_bound_evicts_and_oversize_put_is_refused_but_connection_survives() 
         assert not conn.put("huge", bytes(2 << 20))  # acknowledged as refused, not lost
         assert conn.exists("k3")
         info = conn.info()
-        assert info["evictions"] >= 1 and info["refused_puts"] == 0 and info["bytes_used"] <= 1 << 20
+        assert info["evictions"] >= 1 and info["refused_puts"] == 1 and info["bytes_used"] <= 1 << 20
         conn.close()
     finally:
         srv.shutdown()
@@ -130,7 +141,8 @@ def test_malformed_frames_close_only_that_connection(server, client, lmcache_log
     assert client.put("keep", b"value")
     reason = _send_and_expect_error(server, b"GARBAGE-GARBAGE-GARBAGE-")
     assert "bad magic" in reason
-    reason = _send_and_expect_error(server, pack_header(Op.PUT, Status.OK, 3, 1 << 30) + b"abc")
+    over_hard_limit = HEADER.pack(MAGIC, PROTOCOL_VERSION, int(Op.PUT), 0, 3, HARD_MAX_PAYLOAD_BYTES + 1)
+    reason = _send_and_expect_error(server, over_hard_limit + b"abc")
     assert "frame limit" in reason
     assert "bad magic" in lmcache_log.text and "frame limit" in lmcache_log.text
     assert bytes(client.get("keep")) == b"value"

@@ -10,55 +10,25 @@ import threading
 import pytest
 import torch
 from helpers import key
+from tier_helpers import DISK_SHAPE, cpu, disk_expected, disk_obj, disk_store, disk_tier  # noqa: F401 (cpu: fixture)
 
-from lmcache.experimental.memory_management import HostMemoryAllocator, MemoryFormat
+from lmcache.experimental.memory_management import MemoryFormat
 from lmcache.experimental.stats import TierStats
 from lmcache.experimental.storage_backend import chunk_format
-from lmcache.experimental.storage_backend.local_cpu_backend import LocalCPUBackend
-from lmcache.experimental.storage_backend.local_disk_backend import LocalDiskBackend, file_name_for
-
-SHAPE = torch.Size([2, 2, 4, 16])  # 512 bytes of bfloat16
-
-
-@pytest.fixture
-def cpu() -> LocalCPUBackend:
-    return LocalCPUBackend(HostMemoryAllocator(64 * 1024))
-
-
-def make_obj(cpu: LocalCPUBackend, i: int):
-    obj = cpu.allocate(SHAPE, torch.bfloat16, MemoryFormat.KV_BLOB)
-    gen = torch.Generator().manual_seed(i)
-    obj.tensor.copy_(torch.randn(SHAPE, generator=gen).to(torch.bfloat16))
-    return obj
-
-
-def expected(i: int) -> torch.Tensor:
-    return torch.randn(SHAPE, generator=torch.Generator().manual_seed(i)).to(torch.bfloat16)
-
-
-def store(disk: LocalDiskBackend, cpu: LocalCPUBackend, *ids: int) -> None:
-    for i in ids:
-        obj = make_obj(cpu, i)
-        disk.submit_put_task(key(i), obj)
-        obj.ref_count_down()
-
-
-def disk_tier(path, cpu, max_bytes=1 << 20, stats=None) -> LocalDiskBackend:
-    return LocalDiskBackend(str(path), max_bytes, cpu, stats)
-
+from lmcache.experimental.storage_backend.local_disk_backend import file_name_for
 
 def test_write_then_read_back_bit_exact(tmp_path, cpu):
     disk = disk_tier(tmp_path, cpu)
-    store(disk, cpu, 1, 2)
+    disk_store(disk, cpu, 1, 2)
     disk.close()  # waits for the writer
     assert sorted(os.listdir(tmp_path)) == sorted([file_name_for(key(1)), file_name_for(key(2))])
     for i in (1, 2):
         obj = disk.get_blocking(key(i))
-        assert torch.equal(obj.tensor, expected(i)) and obj.get_ref_count() == 1
+        assert torch.equal(obj.tensor, disk_expected(i)) and obj.get_ref_count() == 1
         obj.ref_count_down()
     with open(tmp_path / file_name_for(key(1)), "rb") as f:
         header = chunk_format.read_header(f)
-    assert header.key == key(1).to_string() and header.shape == tuple(SHAPE) and header.dtype == torch.bfloat16
+    assert header.key == key(1).to_string() and header.shape == tuple(DISK_SHAPE) and header.dtype == torch.bfloat16
 
 
 def test_writes_run_on_a_background_thread(tmp_path, cpu):
@@ -73,10 +43,10 @@ def test_writes_run_on_a_background_thread(tmp_path, cpu):
         return real_save(*args)
 
     disk._save = slow_save
-    store(disk, cpu, 7)  # returns although the write is blocked
+    disk_store(disk, cpu, 7)  # returns although the write is blocked
     assert disk.exists_in_put_tasks(key(7)) and disk.contains(key(7))
     pending = disk.get_blocking(key(7))  # served from memory while the write is pending
-    assert torch.equal(pending.tensor, expected(7))
+    assert torch.equal(pending.tensor, disk_expected(7))
     pending.ref_count_down()
     release.set()
     disk.flush()
@@ -89,20 +59,20 @@ def test_writes_run_on_a_background_thread(tmp_path, cpu):
 def test_index_survives_a_restart_in_lru_order(tmp_path, cpu):
     disk = disk_tier(tmp_path, cpu)
     for i in range(3):
-        store(disk, cpu, i)
+        disk_store(disk, cpu, i)
         disk.close()
         os.utime(disk.key_to_path(key(i)), (1000 + i, 1000 + i))
         disk = disk_tier(tmp_path, cpu)
     again = disk_tier(tmp_path, cpu)
     assert again.keys() == [key(0), key(1), key(2)]
     obj = again.get_blocking(key(1))
-    assert torch.equal(obj.tensor, expected(1))
+    assert torch.equal(obj.tensor, disk_expected(1))
     obj.ref_count_down()
 
 
 def test_a_second_process_reads_the_cache(tmp_path, cpu):
     disk = disk_tier(tmp_path / "cache", cpu)
-    store(disk, cpu, 5)
+    disk_store(disk, cpu, 5)
     disk.close()
     script = f"""
 import torch
@@ -112,7 +82,7 @@ from lmcache.experimental.storage_backend.local_disk_backend import LocalDiskBac
 from lmcache.utils import CacheEngineKey
 disk = LocalDiskBackend({str(tmp_path / "cache")!r}, 1 << 20, LocalCPUBackend(HostMemoryAllocator(1 << 16)))
 obj = disk.get_blocking({key(5)!r})
-ref = torch.randn({list(SHAPE)}, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+ref = torch.randn({list(DISK_SHAPE)}, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
 print("HIT" if obj is not None and torch.equal(obj.tensor, ref) else "MISS")
 """
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
@@ -122,7 +92,7 @@ print("HIT" if obj is not None and torch.equal(obj.tensor, ref) else "MISS")
 def test_corrupted_file_is_a_miss_and_removed(tmp_path, cpu):
     stats = TierStats()
     disk = disk_tier(tmp_path, cpu, stats=stats)
-    store(disk, cpu, 1)
+    disk_store(disk, cpu, 1)
     disk.close()
     path = disk.key_to_path(key(1))
     with open(path, "r+b") as f:
@@ -138,7 +108,7 @@ def test_corrupted_file_is_a_miss_and_removed(tmp_path, cpu):
 
 def test_bad_files_found_at_start_are_removed_and_others_left_alone(tmp_path, cpu):
     disk = disk_tier(tmp_path, cpu)
-    store(disk, cpu, 1, 2, 3)
+    disk_store(disk, cpu, 1, 2, 3)
     disk.close()
     with open(disk.key_to_path(key(1)), "r+b") as f:  # truncated
         f.truncate(os.path.getsize(disk.key_to_path(key(1))) - 10)
@@ -154,12 +124,12 @@ def test_bad_files_found_at_start_are_removed_and_others_left_alone(tmp_path, cp
 
 def test_size_bound_evicts_least_recently_used_files(tmp_path, cpu):
     disk = disk_tier(tmp_path, cpu)
-    store(disk, cpu, 0, 1)
+    disk_store(disk, cpu, 0, 1)
     disk.close()
     one_file = os.path.getsize(disk.key_to_path(key(0)))  # header + payload
     disk = disk_tier(tmp_path, cpu, max_bytes=2 * one_file + one_file // 2)
     disk.get_blocking(key(0)).ref_count_down()  # 0 is now the most recent
-    store(disk, cpu, 2)
+    disk_store(disk, cpu, 2)
     disk.close()
     assert disk.keys() == [key(0), key(2)]
     assert not os.path.exists(disk.key_to_path(key(1)))
@@ -168,14 +138,14 @@ def test_size_bound_evicts_least_recently_used_files(tmp_path, cpu):
 
 def test_prefetch_brings_a_chunk_into_the_cpu_tier(tmp_path, cpu):
     disk = disk_tier(tmp_path, cpu)
-    store(disk, cpu, 4)
+    disk_store(disk, cpu, 4)
     disk.close()
     disk = disk_tier(tmp_path, cpu)
     assert not cpu.contains(key(4))
     assert disk.submit_prefetch_task(key(4))
     assert not disk.submit_prefetch_task(key(99))  # not on disk
     obj = disk.get_blocking(key(4))  # waits for the prefetch, then serves it from RAM
-    assert torch.equal(obj.tensor, expected(4))
+    assert torch.equal(obj.tensor, disk_expected(4))
     obj.ref_count_down()
     disk.close()
     assert cpu.contains(key(4))
@@ -184,7 +154,7 @@ def test_prefetch_brings_a_chunk_into_the_cpu_tier(tmp_path, cpu):
 
 def test_remove_deletes_the_file(tmp_path, cpu):
     disk = disk_tier(tmp_path, cpu)
-    store(disk, cpu, 1)
+    disk_store(disk, cpu, 1)
     disk.close()
     assert disk.remove(key(1)) and not disk.remove(key(1))
     assert os.listdir(tmp_path) == [] and disk.used_bytes == 0
@@ -192,18 +162,18 @@ def test_remove_deletes_the_file(tmp_path, cpu):
 
 def test_async_save_and_load(tmp_path, cpu):
     disk = disk_tier(tmp_path, cpu)
-    obj = make_obj(cpu, 3)
+    obj = disk_obj(cpu, 3)
 
     async def roundtrip():
         assert await disk.async_save_bytes_to_disk(key(3), obj)
-        return await disk.async_load_bytes_from_disk(disk.key_to_path(key(3)), torch.bfloat16, tuple(SHAPE), MemoryFormat.KV_BLOB, key(3))
+        return await disk.async_load_bytes_from_disk(disk.key_to_path(key(3)), torch.bfloat16, tuple(DISK_SHAPE), MemoryFormat.KV_BLOB, key(3))
 
     back = asyncio.run(roundtrip())
-    assert torch.equal(back.tensor, expected(3)) and disk.contains(key(3))
+    assert torch.equal(back.tensor, disk_expected(3)) and disk.contains(key(3))
     back.ref_count_down()
     obj.ref_count_down()
     loaded = disk.load_disk(disk.key_to_path(key(3)), dtype=torch.bfloat16)
-    assert torch.equal(loaded.tensor, expected(3))
+    assert torch.equal(loaded.tensor, disk_expected(3))
     loaded.ref_count_down()
     assert disk.load_bytes_from_disk(disk.key_to_path(key(3)), torch.float16, None, None) is None  # wrong dtype
     with pytest.raises(ValueError, match="backend"):
@@ -213,7 +183,7 @@ def test_async_save_and_load(tmp_path, cpu):
 
 def test_insert_key_indexes_a_file_written_elsewhere(tmp_path, cpu):
     disk = disk_tier(tmp_path, cpu)
-    obj = make_obj(cpu, 8)
+    obj = disk_obj(cpu, 8)
     payload = chunk_format.memory_obj_payload(obj)
     meta = obj.metadata
     with open(disk.key_to_path(key(8)), "wb") as f:
@@ -224,5 +194,5 @@ def test_insert_key_indexes_a_file_written_elsewhere(tmp_path, cpu):
     obj.ref_count_down()
     assert disk.contains(key(8)) and disk.used_bytes == os.path.getsize(disk.key_to_path(key(8)))
     back = disk.get_blocking(key(8))
-    assert torch.equal(back.tensor, expected(8))
+    assert torch.equal(back.tensor, disk_expected(8))
     back.ref_count_down()

@@ -104,9 +104,14 @@ def _parse_host_port(text: str, key: str, whole: str) -> Tuple[str, int]:
         bare, forbidden = host, "[]/@?# :"
     if not sep or not bare or any(ch in bare for ch in forbidden):
         raise ValueError(f"{key}={whole!r}: expected host:port (IPv6 hosts in brackets), got {text!r}")
-    if not port_text.isdigit() or not 1 <= int(port_text) <= 65535:
-        raise ValueError(f"{key}={whole!r}: port {port_text!r} is not an integer in 1..65535")
-    return bare, int(port_text)
+    return bare, _parse_port(port_text, key, whole)
+
+
+def _parse_port(text: str, key: str, whole: str) -> int:
+    """A port is ASCII digits in 1..65535; `str.isdigit` alone would let `²` or `５` through."""
+    if not (text.isascii() and text.isdigit()) or not 1 <= int(text) <= 65535:
+        raise ValueError(f"{key}={whole!r}: port {text!r} is not an integer in 1..65535")
+    return int(text)
 
 
 def parse_remote_url(url: str, key: str = "remote_url") -> RemoteUrl:

@@ -47,21 +47,13 @@ def _parse_args(argv: Optional[Sequence[str]]) -> ServerConfig:
         "--max-frame-mb",
         type=float,
         default=DEFAULT_MAX_PAYLOAD_BYTES / (1 << 20),
-        help="largest payload one frame may carry; larger frames close the connection",
+        help="largest payload one frame may carry; a larger put is refused (its payload is "
+        "drained, the connection stays) and clients learn the limit from the refusal",
     )
-    parser.add_argument("--max-connections", type=int, default=256)
-    parser.add_argument(
-        "--frame-timeout",
-        type=float,
-        default=30.0,
-        help="seconds a started frame may stall before the connection is closed",
-    )
+    _add_limit_arguments(parser)
     args = parser.parse_args(argv)
     host, port_text = _split_address(parser, args.address)
-    try:
-        port = int(port_text)
-    except ValueError:
-        parser.error(f"PORT must be an integer, got {port_text!r}")
+    port = _parse_port(parser, port_text)
     max_payload = int(args.max_frame_mb * (1 << 20))
     if not 0 < max_payload <= HARD_MAX_PAYLOAD_BYTES:
         parser.error(
@@ -77,6 +69,8 @@ def _parse_args(argv: Optional[Sequence[str]]) -> ServerConfig:
             max_payload_bytes=max_payload,
             max_connections=args.max_connections,
             frame_timeout_s=args.frame_timeout,
+            idle_timeout_s=args.idle_timeout,
+            max_pending_bytes=None if args.max_pending_mb is None else int(args.max_pending_mb * (1 << 20)),
         )
     except ValueError as err:
         parser.error(str(err))
@@ -98,6 +92,45 @@ def _split_address(parser: argparse.ArgumentParser, words: Sequence[str]) -> Tup
         return words[0], words[1]
     parser.error(f"expected [HOST] PORT [DEVICE], got {' '.join(words)}")
     raise AssertionError("unreachable")
+
+
+def _add_limit_arguments(parser: argparse.ArgumentParser) -> None:
+    """What one client, or many hostile ones, may hold of the server."""
+    defaults = ServerConfig()
+    parser.add_argument(
+        "--max-connections",
+        type=int,
+        default=defaults.max_connections,
+        help="open connections at most; at the limit a new connection closes the one that has "
+        "been idle, or inside one frame, the longest",
+    )
+    parser.add_argument(
+        "--frame-timeout",
+        type=float,
+        default=defaults.frame_timeout_s,
+        help="seconds a frame may take from its first byte to its last (and a reply to drain) "
+        "before the connection is closed",
+    )
+    parser.add_argument(
+        "--idle-timeout",
+        type=float,
+        default=defaults.idle_timeout_s,
+        help="seconds a connection may wait between frames before it is closed",
+    )
+    parser.add_argument(
+        "--max-pending-mb",
+        type=float,
+        default=None,
+        help="payload MiB all unfinished frames together may hold (default: twice "
+        "--max-frame-mb, at least --max-frame-mb); a put that would go over is refused",
+    )
+
+
+def _parse_port(parser: argparse.ArgumentParser, text: str) -> int:
+    """PORT is ASCII digits in 0..65535 (0 = any free port); `int()` would take `+80` or `٨٠`."""
+    if not (text.isascii() and text.isdigit()) or int(text) > 65535:
+        parser.error(f"PORT must be an integer in 0..65535, got {text!r}")
+    return int(text)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -12,21 +12,30 @@ sets the status. Requests on one connection are answered in order, so a client m
 
 Operations:
 - `PING`: no key, no payload -> `OK`.
-- `PUT key payload` -> `OK` (stored) or `REFUSED` (larger than the server's whole store).
-  Every put is answered, so a client knows which writes landed.
+- `PUT key payload` -> `OK` (stored) or `REFUSED`: larger than the server's frame limit, larger
+  than its whole store, or more than its budget for unfinished frames holds right now. A
+  refused payload is still read to its end, so the connection stays usable; the `REFUSED` reply
+  carries a JSON object `{"reason": ..., "max_payload_bytes": N}` (see `RefusalReason`), so a
+  client learns the limit and stops sending what cannot fit. Every put is answered, so a client
+  knows which writes landed.
 - `GET key` -> `OK` + payload, or `NOT_FOUND`.
 - `EXISTS key` -> `OK` or `NOT_FOUND`.
 - `DELETE key` -> `OK` (was there) or `NOT_FOUND`.
-- `INFO` -> `OK` + a JSON object of server statistics.
+- `INFO` -> `OK` + a JSON object of server statistics and limits (`max_payload_bytes`, ...).
 
-Anything else (bad magic, unknown version or op, a key or payload over the limits, a payload on
-an op that takes none) is a `ProtocolError`: the server answers an `ERROR` frame with status
+Version 1 since the start: the refusal payload and the INFO limits were added without a bump
+because both sides ignore what they do not read (a reply's payload on `REFUSED`, unknown INFO
+keys), so older clients and servers still interoperate.
+
+Anything else (bad magic, unknown version or op, a key over its limit or a payload over
+`HARD_MAX_PAYLOAD_BYTES`, a payload on an op that takes none) is a `ProtocolError`: the server answers an `ERROR` frame with status
 `BAD_REQUEST` and the reason as UTF-8 payload (best effort) and closes that connection. There is no pickle: values are opaque bytes.
 """
 
 from __future__ import annotations
 
 import enum
+import json
 import socket
 import struct
 from dataclasses import dataclass
@@ -75,6 +84,35 @@ class Status(enum.IntEnum):
 # Ops that name a key, and the one op whose request carries a payload.
 _KEYED_OPS = frozenset({Op.PUT, Op.GET, Op.EXISTS, Op.DELETE})
 _PAYLOAD_REQUEST_OPS = frozenset({Op.PUT})
+
+
+class RefusalReason(str, enum.Enum):
+    """Why a put was refused (the `reason` of a `REFUSED` reply's JSON payload)."""
+
+    TOO_LARGE = "too_large"  # over the server's frame limit (`max_payload_bytes`)
+    OVER_STORE = "over_store"  # larger than the server's whole store
+    BUSY = "busy"  # unfinished frames already hold the server's pending budget
+
+
+def refusal_payload(reason: RefusalReason, max_payload_bytes: int) -> bytes:
+    """The JSON payload of a `REFUSED` put reply."""
+    return json.dumps({"reason": reason.value, "max_payload_bytes": max_payload_bytes}).encode()
+
+
+def frame_limit_of(fields: object) -> Optional[int]:
+    """`max_payload_bytes` of a decoded INFO or refusal object, or None if absent or not valid."""
+    limit = fields.get("max_payload_bytes") if isinstance(fields, dict) else None
+    return limit if isinstance(limit, int) and not isinstance(limit, bool) and limit > 0 else None
+
+
+def refusal_limit(payload: Optional[Buffer]) -> Optional[int]:
+    """The frame limit a `REFUSED` reply names, or None when it names none (or is not JSON)."""
+    if not payload:
+        return None
+    try:
+        return frame_limit_of(json.loads(bytes(payload)))
+    except (ValueError, RecursionError):  # not JSON (or nested past the parser's depth)
+        return None
 
 
 class ProtocolError(Exception):

@@ -1,21 +1,34 @@
 """The `lm://` server: a threaded TCP server over `protocol` frames and an `LRUChunkStore`.
 
-One thread accepts; each client connection gets its own thread (bounded by
-`max_connections`) that reads a frame, answers it and loops, so one client's pipelined
-requests are answered in order while other clients are served in parallel. Socket reads
-release the GIL, so large payloads from several clients move concurrently.
+One thread accepts; each client connection gets its own thread that reads a frame, answers it
+and loops, so one client's pipelined requests are answered in order while other clients are
+served in parallel. Socket reads release the GIL, so large payloads from several clients move
+concurrently.
 
-A connection that breaks the protocol (bad magic or version, unknown op, a key or payload
-over the limits, a frame cut short or stalled for `frame_timeout_s`) is answered with
-`BAD_REQUEST` where possible and closed, with the reason logged; every other connection
-keeps being served.
+What a hostile or broken peer can hold is bounded:
+- a frame has `frame_timeout_s` from its first byte to its last (a peer feeding one byte at a
+  time cannot stretch it), and a reply must keep draining within that long;
+- a connection idle between frames for `idle_timeout_s` is closed;
+- at `max_connections`, a new connection closes the one that has waited longest in its
+  current state (idle since its last frame, or inside one frame): idle or drip-feeding sockets
+  are always the oldest, so they can never lock a working client out;
+- payload bytes received for unfinished frames, across all connections, stay under
+  `max_pending_bytes`; a put that would go over is drained and refused.
+
+Refusals keep the connection: a put over the frame limit, over the whole store, or over the
+pending budget is read to its end (into a small scratch block), answered `REFUSED` with the
+reason and the frame limit, and counted in `refused_puts`. A connection that breaks the
+protocol (bad magic or version, unknown op, a key over its limit, a frame cut short or past its
+deadline) is answered with `BAD_REQUEST` where possible and closed, with the reason logged.
 """
 
 from __future__ import annotations
 
 import json
+import mmap
 import socket
 import threading
+import time
 from dataclasses import dataclass
 from typing import Optional
 
@@ -27,11 +40,12 @@ from lmcache.server.protocol import (
     FrameHeader,
     Op,
     ProtocolError,
+    RefusalReason,
     Status,
     TruncatedFrameError,
+    alloc_buffer,
     parse_header,
-    recv_exact,
-    recv_exact_into,
+    refusal_payload,
     send_frame,
 )
 from lmcache.server.store import LRUChunkStore
@@ -39,6 +53,18 @@ from lmcache.server.store import LRUChunkStore
 logger = init_logger(__name__)
 
 _DISCARD_BLOCK = 1 << 20
+# Payload is received (and counted against the pending budget) in steps: the first is this
+# small, each next one at most what the peer already sent, up to the last constant. A peer that
+# announces a large payload and then drips holds a little budget, never its announcement.
+_FIRST_RECV_STEP = 64 << 10
+_MAX_RECV_STEP = 8 << 20
+_HUGE_PAGES_FROM = 2 << 20
+# Log one line per this many connections closed to make room, so an attack does not flood the log.
+_REAP_LOG_EVERY = 100
+
+
+class FrameDeadline(Exception):
+    """A frame (or a reply) did not finish within `frame_timeout_s`."""
 
 
 @dataclass(frozen=True)
@@ -50,8 +76,12 @@ class ServerConfig:
     max_size_bytes: int = 4 << 30
     max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES
     max_connections: int = 256
-    # A frame that has started must keep arriving: no byte for this long closes the connection.
+    # A frame must arrive whole within this many seconds of its first byte.
     frame_timeout_s: float = 30.0
+    # A connection with no frame started for this long is closed (clients reconnect on demand).
+    idle_timeout_s: float = 120.0
+    # Payload bytes of unfinished frames, all connections together; None = 2 x max_payload_bytes.
+    max_pending_bytes: Optional[int] = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -67,6 +97,47 @@ class ServerConfig:
             raise ValueError(f"max_connections must be >= 1, got {self.max_connections}")
         if self.frame_timeout_s <= 0:
             raise ValueError(f"frame_timeout_s must be positive, got {self.frame_timeout_s}")
+        if self.idle_timeout_s <= 0:
+            raise ValueError(f"idle_timeout_s must be positive, got {self.idle_timeout_s}")
+        if self.max_pending_bytes is None:
+            object.__setattr__(self, "max_pending_bytes", 2 * self.max_payload_bytes)
+        if self.max_pending_bytes < self.max_payload_bytes:
+            raise ValueError(
+                f"max_pending_bytes ({self.max_pending_bytes}) must be at least max_payload_bytes "
+                f"({self.max_payload_bytes}), or a frame at the limit could never be received"
+            )
+
+
+class _PendingBudget:
+    """Bytes held by unfinished frames, shared by every connection."""
+
+    def __init__(self, limit: int) -> None:
+        self._limit = limit
+        self._held = 0
+        self._lock = threading.Lock()
+
+    @property
+    def held(self) -> int:
+        return self._held
+
+    def try_reserve(self, nbytes: int) -> bool:
+        with self._lock:
+            if self._held + nbytes > self._limit:
+                return False
+            self._held += nbytes
+            return True
+
+    def release(self, nbytes: int) -> None:
+        with self._lock:
+            self._held -= nbytes
+
+
+@dataclass
+class _ConnState:
+    """Since when a connection has been in its current state (idle, or inside one frame)."""
+
+    peer: tuple
+    since: float
 
 
 class LMCacheServer:
@@ -78,10 +149,26 @@ class LMCacheServer:
         self._listener: Optional[socket.socket] = None
         self._stop = threading.Event()
         self._lock = threading.Lock()
-        self._connections: set[socket.socket] = set()
-        self._protocol_errors = 0
-        self._rejected_connections = 0
+        self._connections: dict[socket.socket, _ConnState] = {}
+        self._budget = _PendingBudget(self.pending_limit)
+        # Where every refused payload is drained; shared, since nobody reads what lands there.
+        self._scratch = memoryview(bytearray(_DISCARD_BLOCK))
+        self._counts = {
+            "protocol_errors": 0,
+            "frame_timeouts": 0,
+            "idle_timeouts": 0,
+            "reaped_connections": 0,
+            "refused_too_large": 0,
+            "refused_over_store": 0,
+            "refused_busy": 0,
+        }
         self._accept_thread: Optional[threading.Thread] = None
+
+    @property
+    def pending_limit(self) -> int:
+        """`max_pending_bytes` as configured or defaulted."""
+        assert self.config.max_pending_bytes is not None  # set by ServerConfig.__post_init__
+        return self.config.max_pending_bytes
 
     @property
     def address(self) -> tuple[str, int]:
@@ -109,12 +196,18 @@ class LMCacheServer:
         listener.settimeout(0.2)
         self._listener = listener
         host, port = self.address
+        cfg = self.config
         logger.info(
-            "lm:// server listening on %s:%d (max size %.2f GiB, frame limit %d bytes)",
+            "lm:// server listening on %s:%d (max size %.2f GiB, frame limit %d bytes, "
+            "frame timeout %.1f s, idle timeout %.1f s, %d connections, pending budget %d bytes)",
             host,
             port,
-            self.config.max_size_bytes / 1024**3,
-            self.config.max_payload_bytes,
+            cfg.max_size_bytes / 1024**3,
+            cfg.max_payload_bytes,
+            cfg.frame_timeout_s,
+            cfg.idle_timeout_s,
+            cfg.max_connections,
+            self.pending_limit,
         )
         return host, port
 
@@ -154,101 +247,160 @@ class LMCacheServer:
         with self._lock:
             conns = list(self._connections)
         for conn in conns:
-            try:
-                conn.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+            _hang_up(conn)
 
     def info(self) -> dict[str, int]:
         """Store counters plus connection counters (what `INFO` returns)."""
         data = self.store.stats().to_dict()
         with self._lock:
+            data.update(self._counts)
             data["connections"] = len(self._connections)
-            data["protocol_errors"] = self._protocol_errors
-            data["rejected_connections"] = self._rejected_connections
+        # Every refusal, whoever made it: the store's own plus the server's before storing.
+        data["refused_puts"] += (
+            data["refused_too_large"] + data["refused_over_store"] + data["refused_busy"]
+        )
+        data["pending_bytes"] = self._budget.held
+        data["max_payload_bytes"] = self.config.max_payload_bytes
+        data["max_pending_bytes"] = self.pending_limit
+        data["max_connections"] = self.config.max_connections
         return data
 
+    def _count(self, name: str) -> int:
+        with self._lock:
+            self._counts[name] += 1
+            return self._counts[name]
+
+    # ---- connections ----------------------------------------------------------------------
+
     def _admit(self, conn: socket.socket, peer: tuple) -> None:
+        victim: Optional[tuple[socket.socket, _ConnState]] = None
         with self._lock:
             if len(self._connections) >= self.config.max_connections:
-                self._rejected_connections += 1
-                full = True
-            else:
-                self._connections.add(conn)
-                full = False
-        if full:
-            logger.warning(
-                "refusing connection from %s: %d connections open (max_connections)",
-                peer,
-                self.config.max_connections,
-            )
-            conn.close()
-            return
+                victim = min(self._connections.items(), key=lambda item: item[1].since)
+                del self._connections[victim[0]]
+                self._counts["reaped_connections"] += 1
+                reaped = self._counts["reaped_connections"]
+            self._connections[conn] = _ConnState(peer, time.monotonic())
+        if victim is not None:
+            # Its thread wakes up on the hang-up, finds itself gone and exits.
+            _hang_up(victim[0])
+            if reaped % _REAP_LOG_EVERY == 1:
+                logger.warning(
+                    "%d connections open (max_connections): closed the one from %s, unchanged "
+                    "for %.1f s, to admit %s (%d closed this way so far)",
+                    self.config.max_connections,
+                    victim[1].peer,
+                    time.monotonic() - victim[1].since,
+                    peer,
+                    reaped,
+                )
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         thread = threading.Thread(
             target=self._serve_connection, args=(conn, peer), name="lmcache-server-conn", daemon=True
         )
         thread.start()
 
+    def _mark(self, conn: socket.socket) -> bool:
+        """Record that `conn` entered a new state now; False once it was closed to make room."""
+        with self._lock:
+            state = self._connections.get(conn)
+            if state is None:
+                return False
+            state.since = time.monotonic()
+            return True
+
     def _serve_connection(self, conn: socket.socket, peer: tuple) -> None:
         try:
             while not self._stop.is_set():
-                header = self._read_header(conn)
+                header = self._read_header(conn, peer)
                 if header is None:
                     return
-                self._handle(conn, header)
+                self._handle(conn, header[0], header[1])
+                if not self._mark(conn):
+                    return
         except ProtocolError as err:
-            with self._lock:
-                self._protocol_errors += 1
+            self._count("protocol_errors")
             logger.warning("closing connection from %s: %s", peer, err)
             if not isinstance(err, TruncatedFrameError):
                 try:
+                    conn.settimeout(self.config.frame_timeout_s)
                     send_frame(conn, Op.ERROR, Status.BAD_REQUEST, payload=str(err).encode())
                 except OSError:
                     pass
-        except socket.timeout:
-            with self._lock:
-                self._protocol_errors += 1
-            logger.warning(
-                "closing connection from %s: frame stalled for %.1f s",
-                peer,
-                self.config.frame_timeout_s,
-            )
+        except FrameDeadline as err:
+            self._count("protocol_errors")
+            self._count("frame_timeouts")
+            logger.warning("closing connection from %s: %s", peer, err)
         except OSError as err:
             if not self._stop.is_set():
                 logger.info("connection from %s dropped: %s", peer, err)
         finally:
             with self._lock:
-                self._connections.discard(conn)
+                self._connections.pop(conn, None)
             conn.close()
 
-    def _read_header(self, conn: socket.socket) -> Optional[FrameHeader]:
-        """Wait (without limit) for a frame to start, then read its header under the timeout."""
+    def _read_header(self, conn: socket.socket, peer: tuple) -> Optional[tuple[FrameHeader, float]]:
+        """Wait up to `idle_timeout_s` for a frame to start; then (its header, its deadline)."""
         raw = bytearray(HEADER_SIZE)
         view = memoryview(raw)
-        conn.settimeout(None)
-        first = conn.recv_into(view, HEADER_SIZE)
-        if first == 0:
+        conn.settimeout(self.config.idle_timeout_s)
+        try:
+            first = conn.recv_into(view, HEADER_SIZE)
+        except socket.timeout:
+            self._count("idle_timeouts")
+            logger.debug("closing connection from %s: idle for %.1f s", peer, self.config.idle_timeout_s)
             return None
-        conn.settimeout(self.config.frame_timeout_s)
-        got = first + recv_exact_into(conn, view[first:])
+        if first == 0 or not self._mark(conn):
+            return None
+        deadline = time.monotonic() + self.config.frame_timeout_s
+        got = self._recv_into(conn, view, deadline, "a frame header", start=first)
         if got != HEADER_SIZE:
             raise TruncatedFrameError(
                 f"connection closed after {got} of {HEADER_SIZE} bytes of a frame header"
             )
-        return parse_header(raw, self.config.max_payload_bytes, is_request=True)
+        # The configured frame limit is a refusal (below), not a protocol error: only the hard
+        # ceiling breaks the protocol.
+        return parse_header(raw, HARD_MAX_PAYLOAD_BYTES, is_request=True), deadline
 
-    def _handle(self, conn: socket.socket, header: FrameHeader) -> None:
-        key = bytes(recv_exact(conn, header.key_len, "the key"))
+    def _recv_into(
+        self, conn: socket.socket, view: memoryview, deadline: float, what: str, start: int = 0
+    ) -> int:
+        """Fill `view[start:]` before `deadline`; returns the bytes in `view` (fewer only at EOF)."""
+        got = start
+        total = len(view)
+        while got < total:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise FrameDeadline(
+                    f"frame stalled: not complete within {self.config.frame_timeout_s:.1f} s of "
+                    f"its first byte ({got} of {total} bytes of {what})"
+                )
+            conn.settimeout(left)
+            try:
+                n = conn.recv_into(view[got:], total - got)
+            except socket.timeout:
+                continue  # the loop raises with the byte count
+            if n == 0:
+                return got
+            got += n
+        return got
+
+    def _recv_exact(self, conn: socket.socket, size: int, deadline: float, what: str) -> memoryview:
+        buf = alloc_buffer(size)
+        got = self._recv_into(conn, buf, deadline, what)
+        if got != size:
+            raise TruncatedFrameError(f"connection closed after {got} of {size} bytes of {what}")
+        return buf
+
+    # ---- requests -------------------------------------------------------------------------
+
+    def _handle(self, conn: socket.socket, header: FrameHeader, deadline: float) -> None:
+        key = bytes(self._recv_exact(conn, header.key_len, deadline, "the key"))
         op = header.op
+        # A reply has as long as a request to drain into a client that stopped reading.
+        conn.settimeout(self.config.frame_timeout_s)
         if op == Op.PUT:
-            if not self.store.fits(len(key), header.payload_len):
-                self._discard(conn, header.payload_len)
-                send_frame(conn, op, Status.REFUSED)
-                return
-            value = recv_exact(conn, header.payload_len, "the payload")
-            ok = self.store.put(key, value)
-            send_frame(conn, op, Status.OK if ok else Status.REFUSED)
+            self._put(conn, key, header.payload_len, deadline)
         elif op == Op.GET:
             found = self.store.get(key)
             if found is None:
@@ -266,12 +418,110 @@ class LMCacheServer:
         else:  # parse_header only lets known ops through
             raise ProtocolError(f"op {op.name} has no handler")
 
-    def _discard(self, conn: socket.socket, size: int) -> None:
-        """Read and drop a payload the store refuses, keeping the connection in step."""
-        block = memoryview(bytearray(min(size, _DISCARD_BLOCK)))
-        left = size
+    def _put(self, conn: socket.socket, key: bytes, size: int, deadline: float) -> None:
+        if size > self.config.max_payload_bytes:
+            self._refuse(conn, RefusalReason.TOO_LARGE, size, deadline, "refused_too_large")
+            return
+        if not self.store.fits(len(key), size):
+            self._refuse(conn, RefusalReason.OVER_STORE, size, deadline, "refused_over_store")
+            return
+        value = self._recv_payload(conn, size, deadline)
+        if value is None:
+            return  # over the pending budget: refused and answered
+        ok = self.store.put(key, value)  # counts its own refusal
+        conn.settimeout(self.config.frame_timeout_s)
+        if ok:
+            send_frame(conn, Op.PUT, Status.OK)
+        else:
+            send_frame(conn, Op.PUT, Status.REFUSED, payload=self._refusal(RefusalReason.OVER_STORE))
+
+    def _recv_payload(self, conn: socket.socket, size: int, deadline: float) -> Optional[memoryview]:
+        """Receive a put's payload, each step reserved from the pending budget before it arrives
+        (so the budget bounds what all unfinished frames hold: at most twice what they sent, plus
+        one first step each).
+
+        Over the budget, what arrived is dropped, the rest drained and the put refused (None)."""
+        buf: Optional[_PayloadBuffer] = None
+        held = 0
+        try:
+            while held < size:
+                step = min(_MAX_RECV_STEP, size - held, max(_FIRST_RECV_STEP, held))
+                if not self._budget.try_reserve(step):
+                    break
+                if buf is None:
+                    buf = _PayloadBuffer(size)
+                buf.grown_to(held)
+                held += step
+                n = self._recv_into(conn, buf.view[held - step : held], deadline, "the payload")
+                if n != step:
+                    raise TruncatedFrameError(
+                        f"connection closed after {held - step + n} of {size} bytes of the payload"
+                    )
+            else:
+                return alloc_buffer(0) if buf is None else buf.view  # (None only for an empty payload)
+        finally:
+            self._budget.release(held)
+        del buf
+        self._refuse(conn, RefusalReason.BUSY, size - held, deadline, "refused_busy")
+        return None
+
+    def _refusal(self, reason: RefusalReason) -> bytes:
+        return refusal_payload(reason, self.config.max_payload_bytes)
+
+    def _refuse(
+        self, conn: socket.socket, reason: RefusalReason, unread: int, deadline: float, counter: str
+    ) -> None:
+        """Drain the rest of a refused put's payload (keeping the connection in step) and answer."""
+        count = self._count(counter)
+        if count % _REAP_LOG_EVERY == 1:
+            logger.warning(
+                "refusing a put (%s): frame limit %d bytes, pending budget %d of %d bytes "
+                "(%d refused for this reason so far)",
+                reason.value,
+                self.config.max_payload_bytes,
+                self._budget.held,
+                self.pending_limit,
+                count,
+            )
+        left = unread
         while left:
-            n = conn.recv_into(block, min(left, len(block)))
+            scratch = self._scratch[: min(left, _DISCARD_BLOCK)]
+            n = self._recv_into(conn, scratch, deadline, "a refused payload")
             if n == 0:
                 raise TruncatedFrameError(f"connection closed with {left} payload bytes unread")
             left -= n
+        conn.settimeout(self.config.frame_timeout_s)
+        send_frame(conn, Op.PUT, Status.REFUSED, payload=self._refusal(reason))
+
+
+class _PayloadBuffer:
+    """One put's payload buffer, resident only as bytes arrive and returned to the system as
+    soon as the value is dropped: a private anonymous mapping. (A block recycled by malloc is
+    resident in full, so peers announcing sizes they never send could pin that much memory
+    whatever the pending budget says.) Once a frame has sent `_HUGE_PAGES_FROM` bytes, the
+    mapping asks for transparent huge pages, as numpy does for its large arrays: far fewer page
+    faults for the rest, at most one huge page beyond what the budget reserved."""
+
+    def __init__(self, size: int) -> None:
+        self._region: Optional[mmap.mmap] = None
+        if size < _FIRST_RECV_STEP:
+            self.view = alloc_buffer(size)
+        else:
+            self._region = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            self.view = memoryview(self._region)
+        self._huge = False
+
+    def grown_to(self, received: int) -> None:
+        """Note that `received` bytes arrived; large enough, ask for huge pages."""
+        if self._region is not None and not self._huge and received >= _HUGE_PAGES_FROM:
+            self._huge = True
+            if hasattr(mmap, "MADV_HUGEPAGE"):
+                self._region.madvise(mmap.MADV_HUGEPAGE)
+
+
+def _hang_up(conn: socket.socket) -> None:
+    """Wake whatever thread is blocked on `conn`; that thread closes it."""
+    try:
+        conn.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass

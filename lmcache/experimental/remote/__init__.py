@@ -28,20 +28,25 @@ def create_connector(
     lookup_timeout: float = 1.0,
     pool_size: int = 4,
     ttl_s: Optional[float] = None,
+    max_value_bytes: Optional[int] = None,
 ) -> RemoteConnector:
     """A connector for `url`; nothing is connected until the first call.
 
     `key_prefix` and `ttl_s` apply to Redis (the `lm://` server keys by the full chunk key and
-    bounds its memory with LRU instead of expiry).
+    bounds its memory with LRU instead of expiry). `max_value_bytes` caps what one put sends
+    (None = the connector's default: 1 GiB for `lm://`, 512 MB for Redis); each connector also
+    learns its server's own limit and refuses larger values without sending them.
     """
     parsed = parse_remote_url(url)
     if parsed.scheme == "lm":
         from lmcache.experimental.remote.lm_connector import LMServerConnector
 
         host, port = parsed.hosts[0]
+        lm_limit = {} if max_value_bytes is None else {"max_payload_bytes": max_value_bytes}
         return LMServerConnector(
-            host, port, timeout=timeout, lookup_timeout=lookup_timeout, pool_size=pool_size
+            host, port, timeout=timeout, lookup_timeout=lookup_timeout, pool_size=pool_size, **lm_limit
         )
+    redis_limit = {} if max_value_bytes is None else {"max_value_bytes": max_value_bytes}
     if parsed.scheme == "redis-sentinel":
         from lmcache.experimental.remote.redis_sentinel_connector import (
             RedisSentinelConnector,
@@ -56,6 +61,7 @@ def create_connector(
             timeout=timeout,
             lookup_timeout=lookup_timeout,
             pool_size=pool_size,
+            **redis_limit,
         )
     from lmcache.experimental.remote.redis_connector import RedisConnector
 
@@ -68,4 +74,5 @@ def create_connector(
         timeout=timeout,
         lookup_timeout=lookup_timeout,
         pool_size=pool_size,
+        **redis_limit,
     )

@@ -10,6 +10,12 @@ had been idle in the pool (typically: the server restarted since) empties the po
 request is retried once on a fresh connection - every operation here is idempotent - so a
 server restart costs no error at all when the server is back by the time of the next request.
 Timeouts are not retried: they already cost their full wait.
+
+A put the server cannot take is a refusal, never an error: the client learns the server's frame
+limit (from `INFO` before its first put, and from every `REFUSED` reply, which names it) and
+refuses what is larger itself, without sending it; a put the server refuses anyway (over its
+store, or its budget for unfinished frames is full) comes back False on a connection that stays
+usable.
 """
 
 from __future__ import annotations
@@ -24,19 +30,24 @@ from lmcache.experimental.remote.connector import Buffer, RemoteConnector, Remot
 from lmcache.logging import init_logger
 from lmcache.server.protocol import (
     DEFAULT_MAX_PAYLOAD_BYTES,
+    HARD_MAX_PAYLOAD_BYTES,
     HEADER_SIZE,
     MAX_KEY_BYTES,
     Op,
     ProtocolError,
     Status,
+    frame_limit_of,
     pack_header,
     parse_header,
     recv_exact,
+    refusal_limit,
 )
 
 logger = init_logger(__name__)
 
 PIPELINE_WINDOW = 32
+# Log one "too large" line per this many puts refused before sending.
+_TOO_LARGE_LOG_EVERY = 100
 # Payloads at least this large are sent on their own instead of being joined to the header.
 _ZERO_COPY_BYTES = 64 * 1024
 
@@ -115,11 +126,18 @@ class LMServerConnector(RemoteConnector):
     ) -> None:
         if timeout <= 0 or lookup_timeout <= 0:
             raise ValueError(f"timeouts must be positive, got {timeout} and {lookup_timeout}")
+        if not 0 < max_payload_bytes <= HARD_MAX_PAYLOAD_BYTES:
+            raise ValueError(
+                f"max_payload_bytes must be in 1..{HARD_MAX_PAYLOAD_BYTES}, got {max_payload_bytes}"
+            )
         self._host = host
         self._port = port
         self._timeout = timeout
         self._lookup_timeout = lookup_timeout
         self._max_payload = max_payload_bytes
+        # The server's frame limit once known (INFO, or a refusal naming it); None = ask.
+        self._server_limit: Optional[int] = None
+        self._too_large = 0
         self._pool = _ConnectionPool(host, port, pool_size, connect_timeout=lookup_timeout)
 
     @property
@@ -139,26 +157,54 @@ class LMServerConnector(RemoteConnector):
         replies = self._call(requests, self._timeout)
         return [r.payload if r.status == Status.OK else None for r in replies]
 
+    @property
+    def max_payload_bytes(self) -> int:
+        """The largest value a put sends: this client's limit, or the server's when lower."""
+        if self._server_limit is None:
+            return self._max_payload
+        return min(self._max_payload, self._server_limit)
+
     def batched_put(self, items: Sequence[Tuple[str, Buffer]]) -> list[bool]:
         results: list[bool] = [False] * len(items)
+        if not items:
+            return results
+        if self._server_limit is None:
+            self._learn_limit()
+        limit = self.max_payload_bytes
         requests: list[_Request] = []
         slots: list[int] = []
         for i, (key, value) in enumerate(items):
             size = memoryview(value).nbytes
-            if size > self._max_payload:
-                logger.warning(
-                    "not storing %s on %s: %d bytes exceed the %d-byte frame limit",
-                    key,
-                    self.url,
-                    size,
-                    self._max_payload,
-                )
+            if size > limit:
+                self._refuse_too_large(key, size, limit)
                 continue
             requests.append(_Request(Op.PUT, _key_bytes(key), value))
             slots.append(i)
         for slot, reply in zip(slots, self._call(requests, self._timeout)):
             results[slot] = reply.status == Status.OK
+            if reply.status == Status.REFUSED:
+                learned = refusal_limit(reply.payload)
+                if learned is not None:
+                    self._server_limit = learned
         return results
+
+    def _learn_limit(self) -> None:
+        """Ask the server for its frame limit (an older server without one: use our own)."""
+        limit = frame_limit_of(self.info())
+        self._server_limit = self._max_payload if limit is None else limit
+
+    def _refuse_too_large(self, key: str, size: int, limit: int) -> None:
+        self._too_large += 1
+        if self._too_large % _TOO_LARGE_LOG_EVERY == 1:
+            logger.warning(
+                "not storing %s on %s: %d bytes exceed the %d-byte frame limit "
+                "(%d puts refused for size so far; raise lmcache_server --max-frame-mb)",
+                key,
+                self.url,
+                size,
+                limit,
+                self._too_large,
+            )
 
     def ping(self) -> None:
         self._call([_Request(Op.PING)], self._lookup_timeout)
@@ -187,6 +233,7 @@ class LMServerConnector(RemoteConnector):
             except (OSError, ProtocolError) as err:
                 sock.close()
                 self._pool.clear()
+                self._server_limit = None  # a restarted server may have another frame limit
                 if not (reused and may_retry):
                     raise RemoteUnavailableError(f"{self.url}: {err}") from err
                 may_retry = False
@@ -233,7 +280,7 @@ class LMServerConnector(RemoteConnector):
             raise ProtocolError(f"server rejected the request: {reason}")
         if header.op != op:
             raise ProtocolError(f"reply to {op.name} came back as {header.op.name}")
-        return _Reply(header.status, payload if header.status == Status.OK else None)
+        return _Reply(header.status, payload)
 
 
 def _key_bytes(key: str) -> bytes:

@@ -5,9 +5,15 @@ dropped together; an optional TTL expires chunks nobody reads. Batches go throug
 pipeline (Redis Cluster pipelines split per node by themselves), so a multi-chunk get or
 put costs one round trip per node instead of one per chunk.
 
-What Redis refuses is a dropped put, never an error for the request:
-- values longer than the server's `proto-max-bulk-len` (512 MB unless configured) are refused
-  here, before sending, with a message naming the limit and the chunk;
+What Redis refuses is a dropped put, never an error for the request, and never takes the tier
+down:
+- values longer than the limit are refused here, before sending, with a message naming the
+  limit and the chunk. The limit is `max_value_bytes` (default 512 MB, Redis's own default),
+  lowered to the server's `proto-max-bulk-len` when `CONFIG GET` answers. Where `CONFIG` is
+  disabled (managed Redis) and the server's real limit is lower, Redis rejects the value
+  ("invalid bulk length") and drops that connection: if the server still answers a ping, the
+  limit drops below the largest value sent, the batch is sent again under it (what is still
+  too long refused before sending), and the pool simply opens a new connection;
 - a write under `maxmemory` with the default `noeviction` policy gets an `OOM` reply: that put
   is counted as refused and logged (once per burst), the others in the pipeline still land.
 
@@ -34,9 +40,11 @@ from lmcache.logging import init_logger
 
 logger = init_logger(__name__)
 
-# Redis's default `proto-max-bulk-len`; used when `CONFIG GET` is not allowed (managed Redis).
+# Redis's default `proto-max-bulk-len`; the limit used when `CONFIG GET` is not allowed.
 DEFAULT_PROTO_MAX_BULK_LEN = 512 * 1024 * 1024
-# Log one OOM line per this many refused puts, so a full Redis does not flood the log.
+# The smallest `proto-max-bulk-len` Redis accepts: a value at most this large is never too long.
+MIN_PROTO_MAX_BULK_LEN = 1024 * 1024
+# Log one OOM (or too-long) line per this many refused puts, so the log is not flooded.
 _OOM_LOG_EVERY = 100
 
 # What redis-py raises when the server is gone or slow (cluster errors include "no node").
@@ -56,7 +64,7 @@ class RedisConnector(RemoteConnector):
         timeout: float = 10.0,
         lookup_timeout: float = 1.0,
         pool_size: int = 8,
-        max_value_bytes: Optional[int] = None,
+        max_value_bytes: int = DEFAULT_PROTO_MAX_BULK_LEN,
     ) -> None:
         if not hosts:
             raise ValueError("RedisConnector needs at least one host")
@@ -64,6 +72,8 @@ class RedisConnector(RemoteConnector):
             raise ValueError(f"plain Redis takes one host, got {list(hosts)}")
         if ttl_s is not None and ttl_s <= 0:
             raise ValueError(f"ttl_s must be positive or None, got {ttl_s}")
+        if max_value_bytes <= 0:
+            raise ValueError(f"max_value_bytes must be positive, got {max_value_bytes}")
         self._hosts = tuple(hosts)
         self._cluster = cluster
         self._ssl = ssl
@@ -72,8 +82,10 @@ class RedisConnector(RemoteConnector):
         self._timeout = timeout
         self._lookup_timeout = lookup_timeout
         self._pool_size = pool_size
-        self._max_value_override = max_value_bytes
+        self._max_value_configured = max_value_bytes
+        # The limit in force, once known; whether the server's CONFIG confirmed it.
         self._max_value: Optional[int] = None
+        self._limit_from_config = False
         self._lock = threading.Lock()
         # Two clients over separate pools: lookups must fail fast, data transfers may take longer.
         self._data_client: Any = None
@@ -132,22 +144,34 @@ class RedisConnector(RemoteConnector):
             if size > limit:
                 with self._lock:
                     self._oversize_refusals += 1
-                logger.warning(
-                    "not storing %s on %s: %d bytes exceed the server's proto-max-bulk-len of %d "
-                    "(raise it in redis.conf, or use a smaller chunk_size)",
-                    key,
-                    self.url,
-                    size,
-                    limit,
-                )
+                    refusals = self._oversize_refusals
+                if refusals % _OOM_LOG_EVERY == 1:
+                    logger.warning(
+                        "not storing %s on %s: %d bytes exceed the server's proto-max-bulk-len of %d "
+                        "(raise it in redis.conf, or use a smaller chunk_size; %d refused so far)",
+                        key,
+                        self.url,
+                        size,
+                        limit,
+                        refusals,
+                    )
                 continue
             command: tuple = ("SET", self._prefix + key, value)
             if self._ttl_ms is not None:
                 command += ("PX", self._ttl_ms)
             commands.append(command)
             slots.append(i)
-        for slot, reply in zip(slots, self._run(data, commands)):
-            if isinstance(reply, OutOfMemoryError) or (
+        try:
+            replies = self._run(data, commands)
+        except RemoteUnavailableError:
+            if not self._rejected_for_size([memoryview(items[i][1]).nbytes for i in slots]):
+                raise
+            # Again under the lowered limit: what is still too long is refused without sending.
+            return self.batched_put(items)
+        for slot, reply in zip(slots, replies):
+            if _is_too_long(reply):
+                self._learn_limit(memoryview(items[slot][1]).nbytes, items[slot][0])
+            elif isinstance(reply, OutOfMemoryError) or (
                 isinstance(reply, ResponseError) and str(reply).startswith("OOM")
             ):
                 with self._lock:
@@ -224,20 +248,45 @@ class RedisConnector(RemoteConnector):
         return redis.Redis(connection_pool=pool)
 
     def _value_limit(self, client: Any) -> int:
-        """Largest value Redis accepts: the override, else the server's proto-max-bulk-len."""
-        if self._max_value_override is not None:
-            return self._max_value_override
+        """Largest value sent: `max_value_bytes`, or the server's proto-max-bulk-len if lower."""
         if self._max_value is None:
             try:
-                reply = client.config_get("proto-max-bulk-len")
-                values = _config_values(reply)
-                self._max_value = min(values) if values else DEFAULT_PROTO_MAX_BULK_LEN
+                values = _config_values(client.config_get("proto-max-bulk-len"))
             except ResponseError:
-                # CONFIG is often disabled on managed Redis: assume the default.
-                self._max_value = DEFAULT_PROTO_MAX_BULK_LEN
+                values = []  # CONFIG is often disabled on managed Redis: the configured limit
             except _UNAVAILABLE as err:
                 raise self._unavailable(err) from err
+            self._limit_from_config = bool(values)
+            self._max_value = min([self._max_value_configured, *values])
         return self._max_value
+
+    def _learn_limit(self, size: int, key: str, refused: int = 1) -> None:
+        """Redis called a value of `size` bytes too long: refuse that size from now on."""
+        with self._lock:
+            self._oversize_refusals += refused
+            self._max_value = min(self._max_value or size, size - 1)
+            limit = self._max_value
+        logger.warning(
+            "%s refused %s as too long (%d bytes): its proto-max-bulk-len is lower than the "
+            "configured limit; values over %d bytes are refused from now on",
+            self.url,
+            key,
+            size,
+            limit,
+        )
+
+    def _rejected_for_size(self, sizes: Sequence[int]) -> bool:
+        """After a put batch lost its connection: True (limit learned) if Redis dropped it for a
+        value over its bulk limit, which it does without CONFIG telling us that limit."""
+        largest = max(sizes, default=0)
+        if self._limit_from_config or largest <= MIN_PROTO_MAX_BULK_LEN:
+            return False
+        try:
+            self.ping()
+        except RemoteUnavailableError:
+            return False  # the server is really gone
+        self._learn_limit(largest, f"a batch of {len(sizes)} values", refused=0)
+        return True
 
     def _run(self, client: Any, commands: Sequence[tuple]) -> list[Any]:
         """Execute `commands` in one pipeline; per-command errors come back as exceptions."""
@@ -257,6 +306,11 @@ class RedisConnector(RemoteConnector):
 
     def _unavailable(self, err: BaseException) -> RemoteUnavailableError:
         return RemoteUnavailableError(f"{self.url}: {type(err).__name__}: {err}")
+
+
+def _is_too_long(reply: Any) -> bool:
+    """Redis's reply to a value over its `proto-max-bulk-len`."""
+    return isinstance(reply, ResponseError) and "invalid bulk length" in str(reply)
 
 
 def _config_values(reply: Any) -> list[int]:

@@ -20,7 +20,7 @@ from redis.connection import BlockingConnectionPool
 from redis.retry import Retry
 from redis.sentinel import Sentinel, SentinelConnectionPool
 
-from lmcache.experimental.remote.redis_connector import RedisConnector
+from lmcache.experimental.remote.redis_connector import DEFAULT_PROTO_MAX_BULK_LEN, RedisConnector
 
 SERVICE_NAME_ENV = "REDIS_SERVICE_NAME"
 DEFAULT_SERVICE_NAME = "mymaster"
@@ -49,7 +49,7 @@ class RedisSentinelConnector(RedisConnector):
         timeout: float = 10.0,
         lookup_timeout: float = 1.0,
         pool_size: int = 8,
-        max_value_bytes: Optional[int] = None,
+        max_value_bytes: int = DEFAULT_PROTO_MAX_BULK_LEN,
     ) -> None:
         if not sentinels:
             raise ValueError("RedisSentinelConnector needs at least one Sentinel")

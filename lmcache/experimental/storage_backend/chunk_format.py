@@ -11,11 +11,16 @@ Header layout (little-endian)::
     | 4s   | u16     | u32        | u8  | u8   | u8        | u16       | u64         | 8s       |
     +------+---------+------------+-----+------+-----------+-----------+-------------+----------+
     | dims: ndim x i64 | dtype name (ascii) | key string (utf-8) |     then payload_len bytes
-    +------------------+--------------------+--------------------+
+    +------------------+--------------------+--------------------+-------------------+
+    | dims: ndim x i64 | dtype name (ascii) | key string (utf-8) | header_checksum 8s|  then payload_len bytes
+    +------------------+--------------------+--------------------+-------------------+
 
 `checksum` is XXH3-64 over the payload: it runs near memory bandwidth (BLAKE2b, version 1 of
-this format, held the disk tier to ~0.3 GB/s), and its job is catching corruption, not forgery. Decoding never raises for bad
-input: it logs why and returns None, which every caller treats as a miss.
+this format, held the disk tier to ~0.3 GB/s), and its job is catching corruption, not forgery.
+`header_checksum` (version 3) is XXH3-64 over every header byte before it, so a flipped header
+bit (a memory format, a shape, a length) is caught before anything is allocated from it; chunks
+of older versions are misses. Decoding never raises for bad input: it logs why and returns
+None, which every caller treats as a miss.
 """
 
 import math
@@ -34,14 +39,14 @@ from lmcache.utils import CacheEngineKey
 logger = init_logger(__name__)
 
 MAGIC = b"LMCK"
-VERSION = 2  # 2: XXH3-64 checksum (1 used BLAKE2b-64)
+VERSION = 3  # 3: header checksum; 2: XXH3-64 payload checksum (1 used BLAKE2b-64)
 MAX_HEADER_BYTES = 4096
 MAX_NDIM = 8
 CHECKSUM_BYTES = 8
 
 _PREFIX = struct.Struct("<4sHI")  # magic, version, header_len
 _FIXED = struct.Struct("<BBBHQ8s")  # fmt, ndim, dtype_len, key_len, payload_len, checksum
-_MIN_HEADER = _PREFIX.size + _FIXED.size
+_MIN_HEADER = _PREFIX.size + _FIXED.size + CHECKSUM_BYTES  # the trailing header checksum
 
 # Only these dtypes can appear in a header; a name is looked up here, never evaluated.
 _DTYPES: Mapping[str, torch.dtype] = MappingProxyType(
@@ -120,7 +125,7 @@ def encode_header(
     header_len = _MIN_HEADER + 8 * len(dims) + len(dtype_bytes) + len(key_bytes)
     if header_len > MAX_HEADER_BYTES:
         raise ValueError(f"chunk header for key {_key_str(key)!r} would exceed {MAX_HEADER_BYTES} bytes")
-    return b"".join(
+    body = b"".join(
         (
             _PREFIX.pack(MAGIC, VERSION, header_len),
             _FIXED.pack(
@@ -136,6 +141,7 @@ def encode_header(
             key_bytes,
         )
     )
+    return body + xxhash.xxh3_64_digest(body)
 
 
 def header_length(prefix: Buffer) -> Optional[int]:
@@ -166,6 +172,10 @@ def decode_header(buf: Buffer) -> Optional[ChunkHeader]:
     if view.nbytes < header_len:
         logger.warning("chunk header truncated: %d of %d bytes", view.nbytes, header_len)
         return None
+    body_len = header_len - CHECKSUM_BYTES
+    if xxhash.xxh3_64_digest(view[:body_len]) != view[body_len:header_len]:
+        logger.warning("chunk header checksum mismatch")
+        return None
     fmt_value, ndim, dtype_len, key_len, payload_len, checksum = _FIXED.unpack_from(view, _PREFIX.size)
     if ndim > MAX_NDIM or _MIN_HEADER + 8 * ndim + dtype_len + key_len != header_len:
         logger.warning("chunk header fields do not add up to its length %d", header_len)
@@ -175,7 +185,7 @@ def decode_header(buf: Buffer) -> Optional[ChunkHeader]:
     except ValueError:
         logger.warning("chunk header names unknown memory format %d", fmt_value)
         return None
-    pos = _MIN_HEADER
+    pos = _PREFIX.size + _FIXED.size
     shape = struct.unpack_from(f"<{ndim}q", view, pos)
     pos += 8 * ndim
     try:

@@ -7,13 +7,21 @@
 - Every file starts with a `chunk_format` header. A file that is truncated, corrupted, foreign
   or not what the index expects is a miss and is deleted.
 - The index (key -> file) is rebuilt on start from the directory's headers, so a new process
-  finds what an earlier one wrote. Total file size is bounded; the least recently used files go.
+  finds what an earlier one wrote. Only regular files are read (opened non-blocking, without
+  following links), so a FIFO or device named like a chunk cannot hang the scan. Total file
+  size is bounded; the least recently used files go.
+- Others may delete files or the whole directory: a lookup or read that finds a file gone
+  forgets its entry (so the chunk is written again by the next store), and a write that finds
+  the directory gone recreates it. Nothing here raises into the engine: a failure is a miss or
+  a dropped write, logged and counted.
 - Prefetch reads a file on a background reader thread into the CPU tier.
 """
 
 import asyncio
+import enum
 import hashlib
 import os
+import stat
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -53,6 +61,30 @@ class _PutTask:
 
     obj: MemoryObj
     cancelled: bool = False
+
+
+class _Read(enum.Enum):
+    """How reading one indexed chunk file went."""
+
+    OK = "ok"
+    BAD = "bad"  # corrupted, truncated, foreign, not a regular file: delete it
+    MISSING = "missing"  # someone else removed it: forget the entry
+    NO_MEMORY = "no_memory"  # the CPU tier is full: a miss, the file stays
+
+
+def _open_regular(path: str):
+    """Open `path` for reading only if it is a regular file.
+
+    Non-blocking and without following a symlink, so a FIFO (or a link to one) named like a
+    chunk returns at once instead of waiting for a writer; `OSError` otherwise."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(f"{path} is not a regular file")
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def file_name_for(key: CacheEngineKey) -> str:
@@ -124,7 +156,9 @@ class LocalDiskBackend(StorageBackendInterface):
     def _rebuild_index(self) -> None:
         """Index every valid chunk file in the directory (oldest first); delete bad ones."""
         found: List[Tuple[float, CacheEngineKey, DiskEntry]] = []
-        for name in os.listdir(self._dir):
+        with os.scandir(self._dir) as entries:
+            names = [e.name for e in entries if e.is_file(follow_symlinks=False)]
+        for name in names:
             path = os.path.join(self._dir, name)
             if name.endswith(TMP_SUFFIX) and name.startswith("."):
                 self._remove_stale_tmp(name, path)
@@ -146,7 +180,7 @@ class LocalDiskBackend(StorageBackendInterface):
 
     def _scan_file(self, name: str, path: str) -> Optional[Tuple[float, CacheEngineKey, DiskEntry]]:
         try:
-            with open(path, "rb") as f:
+            with _open_regular(path) as f:
                 header = chunk_format.read_header(f)
                 st = os.fstat(f.fileno())
         except OSError as err:
@@ -212,7 +246,24 @@ class LocalDiskBackend(StorageBackendInterface):
 
     def contains(self, key: CacheEngineKey) -> bool:
         with self._lock:
-            return key in self._index or key in self._put_tasks
+            if key in self._put_tasks:
+                return True
+            entry = self._index.get(key)
+        if entry is None:
+            return False
+        if os.path.isfile(entry.path):
+            return True
+        self._forget(key, entry, "is gone")
+        return False
+
+    def _forget(self, key: CacheEngineKey, entry: DiskEntry, why: str) -> None:
+        """Drop `key`'s entry (if it is still `entry`) after its file turned out missing."""
+        with self._lock:
+            if self._index.get(key) is not entry:
+                return
+            del self._index[key]
+            self._used_bytes -= entry.file_size
+        logger.info("disk tier: %s %s; forgetting chunk %s", entry.path, why, key.chunk_hash)
 
     def exists_in_put_tasks(self, key: CacheEngineKey) -> bool:
         with self._lock:
@@ -255,7 +306,7 @@ class LocalDiskBackend(StorageBackendInterface):
             payload = chunk_format.memory_obj_payload(obj)
             meta = obj.metadata
             header = chunk_format.encode_header(key, meta.shape, meta.dtype, meta.fmt, payload)
-            with open(tmp, "wb") as f:
+            with self._create(tmp) as f:
                 f.write(header)
                 f.write(payload)
             entry = DiskEntry(path, len(header) + payload.nbytes, tuple(meta.shape), meta.dtype, meta.fmt)
@@ -272,6 +323,22 @@ class LocalDiskBackend(StorageBackendInterface):
             return False
         self._stats.record_write(payload.nbytes)
         return True
+
+    def _create(self, tmp: str):
+        """Open `tmp` for writing; a cache directory someone removed is created again (and
+        every entry of the old one forgotten: its files went with it)."""
+        try:
+            return open(tmp, "wb")
+        except FileNotFoundError:
+            if os.path.isdir(self._dir):
+                raise
+        os.makedirs(self._dir, exist_ok=True)
+        with self._lock:
+            lost = len(self._index)
+            self._index.clear()
+            self._used_bytes = 0
+        logger.warning("disk tier: %s was removed; created it again (%d chunks lost)", self._dir, lost)
+        return open(tmp, "wb")
 
     def get_blocking(self, key: CacheEngineKey) -> Optional[MemoryObj]:
         with self._lock:
@@ -296,14 +363,16 @@ class LocalDiskBackend(StorageBackendInterface):
             if entry is None:
                 return None
             self._index.move_to_end(key)
-        obj, bad = self._read_file(entry.path, entry.dtype, entry.shape, entry.fmt, key)
-        if bad:
+        obj, outcome = self._read_file(entry.path, entry.dtype, entry.shape, entry.fmt, key)
+        if outcome is _Read.BAD:
             self._stats.record_error()
             with self._lock:
                 if self._index.get(key) is entry:
                     del self._index[key]
                     self._used_bytes -= entry.file_size
                     self._unlink(entry.path)
+        elif outcome is _Read.MISSING:
+            self._forget(key, entry, "was removed by someone else")
         if obj is not None:
             self._stats.record_read(obj.get_size())
         return obj
@@ -315,19 +384,19 @@ class LocalDiskBackend(StorageBackendInterface):
         shape: Optional[Tuple[int, ...]],
         fmt: Optional[MemoryFormat],
         key: Optional[CacheEngineKey],
-    ) -> Tuple[Optional[MemoryObj], bool]:
-        """(object or None, whether the file is bad). Memory being full is a miss, not bad."""
+    ) -> Tuple[Optional[MemoryObj], _Read]:
+        """The object (or None) and how the read went; never raises."""
         obj: Optional[MemoryObj] = None
         try:
-            with open(path, "rb") as f:
+            with _open_regular(path) as f:
                 header = chunk_format.read_header(f)
                 if header is None or not chunk_format.header_matches(header, key, shape, dtype, fmt):
                     logger.warning("disk tier: %s is not the expected chunk", path)
-                    return None, True
+                    return None, _Read.BAD
                 obj = self._cpu.allocate(torch.Size(header.shape), header.dtype, header.fmt)
                 if obj is None:
                     logger.info("disk tier: no memory to load %s", path)
-                    return None, False
+                    return None, _Read.NO_MEMORY
                 payload = chunk_format.memory_obj_payload(obj)
                 got = 0
                 while got < payload.nbytes:
@@ -337,17 +406,17 @@ class LocalDiskBackend(StorageBackendInterface):
                     got += n
                 intact = got == header.payload_len and not f.read(1)
             if intact and chunk_format.verify_payload(header, payload):
-                return obj, False
+                return obj, _Read.OK
             logger.warning("disk tier: %s is truncated or corrupted", path)
-            bad = True
+            outcome = _Read.BAD
         except FileNotFoundError:
-            bad = False  # evicted or removed by another process meanwhile: a plain miss
-        except OSError as err:
-            logger.warning("disk tier: cannot read %s: %s", path, err)
-            bad = True
+            outcome = _Read.MISSING  # evicted, or removed by someone else meanwhile
+        except Exception as err:  # an unreadable file, or one the CPU tier cannot allocate for
+            logger.warning("disk tier: cannot read %s: %r", path, err)
+            outcome = _Read.BAD
         if obj is not None:
             obj.ref_count_down()
-        return None, bad
+        return None, outcome
 
     def load_bytes_from_disk(
         self, path: str, dtype: Optional[torch.dtype], shape: Optional[Tuple[int, ...]],

@@ -54,6 +54,9 @@ class RemoteBackendOptions:
     backoff_max_s: float = 10.0  # retries never wait longer than this
     ttl_s: Optional[float] = None  # Redis only: expire chunks after this long
     flush_timeout_s: float = 30.0  # close() waits this long for queued puts
+    # Largest encoded chunk one put sends (None: 1 GiB for lm://, 512 MB for Redis); larger
+    # chunks, or chunks over the server's own limit, are refused puts, never a tier failure.
+    max_value_bytes: Optional[int] = None
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -178,6 +181,7 @@ class RemoteBackend(StorageBackendInterface):
             lookup_timeout=opts.lookup_timeout_s,
             pool_size=opts.pool_size,
             ttl_s=opts.ttl_s,
+            max_value_bytes=opts.max_value_bytes,
         )
         self._serde: Serde = create_serde(serde)
         self._metadata = metadata

@@ -1,0 +1,124 @@
+"""Tier-level test helpers: remote backends over real servers, small disk tiers, engines sized in
+chunks. Test files import from here or `helpers`, never from each other."""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import pytest
+import torch
+from helpers import check_loaded, chunk_bytes, config, geometry, key, make_engine, prompt, slots_for
+from kv_reference import make_kvcaches
+
+from lmcache.config import LMCacheEngineMetadata
+from lmcache.experimental.cache_engine import LMCacheEngine
+from lmcache.experimental.memory_management import HostMemoryAllocator, MemoryFormat, MemoryObj
+from lmcache.experimental.storage_backend.local_cpu_backend import LocalCPUBackend
+from lmcache.experimental.storage_backend.local_disk_backend import LocalDiskBackend
+from lmcache.experimental.storage_backend.remote_backend import RemoteBackend, RemoteBackendOptions
+
+# ---------------------------------------------------------------- remote backends
+
+REMOTE_LAYERS, REMOTE_HEADS, REMOTE_HEAD_SIZE, REMOTE_CHUNK = 4, 2, 64, 256
+FAST_REMOTE = RemoteBackendOptions(lookup_timeout_s=0.5, timeout_s=2.0, backoff_initial_s=0.05, backoff_max_s=0.2)
+
+
+def remote_metadata(layers: int = REMOTE_LAYERS, dtype: torch.dtype = torch.float16) -> LMCacheEngineMetadata:
+    return LMCacheEngineMetadata("tiny", 1, 0, "vllm", dtype, (layers, 2, REMOTE_CHUNK, REMOTE_HEADS, REMOTE_HEAD_SIZE))
+
+
+def remote_cpu() -> LocalCPUBackend:
+    return LocalCPUBackend(HostMemoryAllocator(256 << 20))
+
+
+def remote_chunk(cpu: LocalCPUBackend, seed: int, tokens: int = REMOTE_CHUNK, dtype=torch.float16) -> MemoryObj:
+    obj = cpu.allocate(torch.Size([2, REMOTE_LAYERS, tokens, REMOTE_HEADS * REMOTE_HEAD_SIZE]), dtype, MemoryFormat.KV_BLOB)
+    assert obj is not None and obj.tensor is not None
+    gen = torch.Generator().manual_seed(seed)
+    obj.tensor.copy_(torch.randn(obj.tensor.shape, generator=gen) * 2)
+    return obj
+
+
+def remote_backend(url: str, serde: str = "naive", options: RemoteBackendOptions = FAST_REMOTE, **kwargs) -> RemoteBackend:
+    return RemoteBackend(
+        url, serde, kwargs.pop("metadata", remote_metadata()), kwargs.pop("cpu", remote_cpu()), options=options, **kwargs
+    )
+
+
+def wait_for(cond: Callable[[], bool], timeout: float = 15.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.02)
+    return cond()
+
+
+# ---------------------------------------------------------------- small disk tiers
+
+DISK_SHAPE = torch.Size([2, 2, 4, 16])  # 512 bytes of bfloat16
+
+
+@pytest.fixture
+def cpu() -> LocalCPUBackend:
+    """A CPU tier of 64 KiB for the disk tier's read buffers."""
+    return LocalCPUBackend(HostMemoryAllocator(64 * 1024))
+
+
+def disk_obj(cpu: LocalCPUBackend, i: int):
+    obj = cpu.allocate(DISK_SHAPE, torch.bfloat16, MemoryFormat.KV_BLOB)
+    gen = torch.Generator().manual_seed(i)
+    obj.tensor.copy_(torch.randn(DISK_SHAPE, generator=gen).to(torch.bfloat16))
+    return obj
+
+
+def disk_expected(i: int) -> torch.Tensor:
+    return torch.randn(DISK_SHAPE, generator=torch.Generator().manual_seed(i)).to(torch.bfloat16)
+
+
+def disk_store(disk: LocalDiskBackend, cpu: LocalCPUBackend, *ids: int) -> None:
+    for i in ids:
+        obj = disk_obj(cpu, i)
+        disk.submit_put_task(key(i), obj)
+        obj.ref_count_down()
+
+
+def disk_tier(path, cpu, max_bytes=1 << 20, stats=None) -> LocalDiskBackend:
+    return LocalDiskBackend(str(path), max_bytes, cpu, stats)
+
+
+# ---------------------------------------------------------------- engines sized in chunks
+
+ENGINE_GEO = geometry()
+ENGINE_CHUNK_BYTES = chunk_bytes(ENGINE_GEO)
+
+
+def small_engine(num_chunks: int = 64, **overrides) -> LMCacheEngine:
+    """An engine whose CPU memory holds exactly `num_chunks` chunks (sized in bytes, not GB)."""
+    return make_engine(ENGINE_GEO, config(**overrides), cpu_bytes=num_chunks * ENGINE_CHUNK_BYTES)
+
+
+def keys_of(engine: LMCacheEngine, tokens: torch.Tensor) -> list:
+    return [key for _, _, key in engine.token_database.process_tokens(tokens)]
+
+
+def store_prompt(engine: LMCacheEngine, n: int, seed: int):
+    """Store a prompt of `n` tokens; its tokens, source caches and slots."""
+    tokens, source, slots = prompt(n, seed=seed), make_kvcaches(ENGINE_GEO, seed=seed), slots_for(ENGINE_GEO, n, seed=seed)
+    engine.store(tokens, kvcaches=source, slot_mapping=slots)
+    return tokens, source, slots
+
+
+def retrieve_and_check(engine: LMCacheEngine, tokens, source, slots, expected: int) -> None:
+    target, dst = make_kvcaches(ENGINE_GEO, seed=99), slots_for(ENGINE_GEO, len(tokens), seed=98)
+    got = engine.retrieve(tokens, kvcaches=target, slot_mapping=dst)
+    assert int(got.sum()) == expected and bool(got[:expected].all())
+    check_loaded(ENGINE_GEO, source, slots, target, dst, expected)
+
+
+def flush(engine: LMCacheEngine) -> None:
+    """Wait for the slow tiers' writes (a pending write holds a reference: its chunk is not idle)."""
+    for tier in engine.storage_manager.tiers:
+        if hasattr(tier, "flush"):
+            tier.flush()
