@@ -142,9 +142,7 @@ class RedisConnector(RemoteConnector):
         for i, (key, value) in enumerate(items):
             size = memoryview(value).nbytes
             if size > limit:
-                with self._lock:
-                    self._oversize_refusals += 1
-                    refusals = self._oversize_refusals
+                refusals = self._count_refusal("oversize")
                 if refusals % _OOM_LOG_EVERY == 1:
                     logger.warning(
                         "not storing %s on %s: %d bytes exceed the server's proto-max-bulk-len of %d "
@@ -174,9 +172,7 @@ class RedisConnector(RemoteConnector):
             elif isinstance(reply, OutOfMemoryError) or (
                 isinstance(reply, ResponseError) and str(reply).startswith("OOM")
             ):
-                with self._lock:
-                    self._oom_refusals += 1
-                    refusals = self._oom_refusals
+                refusals = self._count_refusal("oom")
                 if refusals % _OOM_LOG_EVERY == 1:
                     logger.warning(
                         "%s is out of memory (maxmemory reached, policy noeviction): put of %s "
@@ -259,6 +255,15 @@ class RedisConnector(RemoteConnector):
             self._limit_from_config = bool(values)
             self._max_value = min([self._max_value_configured, *values])
         return self._max_value
+
+    def _count_refusal(self, kind: str, n: int = 1) -> int:
+        """Count `n` refused puts of `kind` ("oom" or "oversize"); the new count of that kind."""
+        with self._lock:
+            if kind == "oom":
+                self._oom_refusals += n
+                return self._oom_refusals
+            self._oversize_refusals += n
+            return self._oversize_refusals
 
     def _learn_limit(self, size: int, key: str, refused: int = 1) -> None:
         """Redis called a value of `size` bytes too long: refuse that size from now on."""

@@ -20,7 +20,7 @@ from redis.connection import BlockingConnectionPool
 from redis.retry import Retry
 from redis.sentinel import Sentinel, SentinelConnectionPool
 
-from lmcache.experimental.remote.redis_connector import DEFAULT_PROTO_MAX_BULK_LEN, RedisConnector
+from lmcache.experimental.remote.redis_connector import RedisConnector
 
 SERVICE_NAME_ENV = "REDIS_SERVICE_NAME"
 DEFAULT_SERVICE_NAME = "mymaster"
@@ -40,29 +40,13 @@ class _BlockingSentinelPool(SentinelConnectionPool, BlockingConnectionPool):
 class RedisSentinelConnector(RedisConnector):
     """A Redis master found through Sentinels, as a `RemoteConnector`."""
 
-    def __init__(
-        self,
-        sentinels: Sequence[Tuple[str, int]],
-        service_name: str,
-        key_prefix: str = "",
-        ttl_s: Optional[float] = None,
-        timeout: float = 10.0,
-        lookup_timeout: float = 1.0,
-        pool_size: int = 8,
-        max_value_bytes: int = DEFAULT_PROTO_MAX_BULK_LEN,
-    ) -> None:
+    def __init__(self, sentinels: Sequence[Tuple[str, int]], service_name: str, **options: Any) -> None:
+        """`options`: `RedisConnector`'s keyword arguments (key prefix, TTL, timeouts, pool size,
+        value limit), which apply unchanged to the master."""
         if not sentinels:
             raise ValueError("RedisSentinelConnector needs at least one Sentinel")
         # The base class's host is only used by `url` and `_make_client`, both replaced here.
-        super().__init__(
-            [sentinels[0]],
-            key_prefix=key_prefix,
-            ttl_s=ttl_s,
-            timeout=timeout,
-            lookup_timeout=lookup_timeout,
-            pool_size=pool_size,
-            max_value_bytes=max_value_bytes,
-        )
+        super().__init__([sentinels[0]], **options)
         self._sentinels = tuple(sentinels)
         self._service = service_name
 

@@ -289,13 +289,26 @@ def decode_into(
     payload = view[header.size :]
     if not verify_payload(header, payload):
         return None
-    obj = allocate(torch.Size(header.shape), header.dtype, header.fmt)
+    return copy_into_new(header.key, payload, allocate, torch.Size(header.shape), header.dtype, header.fmt)
+
+
+def copy_into_new(
+    key: str,
+    payload: memoryview,
+    allocate: Callable[[torch.Size, Optional[torch.dtype], MemoryFormat], Optional[MemoryObj]],
+    shape: torch.Size,
+    dtype: Optional[torch.dtype],
+    fmt: MemoryFormat,
+) -> Optional[MemoryObj]:
+    """A freshly allocated object holding `payload` (None, logged, when memory is full or the
+    allocation's size disagrees with the payload's). The caller owns its one reference."""
+    obj = allocate(shape, dtype, fmt)
     if obj is None:
-        logger.warning("chunk %s: no memory to load %d bytes", header.key, header.payload_len)
+        logger.warning("chunk %s: no memory to load %d bytes", key, payload.nbytes)
         return None
     target = memory_obj_payload(obj)
     if target.nbytes != payload.nbytes:
-        logger.warning("chunk %s: allocated %d bytes for a %d-byte payload", header.key, target.nbytes, payload.nbytes)
+        logger.warning("chunk %s: allocated %d bytes for a %d-byte payload", key, target.nbytes, payload.nbytes)
         obj.ref_count_down()
         return None
     target[:] = payload

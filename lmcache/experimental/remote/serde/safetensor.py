@@ -116,18 +116,10 @@ class SafetensorSerde(Serde):
         if dtype is not None and stored.dtype != dtype:
             logger.warning("chunk %s holds %s, expected %s: miss", header.key, stored.dtype, dtype)
             return None
-        obj = allocate(torch.Size(stored.shape), stored.dtype, stored.fmt)
-        if obj is None:
-            logger.warning("chunk %s: no memory to load it", header.key)
-            return None
-        target = chunk_format.memory_obj_payload(obj)
         source = memoryview(stored.flat.view(torch.uint8).numpy()).cast("B")
-        if target.nbytes != source.nbytes:
-            logger.warning("chunk %s: allocated %d bytes for %d stored", header.key, target.nbytes, source.nbytes)
-            obj.ref_count_down()
-            return None
-        target[:] = source
-        return obj
+        return chunk_format.copy_into_new(
+            header.key, source, allocate, torch.Size(stored.shape), stored.dtype, stored.fmt
+        )
 
 
 def _load(key: str, payload: memoryview, meta: Dict[str, str]) -> Optional[_Stored]:
