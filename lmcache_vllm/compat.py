@@ -50,6 +50,12 @@ def release_of(version: str) -> str:
     return ".".join(parts[:3])
 
 
+def installed_vllm_release() -> Optional[str]:
+    """The release of the installed vLLM (`0.9.2`, `0.32.0`), or None when none is installed."""
+    found = installed_vllm_version()
+    return None if found is None else release_of(found[1])
+
+
 def is_supported(version: str) -> bool:
     return release_of(version) in SUPPORTED_VLLM_VERSIONS
 

@@ -41,6 +41,11 @@ class KVLayout(IntEnum):
 
     MLA         one latent vector per token, K only
                 [num_blocks, block_size, head_size]
+
+    CPU_ATTN    vLLM >= 0.11 CPU attention (ISAs vec, vec16): K and V in one tensor
+                [num_blocks, heads, block_size, 2 * head_size]
+                block: | h0: K d0 of tok0..tokB | d1 ... | V tok0 d0..dD | tok1 ... | h1: ... |
+                (per head the K half is transposed, the V half is token rows)
     ```
     """
 
@@ -48,6 +53,7 @@ class KVLayout(IntEnum):
     CPU_IPEX = 1
     CPU_PACKED = 2
     MLA = 3
+    CPU_ATTN = 4
 
 
 def packed_x(dtype: torch.dtype) -> int:
@@ -70,6 +76,8 @@ def layout_shape(
         return (num_blocks, block_size, num_heads, head_size)
     if layout == KVLayout.CPU_IPEX:
         return (num_blocks, num_heads, block_size, head_size)
+    if layout == KVLayout.CPU_ATTN:  # K and V share this tensor
+        return (num_blocks, num_heads, block_size, 2 * head_size)
     if layout == KVLayout.CPU_PACKED:
         if is_value:
             return (num_blocks, num_heads, head_size, block_size)
@@ -88,9 +96,18 @@ def split_layer_cache(kv_cache: LayerCache, layout: KVLayout) -> Tuple[torch.Ten
     Accepted: a (K, V) pair; one tensor with K and V stacked on dim 0 (the CPU
     backend's `(2, num_blocks, block_size * heads * head_size)`, flash's
     `(2, num_blocks, block_size, heads, head_size)`); for MLA the latent cache
-    `(num_blocks, block_size, head_size)`. No data is copied.
+    `(num_blocks, block_size, head_size)`; for CPU_ATTN the one
+    `(num_blocks, heads, block_size, 2 * head_size)` tensor, returned as both K and V
+    (the kernels find each half in it). No data is copied.
     """
     layout = KVLayout(layout)
+    if layout == KVLayout.CPU_ATTN:
+        if not isinstance(kv_cache, torch.Tensor) or kv_cache.dim() != 4 or kv_cache.shape[-1] % 2:
+            raise ValueError(
+                "a CPU_ATTN layer cache must be one (num_blocks, heads, block_size, 2 * head_size) "
+                f"tensor, got {_describe(kv_cache)}"
+            )
+        return kv_cache, kv_cache
     if layout == KVLayout.MLA:
         if not isinstance(kv_cache, torch.Tensor) or kv_cache.dim() != 3:
             raise ValueError(
