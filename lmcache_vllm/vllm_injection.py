@@ -6,7 +6,7 @@
   execute_with_cache`, which retrieves and rebuilds the input, calls vLLM's own
   `execute_model` with it, and stores afterwards. The engine starts at the first real step and
   is closed when the process exits.
-- `EngineArgs._set_default_args_v1`, which vLLM calls exactly when it picks the v1 engine: when
+- the method vLLM calls exactly when it picks the v1 engine (`vllm_compat.wrapper_patch_points`): when
   the user gave no KV transfer config, ours becomes `LMCacheConnectorV1` (vLLM's built-in shell
   around `lmcache.integration.vllm.vllm_v1_adapter`). A user's own setting is left alone.
 
@@ -66,7 +66,7 @@ def wrap_execute_model(original: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def wrap_set_default_args_v1(original: Callable[..., Any]) -> Callable[..., Any]:
-    """`EngineArgs._set_default_args_v1` that also turns on our v1 connector by default."""
+    """vLLM's v1 engine-args defaults that also turn on our v1 connector by default."""
 
     @functools.wraps(original)
     def _set_default_args_v1(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -87,6 +87,12 @@ def wrap_set_default_args_v1(original: Callable[..., Any]) -> Callable[..., Any]
     return _set_default_args_v1
 
 
+_WRAPPERS: dict[str, Callable[[Callable[..., Any]], Callable[..., Any]]] = {
+    "v0_execute_model": wrap_execute_model,
+    "v1_default_args": wrap_set_default_args_v1,
+}
+
+
 def _patch(owner: type, name: str, wrapper: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
     current = owner.__dict__.get(name)
     if current is None:
@@ -96,11 +102,8 @@ def _patch(owner: type, name: str, wrapper: Callable[[Callable[..., Any]], Calla
 
 
 def apply_injection() -> None:
-    """Patch vLLM in this process (idempotent)."""
-    from vllm.engine.arg_utils import EngineArgs
-    from vllm.worker.cpu_model_runner import CPUModelRunner
-    from vllm.worker.model_runner import ModelRunner
+    """Patch vLLM in this process (idempotent); which methods is `vllm_compat`'s to say."""
+    from lmcache.integration.vllm.vllm_compat import wrapper_patch_points
 
-    _patch(ModelRunner, "execute_model", wrap_execute_model)
-    _patch(CPUModelRunner, "execute_model", wrap_execute_model)
-    _patch(EngineArgs, "_set_default_args_v1", wrap_set_default_args_v1)
+    for point in wrapper_patch_points():
+        _patch(point.owner, point.name, _WRAPPERS[point.role])

@@ -233,6 +233,22 @@ def test_env_bool_words(text: str, expected: bool) -> None:
     assert LMCacheEngineConfig.from_env({"LMCACHE_SAVE_DECODE_CACHE": text}).save_decode_cache is expected
 
 
+@pytest.mark.parametrize("text,expected", [("on", True), ("ON", True), ("off", False), (" Off ", False)])
+def test_on_and_off_read_alike_in_config_env_and_requests(text: str, expected: bool) -> None:
+    """One parser for every switch: LMCACHE_LOCAL_CPU=on as LMCACHE_FORCE_SKIP_SAVE=on."""
+    from lmcache.integration.vllm.utils import force_skip_save
+    from lmcache.integration.vllm.v1.request_policy import request_config
+
+    assert LMCacheEngineConfig.from_env({"LMCACHE_LOCAL_CPU": text}).local_cpu is expected
+    assert force_skip_save({"LMCACHE_FORCE_SKIP_SAVE": text}) is expected
+    assert request_config({"lmcache.skip_save": text}).skip_save is expected
+
+
+def test_bad_bool_word_names_the_key_and_the_words() -> None:
+    with pytest.raises(ValueError, match=r"local_cpu='sometimes'.*true/false/1/0/yes/no/on/off"):
+        LMCacheEngineConfig.from_env({"LMCACHE_LOCAL_CPU": "sometimes"})
+
+
 @pytest.mark.parametrize("text", ["None", "none", "NONE", ""])
 def test_env_none_for_optional_fields(text: str) -> None:
     env = {"LMCACHE_REMOTE_URL": text, "LMCACHE_PRIORITY_LIMIT": text, "LMCACHE_LOCAL_DISK": text}

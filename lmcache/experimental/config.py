@@ -51,9 +51,27 @@ REMOTE_SERDES: Tuple[str, ...] = ("naive", "cachegen")
 # Legacy backends that keep chunks on disk get this much room when the caller gave none.
 LEGACY_DISK_SIZE_GB = 5.0
 
-_TRUE_WORDS = ("true", "1", "yes")
-_FALSE_WORDS = ("false", "0", "no")
+_TRUE_WORDS = ("true", "1", "yes", "on")
+_FALSE_WORDS = ("false", "0", "no", "off")
+# How an error message lists the words `parse_bool` accepts.
+BOOL_WORDS = "/".join(w for pair in zip(_TRUE_WORDS, _FALSE_WORDS) for w in pair)
 _NONE_WORDS = ("", "none")
+
+
+def parse_bool(value: Any) -> Optional[bool]:
+    """A bool, or a word meaning one (true/1/yes/on, false/0/no/off, any case); None otherwise.
+
+    The one reading of on/off settings: config fields, `LMCACHE_*` variables and per-request
+    settings all go through it, so every switch accepts the same words."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str):
+        word = value.strip().lower()
+        if word in _TRUE_WORDS:
+            return True
+        if word in _FALSE_WORDS:
+            return False
+    return None
 
 
 @dataclass(frozen=True)
@@ -149,14 +167,13 @@ def _coerce(name: str, hint: Any, value: Any) -> Any:
 
 
 def _parse_string(name: str, base: type, text: str) -> Any:
-    """Parse an env-style string into bool/int/float (bools: true/false/1/0/yes/no, any case)."""
+    """Parse an env-style string into bool/int/float (bools: `parse_bool`'s words)."""
     word = text.strip().lower()
     if base is bool:
-        if word in _TRUE_WORDS:
-            return True
-        if word in _FALSE_WORDS:
-            return False
-        raise ValueError(f"{name}={text!r}: expected a bool (true/false/1/0/yes/no)")
+        parsed = parse_bool(word)
+        if parsed is None:
+            raise ValueError(f"{name}={text!r}: expected a bool ({BOOL_WORDS})")
+        return parsed
     try:
         number = int(word) if base is int else float(word)
     except ValueError:

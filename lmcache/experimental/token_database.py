@@ -13,7 +13,9 @@ hashes); the empty salt is plain text.
 Operations:
 - `process_tokens(tokens, mask)`: `(start, end, key)` per chunk the mask selects;
 - `prefix_keys(tokens)`: `(end, key)` per chunk, lazily, for lookups that stop at the
-  first miss.
+  first miss;
+- `skip_prefix_mask(num_tokens, skip, chunk_size)`: the mask that leaves out the chunks a
+  caller already has (both vLLM doors use it for their loads and stores).
 """
 
 from __future__ import annotations
@@ -67,6 +69,22 @@ def rolling_chunk_hashes(token_bytes: bytes, chunk_size: int, salt: str = "") ->
         h.update(view[off : off + step])
         prev = h.digest()
         yield prev
+
+
+def skip_prefix_mask(num_tokens: int, skip: int, chunk_size: int) -> torch.Tensor:
+    """The mask that leaves out the whole chunks among the first `skip` tokens (store/retrieve).
+
+    A chunk is keyed, stored and loaded whole, so only the chunk-aligned part of `skip` can be
+    left out; the chunk holding token `skip` is kept even though its head is skipped:
+
+        tokens  0 ........ floor(skip/C)*C ... skip ....... num_tokens
+        mask    F F F F F F|T T T T T T T T T T T T T T T T T|
+    """
+    if num_tokens < 0 or skip < 0:
+        raise ValueError(f"num_tokens={num_tokens} and skip={skip} must be >= 0")
+    mask = torch.ones(num_tokens, dtype=torch.bool)
+    mask[: min(skip - skip % chunk_size, num_tokens)] = False
+    return mask
 
 
 class TokenDatabase(ABC):

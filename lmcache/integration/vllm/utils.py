@@ -22,8 +22,9 @@ from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence
 import torch
 
 from lmcache.config import LMCacheEngineMetadata
-from lmcache.experimental.config import LMCacheEngineConfig, prefixed_overrides
+from lmcache.experimental.config import BOOL_WORDS, LMCacheEngineConfig, parse_bool, prefixed_overrides
 from lmcache.experimental.kv_layout import KVLayout
+from lmcache.integration.vllm.vllm_compat import ipex_paged_attention_in_use
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -36,8 +37,6 @@ VLLM_KEY_FORMAT = "vllm"
 FORCE_SKIP_SAVE_ENV = "LMCACHE_FORCE_SKIP_SAVE"
 EXTRA_CONFIG_SOURCE = "kv_transfer_config.kv_connector_extra_config"
 
-_TRUE_WORDS = ("1", "true", "yes", "on")
-_FALSE_WORDS = ("", "0", "false", "no", "off")
 
 
 def lmcache_get_config(extra_config: Optional[Mapping[str, Any]] = None) -> LMCacheEngineConfig:
@@ -64,17 +63,15 @@ def extra_config_of(vllm_config: "VllmConfig") -> Mapping[str, Any]:
 
 
 def force_skip_save(environ: Optional[Mapping[str, str]] = None) -> bool:
-    """True when `LMCACHE_FORCE_SKIP_SAVE` is set to a true word (1/true/yes/on)."""
+    """True when `LMCACHE_FORCE_SKIP_SAVE` is set to a true word (`parse_bool`; empty is unset)."""
     env = os.environ if environ is None else environ
     raw = env.get(FORCE_SKIP_SAVE_ENV)
-    if raw is None:
+    if raw is None or not raw.strip():
         return False
-    word = raw.strip().lower()
-    if word in _TRUE_WORDS:
-        return True
-    if word in _FALSE_WORDS:
-        return False
-    raise ValueError(f"{FORCE_SKIP_SAVE_ENV}={raw!r}: expected one of {_TRUE_WORDS + _FALSE_WORDS[1:]}")
+    parsed = parse_bool(raw)
+    if parsed is None:
+        raise ValueError(f"{FORCE_SKIP_SAVE_ENV}={raw!r}: expected a bool ({BOOL_WORDS})")
+    return parsed
 
 
 def kv_cache_dtype(vllm_config: "VllmConfig") -> torch.dtype:
@@ -92,13 +89,6 @@ def kv_cache_dtype(vllm_config: "VllmConfig") -> torch.dtype:
     return STR_DTYPE_TO_TORCH_DTYPE[cache_dtype]
 
 
-def _ipex_paged_attention_in_use() -> bool:
-    """Whether vLLM's CPU attention keeps K/V in IPEX's head-major layout (else the packed one)."""
-    from vllm.attention.ops import ipex_attn
-
-    return bool(ipex_attn._use_ipex)
-
-
 def detect_kv_layout(vllm_config: "VllmConfig") -> KVLayout:
     """The paged layout of one layer's K (V) cache for this vLLM configuration.
 
@@ -111,7 +101,7 @@ def detect_kv_layout(vllm_config: "VllmConfig") -> KVLayout:
     from vllm.platforms import current_platform
 
     if current_platform.is_cpu():
-        return KVLayout.CPU_IPEX if _ipex_paged_attention_in_use() else KVLayout.CPU_PACKED
+        return KVLayout.CPU_IPEX if ipex_paged_attention_in_use() else KVLayout.CPU_PACKED
     if current_platform.is_cuda_alike():
         return KVLayout.FLASH
     raise ValueError(

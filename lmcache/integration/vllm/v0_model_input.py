@@ -16,6 +16,7 @@ Operations:
 - `read_step(model_input)`: the per-sequence spans (`StepLayout`) from the attention metadata,
   which every worker has (vLLM broadcasts it; `model_input.seq_lens` exists on the driver only).
   `None` for attention backends this module does not know.
+- `prefill_block_row(model_input, step, index)`: vLLM's block table row of one prefill.
 - `rebuild_model_input(model_input, step, skips, block_size)`: a new model input with the first
   `skips[i]` tokens of prefill `i` removed: tokens, positions, slot mapping, attention metadata
   (query/sequence lengths, start locations, context lengths, block tables, token counts), the
@@ -34,6 +35,8 @@ from dataclasses import dataclass
 from typing import Any, List, Optional, Sequence
 
 import torch
+
+from lmcache.integration.vllm.vllm_compat import FLASH_METADATA_VIEW_RESETS
 
 CPU_SDPA = "TorchSDPAMetadata"
 FLASH_ATTN = "FlashAttentionMetadata"
@@ -145,6 +148,23 @@ def block_table_from_slots(slots: torch.Tensor, block_size: int) -> List[int]:
     return (heads // block_size).tolist()
 
 
+def prefill_block_row(model_input: Any, step: StepLayout, index: int) -> Optional[List[int]]:
+    """vLLM's block table row of prefill `index` (None when vLLM left it out: the CPU builder
+    fills prefill block tables only for its prefix-aware path; a row of a sequence with context
+    is always there). Used to find the slots of a later chunk's context."""
+    md = model_input.attn_metadata
+    table = _vllm_block_table(md, step.backend)
+    if table is None or table.numel() == 0 or index >= table.shape[0]:
+        return None
+    return table[index].tolist()
+
+
+def _vllm_block_table(md: Any, backend: str) -> Optional[torch.Tensor]:
+    if backend == CPU_SDPA:
+        return md.prefill_block_tables if md.chunked_prefill else None
+    return md.block_tables
+
+
 def _padded_table(rows: Sequence[Sequence[int]], device: torch.device) -> torch.Tensor:
     width = max((len(r) for r in rows), default=0)
     table = torch.zeros((len(rows), width), dtype=torch.int32)
@@ -186,8 +206,7 @@ def _rebuild_cpu_sdpa(md: Any, step: StepLayout, new_q: List[int], keep_idx: tor
     device = md.slot_mapping.device
     prefills = step.prefills
     seq_lens = [s.seq_len for s in prefills]
-    original_table = md.prefill_block_tables if md.chunked_prefill else None
-    rows = _prefill_block_rows(step, original_table, md.slot_mapping, block_size)
+    rows = _prefill_block_rows(step, _vllm_block_table(md, CPU_SDPA), md.slot_mapping, block_size)
     return dataclasses.replace(
         md,
         # The prefix-aware path attends over context in the paged cache plus the new tokens.
@@ -223,8 +242,7 @@ def _rebuild_flash(md: Any, step: StepLayout, new_q: List[int], keep_idx: torch.
         context_lens_tensor=context,
         block_tables=_padded_table(prefill_rows + decode_rows, device),
         # Views derived from the old fields; vLLM recomputes them on first use.
-        _cached_prefill_metadata=None,
-        _cached_decode_metadata=None,
+        **FLASH_METADATA_VIEW_RESETS,
     )
 
 

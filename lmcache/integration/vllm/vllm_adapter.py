@@ -26,8 +26,6 @@ stored: a later chunk of a chunked prompt no longer has its earlier tokens in th
 from __future__ import annotations
 
 import functools
-import json
-import multiprocessing.util
 from dataclasses import dataclass
 from enum import Enum
 from typing import TYPE_CHECKING, Any, Callable, List, Optional, Sequence, TypeVar
@@ -35,17 +33,11 @@ from typing import TYPE_CHECKING, Any, Callable, List, Optional, Sequence, TypeV
 import torch
 
 from lmcache.experimental.cache_engine import LMCacheEngine, LMCacheEngineBuilder
-from lmcache.integration.vllm.utils import (
-    ENGINE_NAME,
-    create_engine_metadata,
-    create_gpu_connector,
-    detect_kv_layout,
-    extra_config_of,
-    force_skip_save,
-    lmcache_get_config,
-    worker_rank,
-)
+from lmcache.integration.vllm.request_identity import cache_identity
+from lmcache.integration.vllm.utils import ENGINE_NAME, extra_config_of, force_skip_save, lmcache_get_config
 from lmcache.integration.vllm.v0_model_input import StepLayout, read_step, rebuild_model_input
+from lmcache.integration.vllm.vllm_compat import current_vllm_config
+from lmcache.integration.vllm.worker_engine import close_worker_engine, open_worker_engine
 from lmcache.logging import init_logger
 
 if TYPE_CHECKING:
@@ -53,6 +45,8 @@ if TYPE_CHECKING:
 
 logger = init_logger(__name__)
 
+# How this door names itself in the engine's log lines.
+DOOR = "v0 door"
 # Attribute of a rebuilt model input that carries the plan of its step (see `StepPlan`).
 PLAN_ATTR = "_lmcache_step_plan"
 
@@ -108,9 +102,7 @@ class _ConfigView:
 
 def _vllm_config_for(model_config: Any, parallel_config: Any, cache_config: Any) -> Any:
     """vLLM's current config when it belongs to this model, else a view of the three parts."""
-    from vllm import config as vllm_config_module
-
-    current = getattr(vllm_config_module, "_current_vllm_config", None)
+    current = current_vllm_config()
     if current is not None and current.model_config is model_config:
         return current
     return _ConfigView(model_config, parallel_config, cache_config)
@@ -137,22 +129,12 @@ def init_lmcache_engine(
     config = lmcache_get_config(extra_config_of(vllm_config))
     if config.save_decode_cache:
         _warn_once("LMCache v0 door: save_decode_cache is not supported by the v0 engine; only prompts are stored")
-    world_size, rank = worker_rank(vllm_config)
-    metadata = create_engine_metadata(vllm_config, config, world_size, rank)
-    layout = detect_kv_layout(vllm_config)
-    connector = create_gpu_connector(vllm_config, metadata, layout)
-    engine = LMCacheEngineBuilder.get_or_create(ENGINE_NAME, config, metadata, connector)
-    # Flush pending disk/remote writes when this process ends (main or multiprocessing child).
-    multiprocessing.util.Finalize(None, close_lmcache_engine, exitpriority=100)
-    logger.info("LMCache v0 door: engine ready (worker %d of %d, %s layout)", rank, world_size, layout.name)
-    return engine
+    return open_worker_engine(vllm_config, config, DOOR).engine
 
 
 def close_lmcache_engine() -> None:
     """Close this process's engine, waiting for its pending writes (no-op without one)."""
-    if LMCacheEngineBuilder.get(ENGINE_NAME) is not None:
-        LMCacheEngineBuilder.destroy(ENGINE_NAME)
-        logger.info("LMCache v0 door: engine closed")
+    close_worker_engine(DOOR)
 
 
 def _step_bypass_reason(model_input: Any) -> Optional[str]:
@@ -183,9 +165,7 @@ def _lora_salt(model_input: Any, token_index: int) -> Optional[str]:
         return ""
     for request in getattr(model_input, "lora_requests", None) or ():
         if request.lora_int_id == lora_id:
-            # The v1 door's salt for the same adapter (JSON, sorted keys), so both doors share keys.
-            parts = {"lora": [str(request.lora_name), str(request.lora_path or "")]}
-            return json.dumps(parts, sort_keys=True, separators=(",", ":"))
+            return cache_identity(lora_request=request).cache_salt
     return None
 
 

@@ -27,6 +27,7 @@ from lmcache.integration.vllm.v1.worker_channel import (
     channel_socket_path,
 )
 from lmcache.integration.vllm.v1.worker_side import IN_PROCESS_EXECUTORS, LMCacheWorkerSide
+from lmcache.integration.vllm.vllm_compat import connector_impl_of, step_connector_metadata
 
 if TYPE_CHECKING:
     import torch
@@ -37,17 +38,13 @@ if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.request import Request
 
-# Attribute under which vLLM 0.9.2's `LMCacheConnectorV1` shell keeps this object.
-_SHELL_ATTRIBUTE = "_lmcache_engine"
-
-
 def in_process_worker_side() -> Optional[LMCacheWorkerSide]:
     """The worker side of this process, found through vLLM's own KV-transfer group (or None)."""
     from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
 
     if not has_kv_transfer_group():
         return None
-    impl = getattr(get_kv_transfer_group(), _SHELL_ATTRIBUTE, None)
+    impl = connector_impl_of(get_kv_transfer_group())
     if isinstance(impl, LMCacheConnectorV1Impl):
         return impl.worker_side
     return None
@@ -95,7 +92,7 @@ class LMCacheConnectorV1Impl:
     # ----- worker side -----------------------------------------------------------------------------
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
-        self._worker("start_load_kv").start_load_kv(self._parent._get_connector_metadata(), forward_context)
+        self._worker("start_load_kv").start_load_kv(step_connector_metadata(self._parent), forward_context)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Loads finish in `start_load_kv` (whole chunks, all layers at once)."""
@@ -108,7 +105,7 @@ class LMCacheConnectorV1Impl:
         return None
 
     def wait_for_save(self) -> None:
-        self._worker("wait_for_save").wait_for_save(self._parent._get_connector_metadata())
+        self._worker("wait_for_save").wait_for_save(step_connector_metadata(self._parent))
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[Optional[set[str]], Optional[set[str]]]:
         return self._worker("get_finished").get_finished(finished_req_ids)

@@ -8,19 +8,17 @@ Operations:
   their positions), or the reason the request must bypass the cache.
 - `request_config(kv_transfer_params)`: the request's `lmcache.`-prefixed settings.
 - `request_policy(request, settings)`: the three above folded into one `RequestPolicy`.
-
-NOTE: the salt is JSON with sorted keys, so it is the same string in every process and after a
-restart (keys must never depend on `hash()` of Python objects or on random seeds).
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Mapping, Optional
 
-from lmcache.experimental.config import EXTRA_CONFIG_PREFIX, LMCacheEngineConfig
+from lmcache.experimental.config import EXTRA_CONFIG_PREFIX, LMCacheEngineConfig, parse_bool
+from lmcache.integration.vllm.request_identity import RequestIdentity, cache_identity
 from lmcache.integration.vllm.utils import EXTRA_CONFIG_SOURCE, extra_config_of, force_skip_save
+from lmcache.integration.vllm.vllm_compat import multimodal_placeholders
 from lmcache.logging import init_logger
 
 if TYPE_CHECKING:
@@ -36,8 +34,6 @@ DISCARD_PARTIAL_CHUNKS_KEY = "discard_partial_chunks"
 REQUEST_SKIP_SAVE_KEY = EXTRA_CONFIG_PREFIX + "skip_save"
 KNOWN_REQUEST_KEYS = (REQUEST_SKIP_SAVE_KEY,)
 
-_TRUE_WORDS = ("1", "true", "yes", "on")
-_FALSE_WORDS = ("0", "false", "no", "off")
 
 
 @dataclass(frozen=True)
@@ -77,14 +73,6 @@ class DoorSettings:
 
 
 @dataclass(frozen=True)
-class RequestIdentity:
-    """What names the request's KV besides its tokens."""
-
-    cache_salt: str  # "" for plain text
-    bypass_reason: Optional[str] = None  # set when the KV cannot be named: no lookup, no store
-
-
-@dataclass(frozen=True)
 class RequestConfig:
     """The request's own `lmcache.` settings."""
 
@@ -102,43 +90,13 @@ class RequestPolicy:
 
 
 def request_identity(request: "Request") -> RequestIdentity:
-    """The salt for the request's keys, or why it must bypass the cache.
-
-    Two requests with the same tokens but a different LoRA adapter, different images, or a
-    different vLLM `cache_salt` compute different KV, so each of those goes into the salt.
-    Inputs that cannot be named stably (prompt embeddings, multimodal inputs without content
-    hashes) bypass the cache instead of risking another request's KV.
-    """
-    if getattr(request, "prompt_embeds", None) is not None:
-        return RequestIdentity("", "prompt embeddings cannot be named by a cache key")
-    parts: dict[str, Any] = {}
-    user_salt = getattr(request, "cache_salt", None)
-    if user_salt:
-        parts["salt"] = str(user_salt)
-    lora = getattr(request, "lora_request", None)
-    if lora is not None:
-        parts["lora"] = [str(lora.lora_name), str(lora.lora_path or "")]
-    positions = list(getattr(request, "mm_positions", None) or [])
-    if positions:
-        hashes = list(getattr(request, "mm_hashes", None) or [])
-        if len(hashes) != len(positions) or not all(hashes):
-            return RequestIdentity("", "multimodal inputs without content hashes cannot be named by a cache key")
-        parts["mm"] = [[str(h), int(p.offset), int(p.length)] for h, p in zip(hashes, positions)]
-    if not parts:
-        return RequestIdentity("")
-    return RequestIdentity(json.dumps(parts, sort_keys=True, separators=(",", ":")))
-
-
-def _as_bool(value: Any) -> Optional[bool]:
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, str):
-        word = value.strip().lower()
-        if word in _TRUE_WORDS:
-            return True
-        if word in _FALSE_WORDS:
-            return False
-    return None
+    """The salt for a v1 request's keys, or why it must bypass the cache (`cache_identity`)."""
+    return cache_identity(
+        user_salt=getattr(request, "cache_salt", None),
+        lora_request=getattr(request, "lora_request", None),
+        mm_placeholders=multimodal_placeholders(request),
+        prompt_embeds=getattr(request, "prompt_embeds", None) is not None,
+    )
 
 
 def request_config(kv_transfer_params: Optional[Mapping[str, Any]], req_id: str = "?") -> RequestConfig:
@@ -155,7 +113,7 @@ def request_config(kv_transfer_params: Optional[Mapping[str, Any]], req_id: str 
         if not isinstance(key, str) or not key.startswith(EXTRA_CONFIG_PREFIX):
             continue
         if key == REQUEST_SKIP_SAVE_KEY:
-            parsed = _as_bool(value)
+            parsed = parse_bool(value)
             if parsed is None:
                 logger.warning(
                     "request %s: kv_transfer_params[%r]=%r is not a bool; not storing this request",

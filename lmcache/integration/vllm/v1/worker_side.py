@@ -20,7 +20,7 @@ for the same request (replaces), or the engine's close.
 ```
   load of one request (chunk C, vLLM's own prefix cache V, LMCache hit H):
   tokens     0 ........ floor(V/C)*C ..... V ................ H
-  mask       F F F F F F|T T T T T T T T T T T T T T T T T T T|
+  mask       F F F F F F|T T T T T T T T T T T T T T T T T T T|   (skip_prefix_mask)
   slots      -1 -1 -1 -1 -1 -1 -1 -1 -1 -1|s s s s s s s s s s|
              (chunks start on C boundaries; vLLM's own blocks are never written)
 ```
@@ -34,19 +34,15 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import torch
 
-from lmcache.experimental.cache_engine import LMCacheEngine, LMCacheEngineBuilder
+from lmcache.experimental.cache_engine import LMCacheEngine
 from lmcache.experimental.config import LMCacheEngineConfig
 from lmcache.experimental.kv_layout import KVLayout
-from lmcache.integration.vllm.utils import (
-    ENGINE_NAME,
-    check_kv_caches,
-    create_engine_metadata,
-    create_gpu_connector,
-    detect_kv_layout,
-    worker_rank,
-)
+from lmcache.experimental.token_database import skip_prefix_mask
+from lmcache.integration.vllm.utils import check_kv_caches
 from lmcache.integration.vllm.v1.request_state import LMCacheConnectorMetadata, ReqMeta, RequestCounters
 from lmcache.integration.vllm.v1.worker_channel import WorkerChannelServer, channel_socket_path
+from lmcache.integration.vllm.vllm_compat import attention_kv_caches
+from lmcache.integration.vllm.worker_engine import ENGINE_EXIT_PRIORITY, open_worker_engine
 from lmcache.logging import init_logger
 
 if TYPE_CHECKING:
@@ -57,19 +53,6 @@ logger = init_logger(__name__)
 
 # Executors that run the scheduler and the (only) worker in one process.
 IN_PROCESS_EXECUTORS = ("uni", "external_launcher")
-# Run before multiprocessing's other exit finalizers: pending disk/remote writes must land.
-_EXIT_PRIORITY = 50
-
-
-def collect_kv_caches(forward_context: "ForwardContext") -> list[torch.Tensor]:
-    """Each decoder attention layer's KV cache tensor, in model order."""
-    from vllm.attention import Attention, AttentionType
-
-    caches = []
-    for layer in forward_context.no_compile_layers.values():
-        if isinstance(layer, Attention) and layer.attn_type == AttentionType.DECODER:
-            caches.append(layer.kv_cache[forward_context.virtual_engine])
-    return caches
 
 
 class LMCacheWorkerSide:
@@ -91,21 +74,11 @@ class LMCacheWorkerSide:
         """Create (or reuse, by `ENGINE_NAME`) this process's engine for vLLM's model and layout;
         open the worker channel on rank 0 when the scheduler runs in another process."""
         config.check_supported()
-        world_size, rank = worker_rank(vllm_config)
-        metadata = create_engine_metadata(vllm_config, config, world_size, rank)
-        layout = detect_kv_layout(vllm_config)
-        connector = create_gpu_connector(vllm_config, metadata, layout)
-        engine = LMCacheEngineBuilder.get_or_create(ENGINE_NAME, config, metadata, connector)
-        side = cls(engine, layout, vllm_config.cache_config.block_size)
-        # vLLM has no connector shutdown hook: close the engine (flushing slow tiers) at exit.
-        multiprocessing.util.Finalize(side, LMCacheEngineBuilder.destroy, args=(ENGINE_NAME,), exitpriority=_EXIT_PRIORITY)
+        worker = open_worker_engine(vllm_config, config, "v1 worker")
+        side = cls(worker.engine, worker.layout, vllm_config.cache_config.block_size)
         backend = vllm_config.parallel_config.distributed_executor_backend
-        if rank == 0 and backend not in IN_PROCESS_EXECUTORS:
+        if worker.rank == 0 and backend not in IN_PROCESS_EXECUTORS:
             side.serve_channel(channel_socket_path(vllm_config))
-        logger.info(
-            "LMCache v1 worker %d/%d: layout %s, block size %d, chunk size %d, KV %s %s",
-            rank, world_size, layout.name, side.block_size, side.chunk_size, metadata.kv_dtype, metadata.kv_shape,
-        )
         return side
 
     def serve_channel(self, path: str) -> None:
@@ -113,7 +86,8 @@ class LMCacheWorkerSide:
         server = WorkerChannelServer(self, path)
         server.start()
         self._server = server
-        multiprocessing.util.Finalize(self, server.close, exitpriority=_EXIT_PRIORITY + 1)
+        # Stop answering before the engine closes at exit.
+        multiprocessing.util.Finalize(self, server.close, exitpriority=ENGINE_EXIT_PRIORITY + 1)
 
     # ----- channel endpoint ------------------------------------------------------------------------
 
@@ -149,7 +123,7 @@ class LMCacheWorkerSide:
                 from vllm.forward_context import get_forward_context
 
                 forward_context = get_forward_context()
-            caches = collect_kv_caches(forward_context)
+            caches = attention_kv_caches(forward_context)
             check_kv_caches(caches, self.engine.metadata, self.layout, self.block_size)
             self._kv_caches = caches
         return self._kv_caches
@@ -179,9 +153,7 @@ class LMCacheWorkerSide:
         spec = req.load_spec
         assert spec is not None
         num_tokens, vllm_cached = spec.lmcache_cached_tokens, spec.vllm_cached_tokens
-        skip = vllm_cached - vllm_cached % self.chunk_size
-        mask = torch.ones(num_tokens, dtype=torch.bool)
-        mask[:skip] = False
+        mask = skip_prefix_mask(num_tokens, vllm_cached, self.chunk_size)
         # NOTE: vLLM's own cached blocks may be shared with running requests: never write them.
         slots = req.slot_mapping[:num_tokens].clone()
         slots[:vllm_cached] = -1
@@ -210,9 +182,7 @@ class LMCacheWorkerSide:
         for req in saves:
             spec = req.save_spec
             assert spec is not None
-            skip = spec.skip_leading_tokens - spec.skip_leading_tokens % self.chunk_size
-            mask = torch.ones(spec.num_tokens, dtype=torch.bool)
-            mask[:skip] = False
+            mask = skip_prefix_mask(spec.num_tokens, spec.skip_leading_tokens, self.chunk_size)
             with self._lock:
                 self.engine.store(
                     req.token_ids[: spec.num_tokens],

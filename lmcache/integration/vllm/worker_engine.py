@@ -1,0 +1,76 @@
+"""The engine of one vLLM worker process: built for vLLM's config in one place, closed at exit.
+
+Both doors (v0 `vllm_adapter.init_lmcache_engine`, v1 `LMCacheWorkerSide.from_vllm_config`) call
+`open_worker_engine`; it builds the engine's metadata, finds the paged KV layout, creates the
+connector and registers the engine under `ENGINE_NAME` (an engine that exists already is reused),
+then has `close_worker_engine` run when the process exits. vLLM has no shutdown hook for either
+door, and it runs workers in children it starts itself: `multiprocessing.util.Finalize` runs in
+the main process and in those children alike.
+"""
+
+from __future__ import annotations
+
+import multiprocessing.util
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from lmcache.experimental.cache_engine import LMCacheEngine, LMCacheEngineBuilder
+from lmcache.experimental.config import LMCacheEngineConfig
+from lmcache.experimental.kv_layout import KVLayout
+from lmcache.integration.vllm.utils import (
+    ENGINE_NAME,
+    create_engine_metadata,
+    create_gpu_connector,
+    detect_kv_layout,
+    worker_rank,
+)
+from lmcache.logging import init_logger
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+logger = init_logger(__name__)
+
+# Exit finalizers run highest priority first: the engine closes (flushing pending disk and remote
+# writes) before multiprocessing's own unprioritized finalizers tear down shared state. Whatever
+# must stop before the engine closes (the v1 worker channel) uses a higher one.
+ENGINE_EXIT_PRIORITY = 50
+
+
+@dataclass(frozen=True)
+class WorkerEngine:
+    """This process's engine and what it was built for."""
+
+    engine: LMCacheEngine
+    layout: KVLayout  # paged layout of vLLM's KV cache
+    world_size: int
+    rank: int
+
+
+def open_worker_engine(vllm_config: "VllmConfig", config: LMCacheEngineConfig, door: str) -> WorkerEngine:
+    """This worker's engine for vLLM's model, parallel place and KV layout (reused if it exists).
+
+    `door` names the caller in the engine's log lines ("v0 door", "v1 worker")."""
+    world_size, rank = worker_rank(vllm_config)
+    metadata = create_engine_metadata(vllm_config, config, world_size, rank)
+    layout = detect_kv_layout(vllm_config)
+    existing = LMCacheEngineBuilder.get(ENGINE_NAME)
+    if existing is not None:
+        return WorkerEngine(existing, layout, world_size, rank)
+    connector = create_gpu_connector(vllm_config, metadata, layout)
+    engine = LMCacheEngineBuilder.get_or_create(ENGINE_NAME, config, metadata, connector)
+    multiprocessing.util.Finalize(None, close_worker_engine, args=(door,), exitpriority=ENGINE_EXIT_PRIORITY)
+    logger.info(
+        "LMCache %s: engine ready (worker %d of %d, layout %s, chunk size %d, KV %s %s)",
+        door, rank, world_size, layout.name, config.chunk_size, metadata.kv_dtype, metadata.kv_shape,
+    )
+    return WorkerEngine(engine, layout, world_size, rank)
+
+
+def close_worker_engine(door: str) -> bool:
+    """Close this process's engine, waiting for its pending writes; False when there is none."""
+    if LMCacheEngineBuilder.get(ENGINE_NAME) is None:
+        return False
+    LMCacheEngineBuilder.destroy(ENGINE_NAME)
+    logger.info("LMCache %s: engine closed", door)
+    return True
