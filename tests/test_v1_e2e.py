@@ -81,8 +81,10 @@ def connector_kwargs(prefix_caching: bool, role: str = "kv_both", extra: dict | 
     }
 
 
-def run(model: str, prompts, llm_kwargs: dict, env: dict, rounds: int = 1, prompt_extra_args=None) -> Run:
+def run(model: str, prompts, llm_kwargs: dict, env: dict, rounds: int = 1, prompt_extra_args=None,
+        vllm_module: str = "vllm") -> Run:
     job = {
+        "vllm_module": vllm_module,
         "model": model,
         "prompts": prompts,
         "rounds": rounds,

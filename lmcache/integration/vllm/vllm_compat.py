@@ -23,6 +23,7 @@ Operations:
 - `attention_kv_caches(forward_context)`: each decoder attention layer's KV cache tensor.
 - `multimodal_placeholders(request)`: a v1 request's multimodal content hashes and positions.
 - `wrapper_patch_points()`: the vLLM methods the `lmcache_vllm` wrapper wraps.
+- `wrapper_kv_transfer_config()`: the KV transfer config the wrapper turns on for the user.
 
 Nothing here imports vLLM at module import time: `lmcache_vllm` imports it in every vLLM process.
 """
@@ -213,22 +214,38 @@ def multimodal_placeholders(request: Any) -> Optional[List[Tuple[Optional[str], 
     return [(h or None, int(p.offset), int(p.length)) for h, p in zip(hashes, positions)]
 
 
+def wrapper_kv_transfer_config() -> Any:
+    """The `KVTransferConfig` the wrapper gives users who gave none: vLLM's `LMCacheConnectorV1`,
+    storing and loading; on vLLM 0.32 also `kv_load_failure_policy="recompute"`, so a load that
+    comes back short is recomputed rather than failing the request."""
+    from vllm.config import KVTransferConfig
+
+    if is_legacy_vllm():
+        return KVTransferConfig(kv_connector="LMCacheConnectorV1", kv_role="kv_both")
+    return KVTransferConfig(kv_connector="LMCacheConnectorV1", kv_role="kv_both", kv_load_failure_policy="recompute")
+
+
 @dataclass(frozen=True)
 class PatchPoint:
     """One vLLM method the wrapper wraps."""
 
     owner: type
     name: str
-    # What the wrapper puts around it: "v0_execute_model" (LMCache around a v0 step) or
-    # "v1_default_args" (turn on the v1 connector when vLLM picks the v1 engine).
+    # What the wrapper puts around it: "v0_execute_model" (LMCache around a v0 step),
+    # "v1_default_args" (turn on the v1 connector when vLLM picks the v1 engine) or
+    # "v1_engine_config" (turn it on before the engine config is built, vLLM 0.32).
     role: str
 
 
 def wrapper_patch_points() -> List[PatchPoint]:
     """The methods `lmcache_vllm.vllm_injection` wraps. vLLM 0.9.2: the v0 GPU and CPU model
     runners' `execute_model`, and `EngineArgs._set_default_args_v1`, which vLLM calls exactly
-    when it chose the v1 engine (private: there is no public hook at that moment)."""
+    when it chose the v1 engine (private: there is no public hook at that moment). vLLM 0.32
+    (v1 only): `EngineArgs.create_engine_config`, before it reads the KV transfer config."""
     from vllm.engine.arg_utils import EngineArgs
+
+    if not is_legacy_vllm():
+        return [PatchPoint(EngineArgs, "create_engine_config", "v1_engine_config")]
     from vllm.worker.cpu_model_runner import CPUModelRunner
     from vllm.worker.model_runner import ModelRunner
 
