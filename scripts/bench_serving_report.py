@@ -9,7 +9,6 @@
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Iterable, Mapping, Optional, Sequence
@@ -17,42 +16,20 @@ from typing import Iterable, Mapping, Optional, Sequence
 from bench_serving_servers import OUR_KINDS, PERSISTENT_KINDS, VLLM_KIND
 from bench_serving_workloads import PhaseTotals, RequestRecord
 
-# The v1 door logs one line per finished request (`scheduler_side.format_request_line`):
-# "LMCache request <id>: prompt_tokens=N vllm_cached_tokens=N lmcache_hit_tokens=N loaded_tokens=N
-#  stored_tokens=N [(not stored: reason)]".
-REQUEST_LINE = re.compile(
-    r"LMCache request (?P<rid>\S+): prompt_tokens=(?P<prompt>\d+) vllm_cached_tokens=(?P<vllm>\d+) "
-    r"lmcache_hit_tokens=(?P<hit>\d+) loaded_tokens=(?P<loaded>\d+) stored_tokens=(?P<stored>\d+)"
-)
-
-
-@dataclass(frozen=True)
-class LoggedRequest:
-    """What our server logged for one request."""
-
-    hit_tokens: int  # LMCache's cached prefix at lookup
-    loaded_tokens: int  # tokens actually copied into vLLM's cache from our tier
-    stored_tokens: int  # tokens handed to our store
-
-
-def parse_request_lines(log_text: str) -> dict[str, LoggedRequest]:
-    """request id -> its logged line (the last one wins if a request was logged twice)."""
-    found: dict[str, LoggedRequest] = {}
-    for m in REQUEST_LINE.finditer(log_text):
-        found[m.group("rid")] = LoggedRequest(int(m.group("hit")), int(m.group("loaded")), int(m.group("stored")))
-    return found
+from lmcache.integration.vllm.request_log import parse_request_lines
 
 
 def attach_lmcache_hits(records: Iterable[RequestRecord], log_text: str) -> int:
     """Fill the `lmcache_*` fields of the records whose id our log names; return how many."""
-    logged = parse_request_lines(log_text)
+    # One line per finished request from the v1 door (the last one wins if logged twice).
+    logged = {line.req_id: line for line in parse_request_lines(log_text)}
     found = 0
     for rec in records:
         line = logged.get(rec.request_id)
         if line is not None:
-            rec.lmcache_hit_tokens = line.hit_tokens
-            rec.lmcache_loaded_tokens = line.loaded_tokens
-            rec.lmcache_stored_tokens = line.stored_tokens
+            rec.lmcache_hit_tokens = line.stats.lmcache_hit_tokens
+            rec.lmcache_loaded_tokens = line.counters.loaded_tokens
+            rec.lmcache_stored_tokens = line.counters.stored_tokens
             found += 1
     return found
 

@@ -22,7 +22,6 @@ import argparse
 import json
 import os
 import random
-import re
 import signal
 import socket
 import subprocess
@@ -38,12 +37,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from make_tiny_model import TinyModelSpec, make_tiny_model  # noqa: E402
 
+from lmcache.integration.vllm.request_log import parse_request_lines, parse_v0_step_lines  # noqa: E402
+
 MODEL_DIR = ROOT / ".cache" / "tiny-model"
-# Per-request hit lines: the v0 door's, then the v1 door's.
-HIT_PATTERNS = (
-    re.compile(r"LMCache v0 door: prompt of (?P<prompt>\d+) tokens: (?P<hit>\d+) hit tokens loaded"),
-    re.compile(r"LMCache request \S+: prompt_tokens=(?P<prompt>\d+) \S+ lmcache_hit_tokens=(?P<hit>\d+)"),
-)
 ENGINE_CLOSED = "LMCache v0 door: engine closed"
 
 
@@ -114,11 +110,12 @@ def tail(log: Path, lines: int = 40) -> str:
 
 
 def hit_lines(log: Path) -> List[tuple]:
+    """(prompt tokens, LMCache hit tokens) per request, in log order: the v0 door's line for a
+    prompt's first step, or the v1 door's per-request line (a server runs one of them)."""
     text = log.read_text(errors="replace")
-    found = []
-    for pattern in HIT_PATTERNS:
-        found += [(m.start(), int(m["prompt"]), int(m["hit"])) for m in pattern.finditer(text)]
-    return [(prompt, hit) for _, prompt, hit in sorted(found)]
+    v0 = [(s.query_tokens, s.loaded_tokens) for s in parse_v0_step_lines(text) if not s.context_tokens]
+    v1 = [(r.stats.prompt_tokens, r.stats.lmcache_hit_tokens) for r in parse_request_lines(text)]
+    return v0 + v1
 
 
 def complete(port: int, model: Path, prompt: Sequence[int], max_tokens: int) -> tuple:

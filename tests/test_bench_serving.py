@@ -19,7 +19,7 @@ from conftest import ROOT, VLLM_TEST_ENV
 sys.path.insert(0, str(ROOT / "scripts"))
 
 from bench_serving_client import PrefixCounters, parse_prefix_counters  # noqa: E402
-from bench_serving_report import parse_request_lines, percentile, plot, ratios, summarize, targets  # noqa: E402
+from bench_serving_report import attach_lmcache_hits, percentile, plot, ratios, summarize, targets  # noqa: E402
 from bench_serving_workloads import (  # noqa: E402
     FIRST_ORDINARY_TOKEN, PhaseTotals, RequestRecord, WorkloadSizes, build_plan, query_order,
 )
@@ -111,7 +111,7 @@ def test_prefix_counters_are_summed_over_label_sets_and_required():
         parse_prefix_counters(page.replace("vllm:prefix_cache_hits_total", "other"))
 
 
-def test_request_lines_of_the_v1_door_are_parsed_by_request_id():
+def test_request_lines_of_the_v1_door_are_attached_by_request_id():
     log = (
         "[2026-01-01 00:00:00] LMCache INFO: LMCache request cmpl-bench-a-0: prompt_tokens=3000 "
         "vllm_cached_tokens=0 lmcache_hit_tokens=2816 loaded_tokens=2816 stored_tokens=184 (scheduler_side.py)\n"
@@ -119,10 +119,11 @@ def test_request_lines_of_the_v1_door_are_parsed_by_request_id():
         "LMCache request cmpl-bench-b-0: prompt_tokens=10 vllm_cached_tokens=0 lmcache_hit_tokens=0 "
         "loaded_tokens=0 stored_tokens=0 (not stored: skip_save)\n"
     )
-    parsed = parse_request_lines(log)
-    assert set(parsed) == {"cmpl-bench-a-0", "cmpl-bench-b-0"}
-    a = parsed["cmpl-bench-a-0"]
-    assert (a.hit_tokens, a.loaded_tokens, a.stored_tokens) == (2816, 2816, 184)
+    a, b, other = (RequestRecord("s", "w", "p", i, None, rid, 10, 8, 0.1, 0.2, 0.0, None)
+                   for i, rid in enumerate(["cmpl-bench-a-0", "cmpl-bench-b-0", "cmpl-other"]))
+    assert attach_lmcache_hits([a, b, other], log) == 2
+    assert (a.lmcache_hit_tokens, a.lmcache_loaded_tokens, a.lmcache_stored_tokens) == (2816, 2816, 184)
+    assert (b.lmcache_hit_tokens, b.lmcache_stored_tokens) == (0, 0) and other.lmcache_hit_tokens is None
 
 
 def record(server, workload, phase, ttft, prompt=1000, hit=None, i=0):

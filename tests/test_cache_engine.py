@@ -9,72 +9,23 @@ import threading
 
 import pytest
 import torch
-
-from kv_reference import Geometry, gather, make_kvcaches
-from lmcache.config import LMCacheEngineMetadata
-from lmcache.experimental.cache_engine import LMCacheEngine, LMCacheEngineBuilder
-from lmcache.experimental.config import LMCacheEngineConfig
-from lmcache.experimental.gpu_connector import VLLMPagedMemGPUConnectorV2
+from helpers import (
+    CHUNK,
+    GB,
+    TESTS_DIR,
+    check_loaded,
+    chunk_bytes,
+    config,
+    connector,
+    geometry,
+    make_engine,
+    metadata,
+    prompt,
+    slots_for,
+)
+from kv_reference import gather, make_kvcaches
+from lmcache.experimental.cache_engine import LMCacheEngineBuilder
 from lmcache.experimental.kv_layout import KVLayout
-from lmcache.experimental.memory_management import HostMemoryAllocator
-from lmcache.experimental.token_database import ChunkedTokenDatabase
-
-CHUNK = 8
-GB = 1024**3
-TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
-
-
-def geometry(layout=KVLayout.CPU_IPEX, dtype=torch.float32) -> Geometry:
-    heads = 1 if layout == KVLayout.MLA else 2
-    return Geometry(layout, num_layers=2, num_blocks=16, block_size=4, num_heads=heads, head_size=16, dtype=dtype)
-
-
-def chunk_bytes(geo: Geometry) -> int:
-    hidden = geo.head_size if geo.layout == KVLayout.MLA else geo.hidden
-    return geo.num_kv * geo.num_layers * CHUNK * hidden * geo.dtype.itemsize
-
-
-def config(**overrides) -> LMCacheEngineConfig:
-    fields = dict(chunk_size=CHUNK, remote_url=None, max_local_cpu_size=1 / 1024)  # 1 MiB
-    fields.update(overrides)
-    return LMCacheEngineConfig.from_defaults(**fields)
-
-
-def metadata(geo: Geometry) -> LMCacheEngineMetadata:
-    mla = geo.layout == KVLayout.MLA
-    return LMCacheEngineMetadata(
-        "test/model", 1, 0, "vllm", geo.dtype, (geo.num_layers, 1 if mla else 2, CHUNK, geo.num_heads, geo.head_size), mla
-    )
-
-
-def connector(geo: Geometry) -> VLLMPagedMemGPUConnectorV2:
-    mla = geo.layout == KVLayout.MLA
-    return VLLMPagedMemGPUConnectorV2(
-        geo.head_size if mla else geo.hidden, geo.num_layers, layout=geo.layout, num_kv_heads=geo.num_heads, use_mla=mla
-    )
-
-
-def make_engine(geo: Geometry, cfg: LMCacheEngineConfig) -> LMCacheEngine:
-    allocator = HostMemoryAllocator(int(cfg.max_local_cpu_size * GB))
-    meta = metadata(geo)
-    return LMCacheEngine(cfg, meta, allocator, ChunkedTokenDatabase(cfg, meta), connector(geo))
-
-
-def prompt(n: int, seed: int = 0) -> torch.Tensor:
-    return torch.randint(0, 1000, (n,), generator=torch.Generator().manual_seed(seed))
-
-
-def slots_for(geo: Geometry, n: int, seed: int = 0) -> torch.Tensor:
-    return torch.randperm(geo.num_slots, generator=torch.Generator().manual_seed(seed))[:n].to(torch.long)
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().view(torch.uint8)
-
-
-def check_loaded(geo, source, src_slots, target, dst_slots, upto: int) -> None:
-    """Tokens [0, upto) in `target` hold exactly what `source` held for them."""
-    assert torch.equal(bits(gather(geo, target, dst_slots[:upto].tolist())), bits(gather(geo, source, src_slots[:upto].tolist())))
 
 
 @pytest.mark.parametrize(
@@ -274,7 +225,8 @@ def test_a_second_process_reads_the_disk_cache(tmp_path):
     script = f"""
 import sys, torch
 sys.path.insert(0, {TESTS_DIR!r})
-from test_cache_engine import *
+from helpers import *
+from kv_reference import make_kvcaches
 geo = geometry(KVLayout.CPU_PACKED, torch.bfloat16)
 engine = make_engine(geo, config(local_disk={str(tmp_path / "disk")!r}, max_local_disk_size=0.01))
 tokens = prompt(20, seed=4)

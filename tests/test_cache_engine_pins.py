@@ -10,24 +10,19 @@ import threading
 import pytest
 import torch
 
+from helpers import CHUNK, check_loaded, chunk_bytes, config, geometry, make_engine, prompt, slots_for
 from kv_reference import make_kvcaches
 from lmcache.experimental.cache_engine import LMCacheEngine
-from lmcache.experimental.memory_management import HostMemoryAllocator
 from lmcache.experimental.pins import PinRegistry
-from lmcache.experimental.token_database import ChunkedTokenDatabase
 from lmcache.server import LMCacheServer, ServerConfig
-from test_cache_engine import CHUNK, check_loaded, chunk_bytes, config, connector, geometry, metadata, prompt, slots_for
 
 GEO = geometry()
 CHUNK_BYTES = chunk_bytes(GEO)
 
 
-def make_engine(num_chunks: int = 64, **overrides) -> LMCacheEngine:
+def small_engine(num_chunks: int = 64, **overrides) -> LMCacheEngine:
     """An engine whose CPU memory holds exactly `num_chunks` chunks (sized in bytes, not GB)."""
-    cfg = config(**overrides)
-    meta = metadata(GEO)
-    allocator = HostMemoryAllocator(num_chunks * CHUNK_BYTES)
-    return LMCacheEngine(cfg, meta, allocator, ChunkedTokenDatabase(cfg, meta), connector(GEO))
+    return make_engine(GEO, config(**overrides), cpu_bytes=num_chunks * CHUNK_BYTES)
 
 
 def keys_of(engine: LMCacheEngine, tokens: torch.Tensor) -> list:
@@ -57,7 +52,7 @@ def flush(engine: LMCacheEngine) -> None:
 
 @pytest.mark.parametrize("local_cpu", [True, False], ids=["cpu+disk", "disk-only"])
 def test_pinned_prefix_survives_its_chunks_leaving_every_tier(local_cpu, tmp_path):
-    engine = make_engine(local_cpu=local_cpu, local_disk=str(tmp_path), max_local_disk_size=0.01)
+    engine = small_engine(local_cpu=local_cpu, local_disk=str(tmp_path), max_local_disk_size=0.01)
     tokens, source, slots = store(engine, 20, seed=1)  # two whole chunks and a partial one
     flush(engine)
     assert engine.lookup(tokens, request_id="r", pin=True) == 20
@@ -78,7 +73,7 @@ def test_pinned_prefix_survives_the_remote_server_going_away():
     server = LMCacheServer(ServerConfig(port=0, max_size_bytes=64 << 20))
     server.start_in_thread()
     host, port = server.address
-    engine = make_engine(local_cpu=False, remote_url=f"lm://{host}:{port}", remote_serde="naive")
+    engine = small_engine(local_cpu=False, remote_url=f"lm://{host}:{port}", remote_serde="naive")
     try:
         tokens, source, slots = store(engine, 24, seed=2)
         flush(engine)
@@ -96,7 +91,7 @@ def test_reading_an_earlier_chunk_cannot_evict_a_later_pinned_one(tmp_path):
     Reading chunk 0 into memory must evict something: without pins it is chunk 1 (short load)."""
 
     def scene(seed: int):
-        engine = make_engine(num_chunks=3, local_disk=str(tmp_path / str(seed)), max_local_disk_size=0.01)
+        engine = small_engine(num_chunks=3, local_disk=str(tmp_path / str(seed)), max_local_disk_size=0.01)
         tokens, source, slots = store(engine, 16, seed=seed)
         flush(engine)
         first, second = keys_of(engine, tokens)
@@ -124,7 +119,7 @@ def test_reading_an_earlier_chunk_cannot_evict_a_later_pinned_one(tmp_path):
 
 
 def test_memory_pressure_with_pins_skips_stores_and_shortens_pins_never_raises(tmp_path):
-    engine = make_engine(num_chunks=2, local_disk=str(tmp_path), max_local_disk_size=0.01)
+    engine = small_engine(num_chunks=2, local_disk=str(tmp_path), max_local_disk_size=0.01)
     other, other_source, other_slots = store(engine, 16, seed=5)
     flush(engine)
     tokens, source, slots = store(engine, 16, seed=6)  # evicts `other` from RAM (still on disk)
@@ -158,7 +153,7 @@ def test_memory_pressure_with_pins_skips_stores_and_shortens_pins_never_raises(t
 
 
 def test_replace_unpin_and_close_release_every_reference():
-    engine = make_engine()
+    engine = small_engine()
     a_tokens, _, _ = store(engine, 16, seed=8)
     b_tokens, _, _ = store(engine, 24, seed=9)
     cpu = engine.storage_manager.tiers[0]
@@ -205,7 +200,7 @@ def test_replace_unpin_and_close_release_every_reference():
 
 
 def test_registry_refuses_pins_after_close_and_keeps_copies_apart():
-    engine = make_engine()
+    engine = small_engine()
     tokens, _, _ = store(engine, 8, seed=10)
     (key,) = keys_of(engine, tokens)
     registry = PinRegistry()
@@ -225,7 +220,7 @@ def test_registry_refuses_pins_after_close_and_keeps_copies_apart():
 
 
 def test_pinned_lookups_retrieves_and_stores_from_two_threads(tmp_path):
-    engine = make_engine(num_chunks=6, local_disk=str(tmp_path), max_local_disk_size=0.01)
+    engine = small_engine(num_chunks=6, local_disk=str(tmp_path), max_local_disk_size=0.01)
     source = make_kvcaches(GEO, seed=1)
     errors: list[BaseException] = []
     promised_and_loaded: list[tuple[int, int]] = []

@@ -10,87 +10,17 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from dataclasses import dataclass
-from typing import List, Optional, Tuple
+from typing import List, Tuple
 
 import pytest
 import torch
+from helpers import Case, bits, make_case, make_slots, random_bytes, run_multi
 
 from lmcache import c_ops
 from lmcache.experimental.kv_layout import KVLayout, layout_shape
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.uint8, torch.float8_e4m3fn, torch.float64]
 LAYOUTS = list(KVLayout)
-
-
-@dataclass
-class Case:
-    """One transfer problem: caches, slots and an object placed inside a larger buffer."""
-
-    layout: KVLayout
-    dtype: torch.dtype
-    block_size: int
-    num_heads: int
-    head_size: int
-    keys: List[torch.Tensor]
-    values: List[torch.Tensor]
-    slots: torch.Tensor
-    buffer: torch.Tensor  # flat; obj is a view into it at `offset`
-    offset: int
-    obj: torch.Tensor
-
-    @property
-    def num_kv(self) -> int:
-        return 1 if self.layout == KVLayout.MLA else 2
-
-
-def random_bytes(shape: Tuple[int, ...], dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
-    """Random bit patterns of `dtype` (any dtype: the kernels move bytes)."""
-    es = torch.empty((), dtype=dtype).element_size()
-    numel = 1
-    for s in shape:
-        numel *= s
-    raw = torch.randint(0, 256, (numel * es,), dtype=torch.uint8, generator=gen)
-    return raw.view(dtype).view(shape)
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().view(torch.uint8)
-
-
-def make_slots(num_tokens: int, block_size: int, num_blocks: int, start: int, prefix: int,
-               gen: torch.Generator) -> torch.Tensor:
-    """Slots of tokens at positions start.. in randomly chosen blocks; the first `prefix` are -1."""
-    used = (start + num_tokens + block_size - 1) // block_size
-    blocks = torch.randperm(num_blocks, generator=gen)[:used]
-    pos = torch.arange(start, start + num_tokens)
-    slots = blocks[pos // block_size] * block_size + pos % block_size
-    slots[:prefix] = -1
-    return slots.to(torch.int64)
-
-
-def make_case(layout: KVLayout, dtype: torch.dtype, *, num_layers: int = 3, num_heads: int = 2,
-              head_size: int = 32, block_size: int = 16, num_blocks: int = 12, num_tokens: int = 37,
-              start: int = 3, prefix: int = 5, seed: int = 0) -> Case:
-    gen = torch.Generator().manual_seed(seed)
-    if layout == KVLayout.MLA:
-        num_heads = 1
-    hidden = num_heads * head_size
-    shape_k = layout_shape(layout, num_blocks, block_size, num_heads, head_size, dtype)
-    keys = [random_bytes(shape_k, dtype, gen) for _ in range(num_layers)]
-    values: List[torch.Tensor] = []
-    if layout == KVLayout.CPU_ATTN:  # one tensor per layer holds K and V
-        values = list(keys)
-    elif layout != KVLayout.MLA:
-        shape_v = layout_shape(layout, num_blocks, block_size, num_heads, head_size, dtype, is_value=True)
-        values = [random_bytes(shape_v, dtype, gen) for _ in range(num_layers)]
-    slots = make_slots(num_tokens, block_size, num_blocks, start, prefix, gen)
-    num_kv = 1 if layout == KVLayout.MLA else 2
-    numel = num_kv * num_layers * num_tokens * hidden
-    offset = 7 * hidden + 3  # deliberately not a multiple of anything useful
-    buffer = random_bytes((offset + numel + 11,), dtype, gen)
-    obj = buffer[offset:offset + numel].view(num_kv, num_layers, num_tokens, hidden)
-    return Case(layout, dtype, block_size, num_heads, head_size, keys, values, slots, buffer, offset, obj)
 
 
 # ---- the oracle: plain torch advanced indexing on each layout's own shape ----
@@ -178,13 +108,6 @@ def clone_caches(c: Case) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
     if c.layout == KVLayout.CPU_ATTN:
         return keys, list(keys)
     return keys, [t.clone() for t in c.values]
-
-
-def run_multi(c: Case, to_cache: bool, keys: Optional[List[torch.Tensor]] = None,
-              values: Optional[List[torch.Tensor]] = None) -> None:
-    c_ops.multi_layer_kv_transfer(c.obj, c.keys if keys is None else keys,
-                                  c.values if values is None else values, c.slots, int(c.layout),
-                                  c.block_size, c.num_heads, to_cache)
 
 
 def assert_same_bytes(got: torch.Tensor, want: torch.Tensor) -> None:

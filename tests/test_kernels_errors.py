@@ -6,10 +6,10 @@ from typing import Callable
 
 import pytest
 import torch
+from helpers import Case, bits, make_case, run_multi
 
 from lmcache import c_ops
 from lmcache.experimental.kv_layout import KVLayout
-from test_kernels import Case, bits, make_case, run_multi
 
 
 def assert_rejected(c: Case, call: Callable[[], None], match: str) -> None:

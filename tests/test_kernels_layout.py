@@ -5,7 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lmcache.experimental.kv_layout import KVLayout, layout_shape, packed_x, split_kv_caches, split_layer_cache
+from lmcache.experimental.kv_layout import (
+    KVLayout,
+    layout_shape,
+    packed_x,
+    split_kv_caches,
+    split_layer_cache,
+    vllm_layer_cache_shape,
+)
 
 
 def test_packed_x_per_dtype() -> None:
@@ -91,3 +98,13 @@ def test_split_kv_caches_all_layers() -> None:
     assert len(values) == 3
     mla_keys, mla_values = split_kv_caches([torch.zeros(4, 16, 8)] * 2, KVLayout.MLA)
     assert len(mla_keys) == 2 and mla_values == []
+
+
+@pytest.mark.parametrize("layout,want", [
+    (KVLayout.FLASH, (2, 10, 16, 8, 128)),
+    (KVLayout.CPU_IPEX, (2, 10, 16 * 8 * 128)),
+    (KVLayout.CPU_PACKED, (2, 10, 16 * 8 * 128)),
+    (KVLayout.MLA, (10, 16, 128)),
+])
+def test_vllm_layer_cache_shape(layout: KVLayout, want: tuple) -> None:
+    assert vllm_layer_cache_shape(layout, 10, 16, 8, 128) == want

@@ -9,6 +9,7 @@ from typing import Callable, Iterator, Optional
 
 import pytest
 import torch
+from helpers import key
 from redis_fixture import (  # noqa: F401
     LMServerProcess,
     RedisServer,
@@ -26,7 +27,6 @@ from lmcache.experimental.remote.serde.cachegen import error_bound
 from lmcache.experimental.storage_backend.local_cpu_backend import LocalCPUBackend
 from lmcache.experimental.storage_backend.remote_backend import RemoteBackend, RemoteBackendOptions
 from lmcache.server import LMCacheServer, ServerConfig
-from lmcache.utils import CacheEngineKey
 
 LAYERS, HEADS, HEAD_SIZE, CHUNK = 4, 2, 64, 256
 FAST = RemoteBackendOptions(lookup_timeout_s=0.5, timeout_s=2.0, backoff_initial_s=0.05, backoff_max_s=0.2)
@@ -34,10 +34,6 @@ FAST = RemoteBackendOptions(lookup_timeout_s=0.5, timeout_s=2.0, backoff_initial
 
 def _metadata(layers: int = LAYERS, dtype: torch.dtype = torch.float16) -> LMCacheEngineMetadata:
     return LMCacheEngineMetadata("tiny", 1, 0, "vllm", dtype, (layers, 2, CHUNK, HEADS, HEAD_SIZE))
-
-
-def _key(i: int) -> CacheEngineKey:
-    return CacheEngineKey("vllm", "tiny", 1, 0, f"{i:032x}")
 
 
 def _cpu() -> LocalCPUBackend:
@@ -101,13 +97,13 @@ def test_second_instance_hits_what_the_first_stored(remote_url: str, serde: str)
     writer = _backend(remote_url, serde, cpu=writer_cpu)
     chunks = {i: _chunk(writer_cpu, seed=i, tokens=CHUNK if i < 3 else 100) for i in range(4)}
     for i, obj in chunks.items():
-        writer.submit_put_task(_key(i), obj)
+        writer.submit_put_task(key(i), obj)
     writer.close()
     assert writer.remote_stats().puts_acknowledged == 4
 
     reader = _backend(remote_url, serde)
-    assert all(reader.contains(_key(i)) for i in chunks) and not reader.contains(_key(99))
-    got = reader.batched_get_blocking([_key(i) for i in chunks] + [_key(99)])
+    assert all(reader.contains(key(i)) for i in chunks) and not reader.contains(key(99))
+    got = reader.batched_get_blocking([key(i) for i in chunks] + [key(99)])
     assert got[-1] is None
     for (i, want), obj in zip(chunks.items(), got):
         assert obj is not None and obj.tensor is not None
@@ -119,7 +115,7 @@ def test_second_instance_hits_what_the_first_stored(remote_url: str, serde: str)
             assert bool((err <= error_bound(want.tensor, 8, 6, 64)).all())
             assert not torch.equal(obj.tensor, want.tensor)  # lossy by design
         obj.ref_count_down()
-    single = reader.get_blocking(_key(0))
+    single = reader.get_blocking(key(0))
     assert single is not None
     single.ref_count_down()
     assert reader.remote_stats().gets_hit == 5
@@ -140,11 +136,11 @@ def test_pending_puts_are_served_from_memory_and_a_full_queue_drops(lm_server) -
     backend = _backend(_lm_url(lm_server), options=options, cpu=cpu, connector=GatedConnector(host, port))
     objs = [_chunk(cpu, seed=i) for i in range(6)]
     for i, obj in enumerate(objs):
-        backend.submit_put_task(_key(i), obj)
+        backend.submit_put_task(key(i), obj)
     # One put is held by the worker at the gate, two wait in the queue: the rest were dropped.
     assert _wait_for(lambda: backend.remote_stats().puts_dropped_queue_full >= 3)
-    assert backend.exists_in_put_tasks(_key(0)) and backend.contains(_key(0))
-    early = backend.get_blocking(_key(0))
+    assert backend.exists_in_put_tasks(key(0)) and backend.contains(key(0))
+    early = backend.get_blocking(key(0))
     assert early is not None and torch.equal(early.tensor, objs[0].tensor)
     early.ref_count_down()
     gate.set()
@@ -158,9 +154,9 @@ def test_dead_server_is_a_fast_miss_and_logged(lmcache_log) -> None:  # noqa: F8
     cpu = _cpu()
     backend = _backend(f"lm://127.0.0.1:{free_port()}", cpu=cpu)
     obj = _chunk(cpu, seed=1)
-    assert not backend.contains(_key(1))
-    assert backend.get_blocking(_key(1)) is None
-    backend.submit_put_task(_key(1), obj)
+    assert not backend.contains(key(1))
+    assert backend.get_blocking(key(1)) is None
+    backend.submit_put_task(key(1), obj)
     assert not backend.is_up
     assert "is down" in lmcache_log.text and "requests recompute" in lmcache_log.text
     stats = backend.remote_stats()
@@ -176,10 +172,10 @@ def test_black_hole_server_times_out_once_then_misses_at_once() -> None:
     try:
         options = RemoteBackendOptions(lookup_timeout_s=0.3, timeout_s=0.5, backoff_initial_s=60)
         backend = _backend(f"lm://127.0.0.1:{listener.getsockname()[1]}", options=options)
-        assert not backend.contains(_key(1))
+        assert not backend.contains(key(1))
         assert not backend.is_up
         # Down: no more waiting on the server, for lookups or reads.
-        assert not backend.contains(_key(2)) and backend.get_blocking(_key(2)) is None
+        assert not backend.contains(key(2)) and backend.get_blocking(key(2)) is None
         assert backend.remote_stats().lookups_failed == 1
         backend.close()
     finally:
@@ -191,20 +187,20 @@ def test_server_killed_mid_run_then_restarted_resumes_on_its_own(tmp_path, lmcac
     cpu = _cpu()
     backend = _backend(server.url, cpu=cpu)
     try:
-        backend.submit_put_task(_key(1), _chunk(cpu, seed=1))
-        assert backend.flush() and backend.contains(_key(1))
+        backend.submit_put_task(key(1), _chunk(cpu, seed=1))
+        assert backend.flush() and backend.contains(key(1))
         server.kill()
-        assert not backend.contains(_key(1))  # miss, not an error
-        assert backend.get_blocking(_key(1)) is None
-        backend.submit_put_task(_key(2), _chunk(cpu, seed=2))
+        assert not backend.contains(key(1))  # miss, not an error
+        assert backend.get_blocking(key(1)) is None
+        backend.submit_put_task(key(2), _chunk(cpu, seed=2))
         assert "is down" in lmcache_log.text
         server.start()  # same port, empty memory
         assert _wait_for(lambda: backend.is_up)
         assert "is back" in lmcache_log.text
         obj = _chunk(cpu, seed=3)
-        backend.submit_put_task(_key(3), obj)
-        assert backend.flush() and backend.contains(_key(3))
-        hit = backend.get_blocking(_key(3))
+        backend.submit_put_task(key(3), obj)
+        assert backend.flush() and backend.contains(key(3))
+        hit = backend.get_blocking(key(3))
         assert hit is not None and torch.equal(hit.tensor, obj.tensor)
         hit.ref_count_down()
         stats = backend.remote_stats()
@@ -218,31 +214,31 @@ def test_corrupt_foreign_and_misshapen_chunks_are_misses(lm_server) -> None:
     url = _lm_url(lm_server)
     cpu = _cpu()
     writer = _backend(url, "cachegen", cpu=cpu)
-    writer.submit_put_task(_key(1), _chunk(cpu, seed=1))
+    writer.submit_put_task(key(1), _chunk(cpu, seed=1))
     writer.close()
     naive_reader = _backend(url, "naive")
-    assert naive_reader.contains(_key(1)) and naive_reader.get_blocking(_key(1)) is None
+    assert naive_reader.contains(key(1)) and naive_reader.get_blocking(key(1)) is None
 
     raw = LMServerConnector(*lm_server.address)
     good = _backend(url, "naive", cpu=cpu)
-    good.submit_put_task(_key(2), _chunk(cpu, seed=2))
+    good.submit_put_task(key(2), _chunk(cpu, seed=2))
     good.flush()
-    blob = bytearray(raw.get(_key(2).to_string()))
+    blob = bytearray(raw.get(key(2).to_string()))
     blob[-1] ^= 0xFF
-    assert raw.put(_key(2).to_string(), blob)
-    assert good.get_blocking(_key(2)) is None  # checksum mismatch
-    assert raw.put(_key(3).to_string(), b"not a chunk at all")
-    assert good.get_blocking(_key(3)) is None
+    assert raw.put(key(2).to_string(), blob)
+    assert good.get_blocking(key(2)) is None  # checksum mismatch
+    assert raw.put(key(3).to_string(), b"not a chunk at all")
+    assert good.get_blocking(key(3)) is None
     # A chunk stored under another key's name is not handed out for it.
-    good.submit_put_task(_key(4), _chunk(cpu, seed=4))
+    good.submit_put_task(key(4), _chunk(cpu, seed=4))
     good.flush()
-    assert raw.put(_key(5).to_string(), raw.get(_key(4).to_string()))
-    assert good.get_blocking(_key(5)) is None
+    assert raw.put(key(5).to_string(), raw.get(key(4).to_string()))
+    assert good.get_blocking(key(5)) is None
 
     other_model = _backend(url, "naive", metadata=_metadata(layers=LAYERS + 1))
-    assert other_model.get_blocking(_key(4)) is None
+    assert other_model.get_blocking(key(4)) is None
     other_dtype = _backend(url, "naive", metadata=_metadata(dtype=torch.bfloat16))
-    assert other_dtype.get_blocking(_key(4)) is None
+    assert other_dtype.get_blocking(key(4)) is None
     assert good.remote_stats().gets_rejected == 3
     for b in (naive_reader, good, other_model, other_dtype):
         b.close()
@@ -256,7 +252,7 @@ def test_redis_out_of_memory_is_a_counted_refusal(tmp_path) -> None:
     backend = _backend(server.url, cpu=cpu, options=RemoteBackendOptions(put_batch_size=1))
     try:
         for i in range(12):
-            backend.submit_put_task(_key(i), _chunk(cpu, seed=i))
+            backend.submit_put_task(key(i), _chunk(cpu, seed=i))
         assert backend.flush()
         stats = backend.remote_stats()
         assert stats.puts_refused >= 1 and stats.puts_acknowledged >= 1
@@ -272,13 +268,13 @@ def test_prefetch_brings_a_chunk_into_the_cpu_tier(lm_server) -> None:
     cpu = _cpu()
     writer = _backend(url, cpu=cpu)
     obj = _chunk(cpu, seed=7)
-    writer.submit_put_task(_key(7), obj)
+    writer.submit_put_task(key(7), obj)
     writer.close()
     reader_cpu = _cpu()
     reader = _backend(url, cpu=reader_cpu)
-    assert reader.submit_prefetch_task(_key(7))
-    assert _wait_for(lambda: reader_cpu.contains(_key(7)))
-    hit: Optional[MemoryObj] = reader_cpu.get_blocking(_key(7))
+    assert reader.submit_prefetch_task(key(7))
+    assert _wait_for(lambda: reader_cpu.contains(key(7)))
+    hit: Optional[MemoryObj] = reader_cpu.get_blocking(key(7))
     assert hit is not None and torch.equal(hit.tensor, obj.tensor)
     hit.ref_count_down()
     reader.close()
@@ -289,7 +285,7 @@ def test_get_of_a_chunk_being_prefetched_waits_instead_of_reading_twice(lm_serve
     cpu = _cpu()
     writer = _backend(url, cpu=cpu)
     obj = _chunk(cpu, seed=8)
-    writer.submit_put_task(_key(8), obj)
+    writer.submit_put_task(key(8), obj)
     writer.close()
     gate = threading.Event()
     reads: list[int] = []
@@ -301,9 +297,9 @@ def test_get_of_a_chunk_being_prefetched_waits_instead_of_reading_twice(lm_serve
             return super().batched_get(keys)
 
     reader = _backend(url, connector=CountingConnector(*lm_server.address))
-    assert reader.submit_prefetch_task(_key(8))
+    assert reader.submit_prefetch_task(key(8))
     got: list = []
-    getter = threading.Thread(target=lambda: got.append(reader.get_blocking(_key(8))))
+    getter = threading.Thread(target=lambda: got.append(reader.get_blocking(key(8))))
     getter.start()
     assert _wait_for(lambda: len(reads) == 1)
     time.sleep(0.2)  # give a second (wrong) read the chance to start

@@ -9,11 +9,12 @@ A remote URL nobody listens on must cost nothing but the hits: same output, the 
 from __future__ import annotations
 
 import json
-import re
 
 import pytest
 from conftest import random_prompt, run_vllm_job
 from redis_fixture import LMServerProcess, free_port
+
+from lmcache.integration.vllm.request_log import parse_request_lines
 
 pytestmark = pytest.mark.vllm
 
@@ -23,10 +24,6 @@ MAX_BATCHED = 512
 LOGPROB_TOLERANCE = 1e-3
 PROMPT = random_prompt(1500, seed=31)
 
-LINE_RE = re.compile(
-    r"LMCache request (\S+): prompt_tokens=(\d+) vllm_cached_tokens=(\d+) lmcache_hit_tokens=(\d+) "
-    r"loaded_tokens=(\d+) stored_tokens=(\d+)"
-)
 LMCACHE_ENV = {"VLLM_USE_V1": "1", "LMCACHE_MAX_LOCAL_CPU_SIZE": "0.25", "LMCACHE_LOG_LEVEL": "INFO"}
 
 
@@ -43,7 +40,10 @@ def _run(model: str, env: dict, connector: bool = True) -> tuple[list[int], list
     result = run_vllm_job(job, env={**LMCACHE_ENV, **env})
     payload = [ln for ln in result.log.splitlines() if ln.startswith("RESULT ")][-1]
     logprobs = json.loads(payload[len("RESULT ") :])["logprobs"][0][0]
-    lines = [tuple(int(g) for g in m.groups()[3:6]) for m in LINE_RE.finditer(result.log)]
+    lines = [
+        (line.stats.lmcache_hit_tokens, line.counters.loaded_tokens, line.counters.stored_tokens)
+        for line in parse_request_lines(result.log)
+    ]
     return result.outputs[0][0], logprobs, lines, result.log
 
 

@@ -1,17 +1,13 @@
 """The CPU ("Hot") tier: reference counts, LRU eviction through allocation, never evicting in use."""
 
 import torch
+from helpers import key
 
 from lmcache.experimental.memory_management import HostMemoryAllocator, MemoryFormat
 from lmcache.experimental.stats import TierStats
 from lmcache.experimental.storage_backend.local_cpu_backend import LocalCPUBackend
-from lmcache.utils import CacheEngineKey
 
 SHAPE = torch.Size([2, 1, 4, 32])  # 1 KiB of float32: two allocator blocks of 512 bytes
-
-
-def key(i: int) -> CacheEngineKey:
-    return CacheEngineKey("vllm", "m", 1, 0, f"{i:04x}")
 
 
 def make_tier(num_objects: int, keep: bool = True):

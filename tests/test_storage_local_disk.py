@@ -9,19 +9,15 @@ import threading
 
 import pytest
 import torch
+from helpers import key
 
 from lmcache.experimental.memory_management import HostMemoryAllocator, MemoryFormat
 from lmcache.experimental.stats import TierStats
 from lmcache.experimental.storage_backend import chunk_format
 from lmcache.experimental.storage_backend.local_cpu_backend import LocalCPUBackend
 from lmcache.experimental.storage_backend.local_disk_backend import LocalDiskBackend, file_name_for
-from lmcache.utils import CacheEngineKey
 
 SHAPE = torch.Size([2, 2, 4, 16])  # 512 bytes of bfloat16
-
-
-def key(i: int) -> CacheEngineKey:
-    return CacheEngineKey("vllm", "org/model", 1, 0, f"{i:08x}")
 
 
 @pytest.fixture
@@ -115,7 +111,7 @@ from lmcache.experimental.storage_backend.local_cpu_backend import LocalCPUBacke
 from lmcache.experimental.storage_backend.local_disk_backend import LocalDiskBackend
 from lmcache.utils import CacheEngineKey
 disk = LocalDiskBackend({str(tmp_path / "cache")!r}, 1 << 20, LocalCPUBackend(HostMemoryAllocator(1 << 16)))
-obj = disk.get_blocking(CacheEngineKey("vllm", "org/model", 1, 0, "{5:08x}"))
+obj = disk.get_blocking({key(5)!r})
 ref = torch.randn({list(SHAPE)}, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
 print("HIT" if obj is not None and torch.equal(obj.tensor, ref) else "MISS")
 """

@@ -6,6 +6,7 @@ from typing import Optional
 
 import pytest
 import torch
+from helpers import key
 
 from lmcache.config import LMCacheEngineMetadata
 from lmcache.experimental.config import LMCacheEngineConfig
@@ -18,13 +19,8 @@ from lmcache.experimental.storage_backend import (
     StorageManager,
     create_storage_manager,
 )
-from lmcache.utils import CacheEngineKey
 
 SHAPE = torch.Size([2, 1, 4, 64])  # 2 KiB of float32
-
-
-def key(i: int) -> CacheEngineKey:
-    return CacheEngineKey("vllm", "m", 1, 0, f"{i:04x}")
 
 
 class BrokenTier(StorageBackendInterface):

@@ -18,7 +18,7 @@ from v0_inputs import BLOCK, Seq, build_cpu_input, make_seqs
 
 from lmcache.experimental.cache_engine import LMCacheEngineBuilder
 from lmcache.integration.vllm.utils import ENGINE_NAME
-from lmcache.integration.vllm.vllm_adapter import PLAN_ATTR, init_lmcache_engine
+from lmcache.integration.vllm.vllm_adapter import init_lmcache_engine, step_plan_of
 
 LAYERS, KV_HEADS, HEAD, NUM_BLOCKS = 4, 2, 32, 64  # the tiny model's attention geometry
 
@@ -75,7 +75,7 @@ def test_vllms_v0_lmcache_connector_stores_and_loads_through_our_adapter(vllm_co
     hidden, bypass, rebuilt = connector.recv_kv_caches_and_hidden_states(None, again, caches)
     assert hidden is None and bypass is False
     assert rebuilt.input_tokens.tolist() == [seq.prompt[-1]]
-    assert getattr(rebuilt, PLAN_ATTR).loaded == [50]
+    assert step_plan_of(rebuilt).loaded == [50]
     # vLLM then hands the rebuilt input to send: nothing new to store, nothing breaks.
     connector.send_kv_caches_and_hidden_states(None, rebuilt, caches, None)
     assert engine.stats().stored_tokens == 50

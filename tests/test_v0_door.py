@@ -13,17 +13,15 @@ from typing import Dict, List
 
 import pytest
 import torch
+from helpers import config, make_engine
+from kv_reference import Geometry
 from v0_inputs import BLOCK, Seq, assert_cpu_inputs_equal, build_cpu_input, decode_seq, make_seqs
 
-from lmcache.config import LMCacheEngineMetadata
 from lmcache.experimental.cache_engine import LMCacheEngineBuilder
-from lmcache.experimental.config import LMCacheEngineConfig
-from lmcache.experimental.gpu_connector import VLLMPagedMemGPUConnectorV2
 from lmcache.experimental.kv_layout import KVLayout
 from lmcache.integration.vllm import vllm_adapter
 from lmcache.integration.vllm.utils import ENGINE_NAME
 from lmcache.integration.vllm.vllm_adapter import (
-    PLAN_ATTR,
     RetrieveStatus,
     StoreStatus,
     execute_with_cache,
@@ -31,6 +29,7 @@ from lmcache.integration.vllm.vllm_adapter import (
     lmcache_should_retrieve,
     lmcache_should_store,
     lmcache_store_kv,
+    step_plan_of,
 )
 
 # make_seqs() uses blocks 1-39; the tests' own sequences use 40 and up.
@@ -38,23 +37,18 @@ LAYERS, HEADS, HEAD, NUM_BLOCKS = 2, 2, 16, 64
 CACHE_CONFIG = types.SimpleNamespace(block_size=BLOCK)
 
 
-def make_engine(**config_fields):
-    config = LMCacheEngineConfig.from_defaults(
-        chunk_size=16, max_local_cpu_size=0.02, remote_url=None, **config_fields
-    )
-    metadata = LMCacheEngineMetadata(
-        model_name="tiny", world_size=1, worker_id=0, fmt="vllm",
-        kv_dtype=torch.float32, kv_shape=(LAYERS, 2, 16, HEADS, HEAD),
-    )
-    connector = VLLMPagedMemGPUConnectorV2(
-        HEADS * HEAD, LAYERS, layout=KVLayout.CPU_IPEX, num_kv_heads=HEADS, block_size=BLOCK, chunk_size=16
-    )
-    return LMCacheEngineBuilder.get_or_create(ENGINE_NAME, config, metadata, connector)
+GEO = Geometry(KVLayout.CPU_IPEX, num_layers=LAYERS, num_blocks=NUM_BLOCKS, block_size=BLOCK, num_heads=HEADS,
+               head_size=HEAD, dtype=torch.float32)
+
+
+def door_engine(**config_fields):
+    """The engine the door finds under ENGINE_NAME: chunks of 16, vLLM's CPU (IPEX) caches."""
+    return make_engine(GEO, config(chunk_size=16, max_local_cpu_size=0.02, **config_fields), register_as=ENGINE_NAME)
 
 
 @pytest.fixture
 def engine():
-    yield make_engine()
+    yield door_engine()
     LMCacheEngineBuilder.destroy(ENGINE_NAME)
 
 
@@ -109,7 +103,7 @@ def test_hit_partial_hit_and_miss_in_one_batch(engine):
     assert bypass is False and hidden is None
 
     # Full hit: 50 loaded, last token computed; partial: 32 (two whole chunks), miss: 0.
-    plan = getattr(rebuilt, PLAN_ATTR)
+    plan = step_plan_of(rebuilt)
     assert plan.loaded == [50, 32, 0]
     assert_cpu_inputs_equal(rebuilt, build_cpu_input(seqs, {10: 49, 11: 32, 12: 0}, chunked=True))
     for i, (src, dst) in enumerate(zip(slots_of(first), slots_of(again))):
@@ -165,7 +159,7 @@ def test_lora_adapters_are_part_of_the_key(engine):
     seqs = [Seq(20, list(seq.prompt), [40, 41, 42, 43]), Seq(21, list(seq.prompt), [44, 45, 46, 47])]
     step2 = lora_input(seqs, [2, 1])
     rebuilt, _, _ = lmcache_retrieve_kv(None, step2, CACHE_CONFIG, caches, lmcache_should_retrieve(step2))
-    assert getattr(rebuilt, PLAN_ATTR).loaded == [0, 50]
+    assert step_plan_of(rebuilt).loaded == [0, 50]
     assert rebuilt.lora_mapping.index_mapping == tuple([2] * 50 + [1])
 
 
@@ -207,11 +201,53 @@ def test_inputs_that_shape_kv_beyond_tokens_bypass(engine, change):
     assert lmcache_should_store(step) == [StoreStatus.NONE] * 3
 
 
-def test_later_chunks_and_decodes_are_left_alone(engine):
+def test_later_chunks_are_served_and_decodes_left_alone(engine):
     seqs = make_seqs() + [decode_seq()]
     step = build_cpu_input(seqs, {0: 16}, chunked=True)
-    assert lmcache_should_retrieve(step) == [RetrieveStatus.NONE] + [RetrieveStatus.PREFILL] * 2 + [RetrieveStatus.NONE]
-    assert lmcache_should_store(step) == [StoreStatus.NONE] + [StoreStatus.PREFILL] * 2 + [StoreStatus.NONE]
+    assert lmcache_should_retrieve(step) == [RetrieveStatus.PREFILL] * 3 + [RetrieveStatus.NONE]
+    assert lmcache_should_store(step) == [StoreStatus.PREFILL] * 3 + [StoreStatus.NONE]
+
+
+def test_a_prompt_in_three_chunks_is_stored_and_loaded_chunk_by_chunk(engine):
+    """Chunked prefill: each step stores the chunks it completed (keyed by the whole prompt so
+    far) and loads the cached chunks beyond the context, never writing vLLM's context slots."""
+    caches = new_caches()
+    prompt = make_seqs()[0].prompt  # 50 tokens; chunks of 16
+    steps = [(0, 20), (20, 40), (40, 50)]
+    first = Seq(60, list(prompt), [40, 41, 42, 43])
+    for (done, upto), stored in zip(steps, [16, 32, 50]):
+        step = build_cpu_input([first], {60: done}, chunked=True, upto={60: upto})
+        rebuilt, _, _ = lmcache_retrieve_kv(None, step, CACHE_CONFIG, caches, lmcache_should_retrieve(step))
+        assert rebuilt is step  # nothing cached yet
+        forward(caches, step, seed=upto)
+        assert run_store(step, caches) == [StoreStatus.PREFILL]
+        # Mid-prompt only whole chunks; the last step adds the trailing partial one.
+        assert engine.lookup(torch.tensor(prompt)) == stored
+
+    # Step 1 ends mid-chunk, so only chunk 0 is a hit (a 4-token tail has a key of its own);
+    # step 2 loads from the chunk straddling its context to the end of the cached whole chunks;
+    # step 3 finds the prompt's trailing partial chunk and computes only the last token.
+    again = Seq(61, list(prompt), [44, 45, 46, 47])
+    for (done, upto), loaded in zip(steps, [16, 12, 10]):
+        context = slots_of(again)[:done]
+        for slot in context[-4:]:  # vLLM's own KV of the context: the load must leave it alone
+            for cache in caches:
+                cache.view(2, NUM_BLOCKS, HEADS, BLOCK, HEAD)[:, slot // BLOCK, :, slot % BLOCK, :] = 7.0
+        step = build_cpu_input([again], {61: done}, chunked=True, upto={61: upto})
+        rebuilt, _, _ = lmcache_retrieve_kv(None, step, CACHE_CONFIG, caches, lmcache_should_retrieve(step))
+        assert step_plan_of(rebuilt).loaded == [loaded]
+        skipped = min(loaded, upto - done - 1)
+        want = build_cpu_input([again], {61: done + skipped}, chunked=True, upto={61: upto})
+        assert rebuilt.input_tokens.tolist() == want.input_tokens.tolist() == prompt[done + skipped : upto]
+        blocks = -(-upto // BLOCK)  # the blocks attention reads (vLLM's own row may list more)
+        got_row, want_row = (x.attn_metadata.prefill_block_tables[0, :blocks].tolist() for x in (rebuilt, want))
+        assert got_row == want_row == again.blocks[:blocks]
+        for i in range(done, done + loaded):
+            assert torch.equal(kv_at(caches, slots_of(first)[i]), kv_at(caches, slots_of(again)[i])), f"token {i}"
+        for slot in context[-4:]:
+            assert bool((kv_at(caches, slot) == 7.0).all())
+        forward(caches, rebuilt, seed=upto)
+        run_store(rebuilt, caches)
 
 
 def test_force_skip_save(engine, monkeypatch):
@@ -279,7 +315,7 @@ def test_a_failing_retrieve_computes_the_whole_step(engine, monkeypatch):
 
 
 def test_unfull_last_chunk_is_not_stored_when_configured_so():
-    eng = make_engine(save_unfull_chunk=False)
+    eng = door_engine(save_unfull_chunk=False)
     try:
         caches = new_caches()
         seq = make_seqs()[0]

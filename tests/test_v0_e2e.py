@@ -8,27 +8,15 @@ tokens each step loaded and computed, which pins hits, partial hits and misses e
 
 from __future__ import annotations
 
-import json
-import re
-from typing import List, Tuple
-
 import pytest
 from conftest import random_prompt, run_vllm_job
+from helpers import A, B, C, D, V0_CHUNK, assert_same_generation, door_steps
+
+from lmcache.integration.vllm.request_log import V0StepLine, parse_v0_step_lines
 
 pytestmark = pytest.mark.vllm
 
-CHUNK = 256
-A = random_prompt(700, seed=11)
-B = A[:400] + random_prompt(300, seed=12)  # shares one whole chunk (256 tokens) with A
-C = random_prompt(300, seed=13)  # shares nothing
-D = A[:600] + random_prompt(100, seed=14)  # shares two whole chunks (512 tokens) with A
-LOG_LINE = re.compile(r"LMCache v0 door: prompt of (\d+) tokens: (\d+) hit tokens loaded, computing (\d+)")
-ENV = {"VLLM_USE_V1": "0", "LMCACHE_CHUNK_SIZE": str(CHUNK), "LMCACHE_LOCAL_CPU": "true"}
-
-
-def door_steps(log: str) -> List[Tuple[int, int, int]]:
-    """(prompt tokens, loaded, computed) per prompt step, in log order."""
-    return [tuple(int(x) for x in m.groups()) for m in LOG_LINE.finditer(log)]
+ENV = {"VLLM_USE_V1": "0", "LMCACHE_CHUNK_SIZE": str(V0_CHUNK), "LMCACHE_LOCAL_CPU": "true"}
 
 
 def run_pair(tiny_model: str, prompts: list, llm_kwargs: dict):
@@ -37,22 +25,6 @@ def run_pair(tiny_model: str, prompts: list, llm_kwargs: dict):
     plain = run_vllm_job({**job, "vllm_module": "vllm"}, env=ENV)
     assert "LMCache" not in plain.log
     return cached, plain
-
-
-def logprobs_of(result) -> list:
-    (payload,) = [ln for ln in result.log.splitlines() if ln.startswith("RESULT ")][-1:]
-    return json.loads(payload[len("RESULT ") :])["logprobs"]
-
-
-def flat(x) -> list:
-    return [v for item in x for v in (flat(item) if isinstance(item, list) else [item])]
-
-
-def assert_same_generation(cached, plain) -> None:
-    assert cached.outputs == plain.outputs
-    got, want = flat(logprobs_of(cached)), flat(logprobs_of(plain))
-    assert len(got) == len(want) > 0
-    assert max(abs(g - w) for g, w in zip(got, want)) < 1e-3
 
 
 def test_v0_hit_partial_hit_miss_and_a_mixed_batch(tiny_model):
@@ -84,4 +56,23 @@ def test_v0_chunked_prefill_batch_with_decodes_and_a_later_chunk(tiny_model):
         (700, 700, 1),
         (324, 256, 68),
         (647, 512, 135),
+    ]
+
+
+def test_v0_a_prompt_over_several_prefill_chunks_is_stored_and_loaded_chunk_by_chunk(tiny_model):
+    # A 512-token step budget splits the 1,100-token prompt into steps of 512, 512 and 76 tokens.
+    # The first send stores each step's whole chunks as they are computed (and the trailing
+    # partial one with the last step); the second send loads every step's tokens and computes
+    # only the last token of each.
+    long_prompt = random_prompt(1100, seed=15)
+    kwargs = {"enable_chunked_prefill": True, "max_num_batched_tokens": 512}
+    cached, plain = run_pair(tiny_model, [long_prompt, long_prompt], kwargs)
+    assert_same_generation(cached, plain)
+    assert parse_v0_step_lines(cached.log) == [
+        V0StepLine(512, 0, 0, 512),
+        V0StepLine(512, 512, 0, 512),
+        V0StepLine(76, 1024, 0, 76),
+        V0StepLine(512, 0, 512, 1),
+        V0StepLine(512, 512, 512, 1),
+        V0StepLine(76, 1024, 76, 1),
     ]

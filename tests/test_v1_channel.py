@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from lmcache.integration.vllm.v1.request_state import RequestCounters
+from lmcache.integration.vllm.request_log import RequestCounters
 from lmcache.integration.vllm.v1.worker_channel import (
     ChannelError,
     InProcessChannel,

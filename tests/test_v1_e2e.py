@@ -21,6 +21,8 @@ import pytest
 
 from conftest import ROOT, VLLM_TEST_ENV, random_prompt, run_vllm_job
 
+from lmcache.integration.vllm.request_log import parse_request_lines
+
 pytestmark = pytest.mark.vllm
 
 CHUNK = 256
@@ -37,11 +39,6 @@ P_CHUNKED = random_prompt(3000, seed=15)
 P_SKIP = random_prompt(1200, seed=16)
 P_OTHER = random_prompt(1100, seed=17)
 ALL_PROMPTS = [P_LONG, P_SHARED_A, P_SHARED_B, P_CHUNKED, P_SKIP, P_OTHER]
-
-LINE_RE = re.compile(
-    r"LMCache request (\S+): prompt_tokens=(\d+) vllm_cached_tokens=(\d+) lmcache_hit_tokens=(\d+) "
-    r"loaded_tokens=(\d+) stored_tokens=(\d+)(?: \(not stored: ([^)]*)\))?"
-)
 
 CLOSE_RE = re.compile(r"LMCache engine closed: live_pins=(\d+) pinned_requests=(\d+)")
 
@@ -96,7 +93,13 @@ def run(model: str, prompts, llm_kwargs: dict, env: dict, rounds: int = 1, promp
     result = run_vllm_job(job, env={**env, "VLLM_USE_V1": "1"})
     (payload,) = [ln for ln in result.log.splitlines() if ln.startswith("RESULT ")][-1:]
     logprobs = json.loads(payload[len("RESULT ") :])["logprobs"]
-    lines = [Line(*(int(g) for g in m.groups()[1:6]), m.group(7) or "") for m in LINE_RE.finditer(result.log)]
+    lines = [
+        Line(
+            r.stats.prompt_tokens, r.stats.vllm_cached_tokens, r.stats.lmcache_hit_tokens,
+            r.counters.loaded_tokens, r.counters.stored_tokens, r.reason,
+        )
+        for r in parse_request_lines(result.log)
+    ]
     return Run(result.outputs, logprobs, lines, result.log)
 
 

@@ -8,9 +8,9 @@ import pytest
 import torch
 from vllm.lora.request import LoRARequest
 
+from lmcache.integration.vllm.request_log import RequestCounters
 from lmcache.integration.vllm.v1.request_state import (
     LoadSpec,
-    RequestCounters,
     RequestTracker,
     SaveSpec,
     plan_save,

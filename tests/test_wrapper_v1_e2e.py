@@ -8,16 +8,15 @@ float32 noise. vLLM's own prefix cache is off in both runs so repeats are LMCach
 
 from __future__ import annotations
 
-import re
-
 import pytest
 from conftest import run_vllm_job
-from test_v0_e2e import A, B, C, CHUNK, D, assert_same_generation
+from helpers import A, B, C, D, V0_CHUNK, assert_same_generation
+
+from lmcache.integration.vllm.request_log import parse_request_lines
 
 pytestmark = pytest.mark.vllm
 
-REQUEST_LINE = re.compile(r"LMCache request \S+: prompt_tokens=(\d+) vllm_cached_tokens=\d+ lmcache_hit_tokens=(\d+)")
-ENV = {"VLLM_USE_V1": "1", "LMCACHE_CHUNK_SIZE": str(CHUNK), "LMCACHE_MAX_LOCAL_CPU_SIZE": "0.25"}
+ENV = {"VLLM_USE_V1": "1", "LMCACHE_CHUNK_SIZE": str(V0_CHUNK), "LMCACHE_MAX_LOCAL_CPU_SIZE": "0.25"}
 
 
 def test_v1_through_the_wrapper_hits_partial_hits_and_misses(tiny_model):
@@ -33,7 +32,7 @@ def test_v1_through_the_wrapper_hits_partial_hits_and_misses(tiny_model):
     assert "using KV connector LMCacheConnectorV1" in cached.log
     assert "LMCache" not in plain.log
     assert_same_generation(cached, plain)
-    hits = [(int(p), int(h)) for p, h in REQUEST_LINE.findall(cached.log)]
+    hits = [(line.stats.prompt_tokens, line.stats.lmcache_hit_tokens) for line in parse_request_lines(cached.log)]
     # The batch's requests may log in any order.
     assert hits[:3] == [(700, 0), (700, 700), (700, 256)]
     assert sorted(hits[3:]) == sorted([(700, 700), (700, 512), (300, 0)])

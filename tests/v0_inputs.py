@@ -54,7 +54,7 @@ def decode_seq() -> Seq:
 # ---------------------------------------------------------------- CPU (vLLM's own builder)
 
 
-def _seq_group(seq: Seq, computed: int):
+def _seq_group(seq: Seq, computed: int, upto: Optional[int] = None):
     from vllm.sampling_params import SamplingParams
     from vllm.sequence import SequenceData, SequenceGroupMetadata
 
@@ -62,7 +62,7 @@ def _seq_group(seq: Seq, computed: int):
     if seq.is_prompt:
         if computed:
             data.update_num_computed_tokens(computed)
-        chunk = len(seq.prompt) - computed
+        chunk = (upto or len(seq.prompt)) - computed
     else:
         data.update_num_computed_tokens(data.get_len() - 1)
         chunk = 1
@@ -74,11 +74,14 @@ def _seq_group(seq: Seq, computed: int):
         block_tables={seq.seq_id: list(seq.blocks)},
         token_chunk_size=chunk,
         computed_block_nums=[],
+        # vLLM samples only from the chunk that completes the prompt.
+        do_sample=not seq.is_prompt or upto is None or upto == len(seq.prompt),
     )
 
 
-def build_cpu_input(seqs: List[Seq], computed: Dict[int, int], chunked: bool):
-    """The model input vLLM's CPU runner builds for these sequences."""
+def build_cpu_input(seqs: List[Seq], computed: Dict[int, int], chunked: bool, upto: Optional[Dict[int, int]] = None):
+    """The model input vLLM's CPU runner builds for these sequences (a prompt's step computes
+    tokens `[computed[id], upto[id])`, to the prompt's end by default)."""
     from vllm.attention.backends.torch_sdpa import TorchSDPABackend
     from vllm.model_executor import SamplingMetadata
     from vllm.worker.cpu_model_runner import ModelInputForCPUBuilder, ModelInputForCPUWithSamplingMetadata
@@ -94,7 +97,7 @@ def build_cpu_input(seqs: List[Seq], computed: Dict[int, int], chunked: bool):
         lora_config=None,
         model_config=types.SimpleNamespace(uses_mrope=False),
     )
-    groups = [_seq_group(s, computed.get(s.seq_id, 0)) for s in seqs]
+    groups = [_seq_group(s, computed.get(s.seq_id, 0), (upto or {}).get(s.seq_id)) for s in seqs]
     builder = ModelInputForCPUBuilder(runner)
     builder.prepare()
     builder.set_seq_group_list(groups)

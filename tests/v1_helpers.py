@@ -11,8 +11,9 @@ from vllm import SamplingParams
 from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from vllm.v1.request import Request
 
+from lmcache.integration.vllm.request_log import RequestCounters
 from lmcache.integration.vllm.v1.request_policy import DoorSettings
-from lmcache.integration.vllm.v1.request_state import LMCacheConnectorMetadata, RequestCounters
+from lmcache.integration.vllm.v1.request_state import LMCacheConnectorMetadata
 from lmcache.integration.vllm.v1.scheduler_side import LMCacheSchedulerSide
 
 

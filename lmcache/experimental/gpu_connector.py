@@ -27,7 +27,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 import torch
 
 import lmcache.c_ops as c_ops
-from lmcache.experimental.kv_layout import KVLayout, packed_x, split_kv_caches
+from lmcache.experimental.kv_layout import KVLayout, layout_dims, split_kv_caches
 from lmcache.experimental.memory_management import MemoryFormat, MemoryObj
 
 
@@ -226,11 +226,12 @@ class VLLMPagedMemGPUConnector(_KVBlobConnector):
         if t.dim() < 2 or t.shape[0] != 2:
             raise ValueError(f"a per-layer KV cache tensor must stack K and V on dim 0, got shape {tuple(t.shape)}")
         if t.dim() == 5 and self.layout in (None, KVLayout.FLASH):
-            # flash: (2, num_blocks, block_size, heads, head_size)
-            _, _, bs, heads, head = t.shape
-            if heads * head != self.hidden_dim_size:
+            # flash: K and V stacked, (2, *flash key shape)
+            dims = layout_dims(KVLayout.FLASH, tuple(t.shape[1:]), t.dtype)
+            assert dims is not None
+            if dims["heads"] * dims["head_size"] != self.hidden_dim_size:
                 raise ValueError(f"flash cache shape {tuple(t.shape)} has heads*head_size != {self.hidden_dim_size}")
-            return PagedGeometry(KVLayout.FLASH, self._block_size_or(bs), self._heads(heads))
+            return PagedGeometry(KVLayout.FLASH, self._block_size_or(dims["block_size"]), self._heads(dims["heads"]))
         if t.dim() == 3:
             # CPU backend: (2, num_blocks, block_size * heads * head_size); IPEX or packed inside.
             if self.layout not in (KVLayout.CPU_IPEX, KVLayout.CPU_PACKED, KVLayout.FLASH):
@@ -247,29 +248,24 @@ class VLLMPagedMemGPUConnector(_KVBlobConnector):
         raise ValueError(f"cannot read a KV layout from a per-layer cache of shape {tuple(t.shape)}")
 
     def _geometry_pair(self, k: torch.Tensor) -> PagedGeometry:
+        """Every paged layout the key cache's shape can be read as (`kv_layout.layout_dims`), kept
+        when it agrees with the hidden size and what the kwargs fixed; exactly one must remain."""
         shape = tuple(k.shape)
-        if len(shape) == 5 and self.layout in (None, KVLayout.CPU_PACKED):
-            # packed key cache: (num_blocks, heads, head_size // x, block_size, x)
-            _, heads, groups, bs, x = shape
-            if x != packed_x(k.dtype) or heads * groups * x != self.hidden_dim_size:
-                raise ValueError(f"key cache shape {shape} is not a CPU_PACKED cache of hidden {self.hidden_dim_size}")
-            return PagedGeometry(KVLayout.CPU_PACKED, self._block_size_or(bs), self._heads(heads))
-        if len(shape) != 4:
-            raise ValueError(f"cannot read a KV layout from a key cache of shape {shape}")
-        _, a, b, head = shape
-        if self.hidden_dim_size % head:
-            raise ValueError(f"key cache shape {shape}: head size {head} does not divide hidden {self.hidden_dim_size}")
-        heads = self._heads(self.hidden_dim_size // head)
         candidates = []
-        if self.layout in (None, KVLayout.FLASH) and b == heads:
-            candidates.append(PagedGeometry(KVLayout.FLASH, a, heads))
-        if self.layout in (None, KVLayout.CPU_IPEX) and a == heads:
-            candidates.append(PagedGeometry(KVLayout.CPU_IPEX, b, heads))
-        if self.block_size is not None:
-            candidates = [g for g in candidates if g.block_size == self.block_size]
+        for layout in (KVLayout.FLASH, KVLayout.CPU_IPEX, KVLayout.CPU_PACKED):
+            dims = layout_dims(layout, shape, k.dtype) if self.layout in (None, layout) else None
+            if dims is None or dims["heads"] * dims["head_size"] != self.hidden_dim_size:
+                continue
+            if self.num_kv_heads is not None and dims["heads"] != self.num_kv_heads:
+                continue
+            if self.block_size is not None and dims["block_size"] != self.block_size:
+                continue
+            candidates.append(PagedGeometry(layout, dims["block_size"], dims["heads"]))
         if len(candidates) != 1:
             raise ValueError(
-                f"key cache shape {shape} fits {len(candidates)} layouts; pass layout= (FLASH or CPU_IPEX)"
+                f"key cache shape {shape} ({k.dtype}) fits {len(candidates)} paged layouts of hidden "
+                f"{self.hidden_dim_size}; pass layout= (FLASH, CPU_IPEX or CPU_PACKED)"
+                + ("" if self.num_kv_heads is not None else ", num_kv_heads=")
                 + ("" if self.block_size is not None else " or block_size=")
             )
         return candidates[0]

@@ -6,6 +6,9 @@ dimensions inside a block depends on the attention backend. The kernels in
 `lmcache.c_ops` take the layout as an explicit code; `KVLayout` mirrors those
 codes (`csrc/kv_layout.h` holds the matching address arithmetic).
 
+`layout_shape` / `layout_dims` build and read each layout's K (V) shape from one table of
+dimension names (the Python side's one definition; `csrc/kv_layout.h` keeps the C++ one), and
+`vllm_layer_cache_shape` gives the tensor vLLM hands out per layer.
 `split_layer_cache` / `split_kv_caches` turn what vLLM hands out per layer
 (one tensor with K and V stacked, a (K, V) pair, or MLA's single latent cache)
 into the per-layer K and V tensors the kernels want.
@@ -14,7 +17,7 @@ into the per-layer K and V tensors the kernels want.
 from __future__ import annotations
 
 from enum import IntEnum
-from typing import List, Optional, Sequence, Tuple, Union
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -61,6 +64,30 @@ def packed_x(dtype: torch.dtype) -> int:
     return 16 // torch.empty((), dtype=dtype).element_size()
 
 
+# The one definition of each layout's K (V) shape, as dimension names in order; `layout_shape`
+# builds shapes from it and `layout_dims` reads shapes back. "groups" * "x" is the head size
+# of a CPU_PACKED key (x = 16 bytes of elements); "kv_head_size" is CPU_ATTN's 2 * head_size
+# (its K and V share one tensor, so both have that shape).
+_DIMS: dict = {
+    (KVLayout.FLASH, False): ("blocks", "block_size", "heads", "head_size"),
+    (KVLayout.FLASH, True): ("blocks", "block_size", "heads", "head_size"),
+    (KVLayout.CPU_IPEX, False): ("blocks", "heads", "block_size", "head_size"),
+    (KVLayout.CPU_IPEX, True): ("blocks", "heads", "block_size", "head_size"),
+    (KVLayout.CPU_PACKED, False): ("blocks", "heads", "groups", "block_size", "x"),
+    (KVLayout.CPU_PACKED, True): ("blocks", "heads", "head_size", "block_size"),
+    (KVLayout.MLA, False): ("blocks", "block_size", "head_size"),
+    (KVLayout.CPU_ATTN, False): ("blocks", "heads", "block_size", "kv_head_size"),
+    (KVLayout.CPU_ATTN, True): ("blocks", "heads", "block_size", "kv_head_size"),
+}
+
+
+def _dim_names(layout: KVLayout, is_value: bool) -> Tuple[str, ...]:
+    names = _DIMS.get((KVLayout(layout), is_value))
+    if names is None:
+        raise ValueError(f"layout {KVLayout(layout).name} has no value cache")
+    return names
+
+
 def layout_shape(
     layout: KVLayout,
     num_blocks: int,
@@ -71,23 +98,55 @@ def layout_shape(
     is_value: bool = False,
 ) -> Tuple[int, ...]:
     """The shape of one layer's K (or V, `is_value=True`) cache in `layout`."""
-    layout = KVLayout(layout)
-    if layout == KVLayout.FLASH:
-        return (num_blocks, block_size, num_heads, head_size)
-    if layout == KVLayout.CPU_IPEX:
-        return (num_blocks, num_heads, block_size, head_size)
-    if layout == KVLayout.CPU_ATTN:  # K and V share this tensor
-        return (num_blocks, num_heads, block_size, 2 * head_size)
-    if layout == KVLayout.CPU_PACKED:
-        if is_value:
-            return (num_blocks, num_heads, head_size, block_size)
+    names = _dim_names(layout, is_value)
+    dims = {"blocks": num_blocks, "block_size": block_size, "heads": num_heads, "head_size": head_size,
+            "kv_head_size": 2 * head_size}
+    if "x" in names:
         x = packed_x(dtype)
         if head_size % x:
             raise ValueError(f"CPU_PACKED needs head_size ({head_size}) to be a multiple of x = {x}")
-        return (num_blocks, num_heads, head_size // x, block_size, x)
-    if is_value:
-        raise ValueError("layout MLA has no value cache")
-    return (num_blocks, block_size, head_size)
+        dims.update(groups=head_size // x, x=x)
+    return tuple(dims[name] for name in names)
+
+
+def layout_dims(
+    layout: KVLayout, shape: Sequence[int], dtype: torch.dtype, is_value: bool = False
+) -> Optional[Dict[str, int]]:
+    """`blocks`, `block_size`, `heads`, `head_size` of a K (V) cache of `shape` read as `layout`;
+    None when the shape cannot be one (wrong rank, or a packed key whose last dim is not x)."""
+    names = _dim_names(layout, is_value)
+    if len(shape) != len(names):
+        return None
+    dims = dict(zip(names, (int(d) for d in shape)))
+    if "x" in dims:
+        if dims["x"] != packed_x(dtype):
+            return None
+        dims["head_size"] = dims.pop("groups") * dims.pop("x")
+    if "kv_head_size" in dims:
+        if dims["kv_head_size"] % 2:
+            return None
+        dims["head_size"] = dims.pop("kv_head_size") // 2
+    dims.setdefault("heads", 1)  # MLA: one latent vector per token
+    return dims
+
+
+def vllm_layer_cache_shape(
+    layout: KVLayout, num_blocks: int, block_size: int, num_heads: int, head_size: int
+) -> Tuple[int, ...]:
+    """The shape of the one tensor vLLM hands out per layer for `layout`.
+
+    FLASH: K and V stacked, `(2, *layout_shape)`; vLLM 0.9's CPU layouts: K and V stacked with
+    each block flattened, `(2, num_blocks, block_size * heads * head_size)` (the layout is how
+    the backend views a block); MLA: the latent cache itself; CPU_ATTN (vLLM 0.32): its one
+    tensor, `layout_shape` itself."""
+    layout = KVLayout(layout)
+    if layout == KVLayout.CPU_ATTN:
+        return layout_shape(layout, num_blocks, block_size, num_heads, head_size, torch.float32)
+    if layout == KVLayout.MLA:
+        return layout_shape(layout, num_blocks, block_size, 1, head_size, torch.float32)
+    if layout == KVLayout.FLASH:
+        return (2,) + layout_shape(layout, num_blocks, block_size, num_heads, head_size, torch.float32)
+    return (2, num_blocks, block_size * num_heads * head_size)
 
 
 def split_layer_cache(kv_cache: LayerCache, layout: KVLayout) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:

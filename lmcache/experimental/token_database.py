@@ -92,11 +92,7 @@ class TokenDatabase(ABC):
 
     @abstractmethod
     def process_tokens(
-        self,
-        tokens: TokensLike,
-        mask: Optional[torch.Tensor] = None,
-        *,
-        cache_salt: str = "",
+        self, tokens: TokensLike, mask: Optional[torch.Tensor] = None, *, cache_salt: str = ""
     ) -> Iterable[Tuple[int, int, CacheEngineKey]]:
         """Yield `(start, end, key)` for each unit the mask selects.
 
@@ -140,11 +136,7 @@ class ChunkedTokenDatabase(TokenDatabase):
         return num_false
 
     def process_tokens(
-        self,
-        tokens: TokensLike,
-        mask: Optional[torch.Tensor] = None,
-        *,
-        cache_salt: str = "",
+        self, tokens: TokensLike, mask: Optional[torch.Tensor] = None, *, cache_salt: str = ""
     ) -> Iterator[Tuple[int, int, CacheEngineKey]]:
         token_bytes = tokens_to_bytes(tokens)
         num_tokens = len(token_bytes) // 4

@@ -350,12 +350,8 @@ class LocalDiskBackend(StorageBackendInterface):
         return None, bad
 
     def load_bytes_from_disk(
-        self,
-        path: str,
-        dtype: Optional[torch.dtype],
-        shape: Optional[Tuple[int, ...]],
-        fmt: Optional[MemoryFormat],
-        key: Optional[CacheEngineKey] = None,
+        self, path: str, dtype: Optional[torch.dtype], shape: Optional[Tuple[int, ...]],
+        fmt: Optional[MemoryFormat], key: Optional[CacheEngineKey] = None,
     ) -> Optional[MemoryObj]:
         """Read one chunk file into a new object if it is intact and matches (None = don't care)."""
         obj, _ = self._read_file(path, dtype, None if shape is None else tuple(shape), fmt, key)
@@ -382,12 +378,8 @@ class LocalDiskBackend(StorageBackendInterface):
         return await loop.run_in_executor(pool, self._save, key, None, memory_obj)
 
     async def async_load_bytes_from_disk(
-        self,
-        path: str,
-        dtype: Optional[torch.dtype],
-        shape: Optional[Tuple[int, ...]],
-        fmt: Optional[MemoryFormat],
-        key: Optional[CacheEngineKey] = None,
+        self, path: str, dtype: Optional[torch.dtype], shape: Optional[Tuple[int, ...]],
+        fmt: Optional[MemoryFormat], key: Optional[CacheEngineKey] = None,
     ) -> Optional[MemoryObj]:
         """`load_bytes_from_disk` on the reader thread."""
         loop = asyncio.get_running_loop()

@@ -23,7 +23,7 @@ import torch
 
 from lmcache.config import LMCacheEngineMetadata
 from lmcache.experimental.config import BOOL_WORDS, LMCacheEngineConfig, parse_bool, prefixed_overrides
-from lmcache.experimental.kv_layout import KVLayout
+from lmcache.experimental.kv_layout import KVLayout, vllm_layer_cache_shape
 from lmcache.integration.vllm.vllm_compat import cpu_kv_layout, torch_dtype_of
 
 if TYPE_CHECKING:
@@ -183,22 +183,15 @@ def check_kv_caches(
             f"vLLM handed over {len(kv_caches)} attention layers' KV caches, "
             f"the engine metadata says {num_layers}"
         )
-    per_token = num_kv_heads * head_size
     for index, cache in enumerate(kv_caches):
         if cache.dtype != metadata.kv_dtype:
             raise ValueError(
                 f"KV cache of layer {index} has dtype {cache.dtype}, the engine metadata says {metadata.kv_dtype}"
             )
         shape = tuple(cache.shape)
-        if layout == KVLayout.MLA:
-            ok = len(shape) == 3 and shape[1] == block_size and shape[2] == head_size
-        elif layout == KVLayout.FLASH:
-            ok = len(shape) == 5 and shape[0] == 2 and shape[2:] == (block_size, num_kv_heads, head_size)
-        elif layout == KVLayout.CPU_ATTN:
-            ok = len(shape) == 4 and shape[1:] == (num_kv_heads, block_size, 2 * head_size)
-        else:
-            ok = len(shape) == 3 and shape[0] == 2 and shape[2] == block_size * per_token
-        if not ok:
+        one_tensor = layout in (KVLayout.MLA, KVLayout.CPU_ATTN)  # blocks on dim 0, not K/V
+        num_blocks = shape[0] if one_tensor else (shape[1] if len(shape) > 1 else 0)
+        if shape != vllm_layer_cache_shape(layout, num_blocks, block_size, num_kv_heads, head_size):
             raise ValueError(
                 f"KV cache of layer {index} has shape {shape}, which is not a {layout.name} cache with "
                 f"block_size={block_size}, num_kv_heads={num_kv_heads}, head_size={head_size}"

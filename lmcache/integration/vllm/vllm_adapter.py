@@ -17,25 +17,30 @@ vLLM 0.9.2's own v0 `LMCacheConnector` imports these names with these signatures
   parallel_config, cache_config, model_executable, model_input, kv_caches, statuses)`: store
   the prompt tokens computed by the step (chunks already cached are skipped).
 
+Every prompt step is served, its first chunk or a later one of a chunked prefill: the keys hash
+the whole prompt so far (`v0_step_plan`), a step loads the cached chunks beyond what vLLM already
+has and stores each chunk once its KV is computed. A step is planned once; vLLM's connector
+hands the rebuilt input back to the store, and `StepPlans` finds the plan again from it.
+
 Keys: a sequence served by a LoRA adapter is keyed with the adapter's name and path as the
 cache salt; steps carrying prompt embeddings, multimodal inputs, token types, prompt adapters or
-M-RoPE positions bypass the cache. Only prompt steps that start at position 0 are looked up and
-stored: a later chunk of a chunked prompt no longer has its earlier tokens in the input.
+M-RoPE positions bypass the cache.
 """
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from enum import Enum
-from typing import TYPE_CHECKING, Any, Callable, List, Optional, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, List, Optional, Sequence, Tuple, TypeVar
 
 import torch
 
 from lmcache.experimental.cache_engine import LMCacheEngine, LMCacheEngineBuilder
-from lmcache.integration.vllm.request_identity import cache_identity
+from lmcache.experimental.token_database import skip_prefix_mask
+from lmcache.integration.vllm.request_log import format_v0_step_line
 from lmcache.integration.vllm.utils import ENGINE_NAME, extra_config_of, force_skip_save, lmcache_get_config
-from lmcache.integration.vllm.v0_model_input import StepLayout, read_step, rebuild_model_input
+from lmcache.integration.vllm.v0_model_input import rebuild_model_input
+from lmcache.integration.vllm.v0_step_plan import PrefillPlan, StepPlan, StepPlans, plan_step, warn_once
 from lmcache.integration.vllm.vllm_compat import current_vllm_config
 from lmcache.integration.vllm.worker_engine import close_worker_engine, open_worker_engine
 from lmcache.logging import init_logger
@@ -47,8 +52,6 @@ logger = init_logger(__name__)
 
 # How this door names itself in the engine's log lines.
 DOOR = "v0 door"
-# Attribute of a rebuilt model input that carries the plan of its step (see `StepPlan`).
-PLAN_ATTR = "_lmcache_step_plan"
 
 T = TypeVar("T")
 
@@ -56,38 +59,24 @@ T = TypeVar("T")
 class RetrieveStatus(Enum):
     """What the door does for one sequence before the forward pass."""
 
-    PREFILL = "prefill"  # a prompt step from position 0: load its cached prefix
-    NONE = "none"  # decode, a later prompt chunk, or a bypassed sequence
+    PREFILL = "prefill"  # a prompt step (first or later chunk): load its cached chunks
+    NONE = "none"  # decode, or a bypassed sequence
 
 
 class StoreStatus(Enum):
     """What the door does for one sequence after the forward pass."""
 
-    PREFILL = "prefill"  # a prompt step from position 0: store what it computed
+    PREFILL = "prefill"  # a prompt step (first or later chunk): store the chunks it completed
     NONE = "none"
 
 
-@dataclass
-class StepPlan:
-    """One step as it came from vLLM, kept with the rebuilt input so the store can key whole prompts."""
-
-    # Sequence spans of the input as vLLM built it.
-    step: StepLayout
-    # The input's token ids (CPU) and slot mapping (KV cache device), before any rebuild.
-    tokens: torch.Tensor
-    slot_mapping: torch.Tensor
-    # Per prefill: the cache salt of its keys, or None when the sequence bypasses the cache.
-    salts: List[Optional[str]]
-    # Per prefill: whether a cached prefix may replace computation (False when the request
-    # wants prompt logprobs, which need every prompt token computed).
-    may_skip: List[bool]
-    # Per prefill: tokens whose KV was loaded from LMCache this step.
-    loaded: List[int]
+# The plan of the step in flight in this worker (vLLM runs one step at a time per worker).
+_PLANS = StepPlans()
 
 
-@functools.lru_cache(maxsize=None)
-def _warn_once(message: str) -> None:
-    logger.warning(message)
+def step_plan_of(model_input: Any) -> Optional[StepPlan]:
+    """The plan the door made for this step's input (original or rebuilt), planning it if new."""
+    return _PLANS.get(model_input)
 
 
 @dataclass(frozen=True)
@@ -108,6 +97,47 @@ def _vllm_config_for(model_config: Any, parallel_config: Any, cache_config: Any)
     return _ConfigView(model_config, parallel_config, cache_config)
 
 
+@dataclass(frozen=True)
+class RunnerView:
+    """What the door reads from vLLM's v0 model runner, read once per step."""
+
+    vllm_config: Any
+    block_size: int
+    pipeline_parallel_size: int
+    sliding_window: Optional[int]
+
+    @classmethod
+    def of(cls, runner: Any) -> "RunnerView":
+        return cls(
+            vllm_config=runner.vllm_config,
+            block_size=runner.cache_config.block_size,
+            pipeline_parallel_size=runner.parallel_config.pipeline_parallel_size,
+            sliding_window=getattr(runner, "sliding_window", None),
+        )
+
+    def reason_to_step_aside(self) -> Optional[str]:
+        """Why the door leaves this runner's steps alone (None: it serves them).
+
+        A user's own KV transfer config means vLLM's connector is in charge. Pipeline stages
+        run different micro-batches at once, so they could not agree on what to skip. vLLM's CPU
+        prefix-aware attention cannot mask a sliding window, and a windowed prompt's early tokens
+        have no slots to store from or load into."""
+        if self.vllm_config.kv_transfer_config is not None:
+            return "kv_transfer_config"
+        if self.pipeline_parallel_size > 1:
+            return "pipeline parallelism is not supported"
+        if self.sliding_window is not None:
+            return "sliding-window attention is not supported"
+        return None
+
+
+def _open_engine(vllm_config: Any) -> LMCacheEngine:
+    config = lmcache_get_config(extra_config_of(vllm_config))
+    if config.save_decode_cache:
+        warn_once("LMCache v0 door: save_decode_cache is not supported by the v0 engine; only prompts are stored")
+    return open_worker_engine(vllm_config, config, DOOR).engine
+
+
 def init_lmcache_engine(
     model_config: "ModelConfig",
     parallel_config: "ParallelConfig",
@@ -122,14 +152,11 @@ def init_lmcache_engine(
     if LMCacheEngineBuilder.get(ENGINE_NAME) is not None:
         return None
     if parallel_config.pipeline_parallel_size > 1:
-        _warn_once("LMCache v0 door: pipeline parallelism is not supported; the cache stays off")
+        warn_once("LMCache v0 door: pipeline parallelism is not supported; the cache stays off")
         return None
     if vllm_config is None:
         vllm_config = _vllm_config_for(model_config, parallel_config, cache_config)
-    config = lmcache_get_config(extra_config_of(vllm_config))
-    if config.save_decode_cache:
-        _warn_once("LMCache v0 door: save_decode_cache is not supported by the v0 engine; only prompts are stored")
-    return open_worker_engine(vllm_config, config, DOOR).engine
+    return _open_engine(vllm_config)
 
 
 def close_lmcache_engine() -> None:
@@ -137,95 +164,8 @@ def close_lmcache_engine() -> None:
     close_worker_engine(DOOR)
 
 
-def _step_bypass_reason(model_input: Any) -> Optional[str]:
-    """Why a whole step cannot use the cache, or None."""
-    if getattr(model_input, "inputs_embeds", None) is not None:
-        return "prompt embeddings"
-    if getattr(model_input, "multi_modal_kwargs", None):
-        return "multimodal inputs"
-    if getattr(model_input, "token_types", None) is not None or getattr(model_input, "token_type_ids", None) is not None:
-        return "token types"
-    if getattr(model_input, "prompt_adapter_requests", None):
-        return "prompt adapters"
-    if getattr(model_input, "previous_hidden_states", None) is not None:
-        return "speculative hidden states"
-    positions = model_input.input_positions
-    if positions is None or positions.dim() != 1:
-        return "M-RoPE positions"
-    return None
-
-
-def _lora_salt(model_input: Any, token_index: int) -> Optional[str]:
-    """The empty salt without LoRA, the adapter's identity for a LoRA sequence, None if unnamed."""
-    mapping = getattr(model_input, "lora_mapping", None)
-    if mapping is None or not mapping.index_mapping:
-        return ""
-    lora_id = mapping.index_mapping[token_index]
-    if lora_id <= 0:
-        return ""
-    for request in getattr(model_input, "lora_requests", None) or ():
-        if request.lora_int_id == lora_id:
-            return cache_identity(lora_request=request).cache_salt
-    return None
-
-
-def plan_step(model_input: Any) -> Optional[StepPlan]:
-    """The plan of a step as vLLM built it; None for unknown attention backends or no prefills."""
-    step = read_step(model_input)
-    if step is None:
-        _warn_once(
-            f"LMCache v0 door: attention metadata {type(model_input.attn_metadata).__name__} is not "
-            "supported (TorchSDPAMetadata, FlashAttentionMetadata are); the cache is bypassed"
-        )
-        return None
-    if step.num_prefills == 0:
-        return None
-    reason = _step_bypass_reason(model_input)
-    if reason is not None:
-        _warn_once(f"LMCache v0 door: steps with {reason} bypass the cache")
-    slot_mapping = model_input.attn_metadata.slot_mapping
-    selected = model_input.sampling_metadata.selected_token_indices.cpu() if model_input.sampling_metadata else None
-    salts: List[Optional[str]] = []
-    may_skip: List[bool] = []
-    for seq in step.prefills:
-        salt = None if reason is not None else _lora_salt(model_input, seq.start)
-        if salt is not None and bool((slot_mapping[seq.start : seq.end] < 0).any()):
-            salt = None  # tokens without a slot (sliding window, profiling) cannot be stored or loaded
-        salts.append(salt)
-        sampled = 0 if selected is None else int(((selected >= seq.start) & (selected < seq.end)).sum())
-        may_skip.append(sampled <= 1)
-    return StepPlan(
-        step=step,
-        tokens=model_input.input_tokens.cpu(),
-        slot_mapping=slot_mapping,
-        salts=salts,
-        may_skip=may_skip,
-        loaded=[0] * step.num_prefills,
-    )
-
-
-def _plan_of(model_input: Any) -> Optional[StepPlan]:
-    plan = getattr(model_input, PLAN_ATTR, None)
-    return plan if plan is not None else plan_step(model_input)
-
-
 def _is_profile_run(kv_caches: Optional[Sequence[torch.Tensor]]) -> bool:
     return not kv_caches or kv_caches[0].numel() == 0
-
-
-def lmcache_should_retrieve(model_input: Any, kv_caches: Optional[Sequence[torch.Tensor]] = None) -> List[RetrieveStatus]:
-    """One status per sequence: PREFILL for prompt steps from position 0 that may use a cached prefix."""
-    step = read_step(model_input)
-    statuses = [RetrieveStatus.NONE] * (len(step.seqs) if step is not None else 0)
-    if step is None or (kv_caches is not None and _is_profile_run(kv_caches)):
-        return statuses
-    plan = plan_step(model_input)
-    if plan is None:
-        return statuses
-    for seq, salt, may_skip in zip(step.prefills, plan.salts, plan.may_skip):
-        if seq.context_len == 0 and salt is not None and may_skip:
-            statuses[seq.index] = RetrieveStatus.PREFILL
-    return statuses
 
 
 def _agree_across_tensor_parallel(loaded: List[int]) -> List[int]:
@@ -245,6 +185,104 @@ def _agree_across_tensor_parallel(loaded: List[int]) -> List[int]:
     return [int(n) for n in counts.tolist()]
 
 
+def _load_prefill(engine: LMCacheEngine, prefill: PrefillPlan, kv_caches: List[torch.Tensor], block_size: int) -> int:
+    """Retrieve the cached chunks of one prefill into its slots; the step's tokens now loaded.
+
+    The context (tokens vLLM has already) gets slot -1, so vLLM's blocks are never written; the
+    chunk that straddles it is read whole and only its tail lands."""
+    assert prefill.tokens is not None
+    context = prefill.seq.context_len
+    slots = prefill.slots(block_size)
+    if context:
+        slots = slots.clone()
+        slots[:context] = -1
+    got = engine.retrieve(
+        prefill.tokens,
+        skip_prefix_mask(prefill.seq.seq_len, context, engine.config.chunk_size),
+        cache_salt=prefill.salt,
+        kvcaches=kv_caches,
+        slot_mapping=slots,
+    )
+    fresh = got[context:]
+    misses = torch.nonzero(~fresh, as_tuple=False)
+    return int(misses[0]) if misses.numel() else int(fresh.shape[0])
+
+
+def retrieve_step(
+    engine: LMCacheEngine,
+    model_input: Any,
+    plan: StepPlan,
+    kv_caches: List[torch.Tensor],
+    block_size: int,
+    wanted: Optional[Sequence[bool]] = None,
+) -> Tuple[Any, StepPlan]:
+    """Load what LMCache has for the plan's prefills (`wanted[i]` False leaves prefill i alone);
+    return the input rebuilt to compute only the rest, and the plan with what was loaded."""
+    for prefill in plan.prefills:
+        prefill.loaded = 0
+        if prefill.served and prefill.may_skip and (wanted is None or wanted[prefill.seq.index]):
+            prefill.loaded = _load_prefill(engine, prefill, kv_caches, block_size)
+    for prefill, agreed in zip(plan.prefills, _agree_across_tensor_parallel(plan.loaded)):
+        prefill.loaded = agreed
+    # A step computes at least one token of each prompt: vLLM's attention needs a query, and the
+    # last chunk's last token gives the next token's logits.
+    skips = [min(p.loaded, p.seq.query_len - 1) for p in plan.prefills]
+    rebuilt = rebuild_model_input(model_input, plan.step, skips, block_size)
+    for prefill, skip in zip(plan.prefills, skips):
+        if prefill.served and prefill.may_skip:
+            seq = prefill.seq
+            logger.info("%s", format_v0_step_line(seq.query_len, seq.context_len, prefill.loaded, seq.query_len - skip))
+    return rebuilt, plan
+
+
+def store_step(
+    engine: LMCacheEngine,
+    plan: StepPlan,
+    kv_caches: List[torch.Tensor],
+    block_size: int,
+    wanted: Optional[Sequence[bool]] = None,
+) -> None:
+    """Store the chunks each served prefill completed this step, keyed by its whole prompt so far.
+
+    Mid-prompt only whole chunks are stored; the step that computes the prompt's last token also
+    stores the trailing partial chunk (unless `save_unfull_chunk` is off). Chunks below the
+    context plus what this step loaded were stored when their KV was computed (an earlier chunk
+    through this door, or the request that filled vLLM's prefix cache), so they are left out."""
+    chunk_size = engine.config.chunk_size
+    for prefill in plan.prefills:
+        if not prefill.served or (wanted is not None and not wanted[prefill.seq.index]):
+            continue
+        assert prefill.tokens is not None
+        seq_len = prefill.seq.seq_len
+        end = seq_len
+        if not (prefill.completes_prompt and engine.config.save_unfull_chunk):
+            end -= seq_len % chunk_size
+        cached = prefill.seq.context_len + prefill.loaded
+        if end <= cached - cached % chunk_size:
+            continue
+        engine.store(
+            prefill.tokens[:end],
+            skip_prefix_mask(end, cached, chunk_size),
+            cache_salt=prefill.salt,
+            kvcaches=kv_caches,
+            slot_mapping=prefill.slots(block_size)[:end],
+        )
+
+
+def lmcache_should_retrieve(model_input: Any, kv_caches: Optional[Sequence[torch.Tensor]] = None) -> List[RetrieveStatus]:
+    """One status per sequence: PREFILL for prompt steps that may use cached chunks."""
+    plan = _PLANS.get(model_input)
+    if plan is None:
+        return []
+    statuses = [RetrieveStatus.NONE] * len(plan.step.seqs)
+    if kv_caches is not None and _is_profile_run(kv_caches):
+        return statuses
+    for prefill in plan.prefills:
+        if prefill.served and prefill.may_skip:
+            statuses[prefill.seq.index] = RetrieveStatus.PREFILL
+    return statuses
+
+
 def lmcache_retrieve_kv(
     model_executable: torch.nn.Module,
     model_input: Any,
@@ -256,47 +294,26 @@ def lmcache_retrieve_kv(
     engine = LMCacheEngineBuilder.get(ENGINE_NAME)
     if engine is None or _is_profile_run(kv_caches) or RetrieveStatus.PREFILL not in retrieve_status:
         return model_input, False, None
-    plan = plan_step(model_input)
+    plan = _PLANS.get(model_input)
     if plan is None:
         return model_input, False, None
-    for seq, salt in zip(plan.step.prefills, plan.salts):
-        if retrieve_status[seq.index] != RetrieveStatus.PREFILL or salt is None:
-            continue
-        mask = engine.retrieve(
-            plan.tokens[seq.start : seq.end],
-            cache_salt=salt,
-            kvcaches=kv_caches,
-            slot_mapping=plan.slot_mapping[seq.start : seq.end],
-        )
-        misses = torch.nonzero(~mask, as_tuple=False)
-        plan.loaded[seq.index] = int(misses[0]) if misses.numel() else int(mask.shape[0])
-    plan.loaded = _agree_across_tensor_parallel(plan.loaded)
-    # A step computes at least each prompt's last token: its logits give the next token.
-    skips = [min(n, seq.query_len - 1) for n, seq in zip(plan.loaded, plan.step.prefills)]
-    rebuilt = rebuild_model_input(model_input, plan.step, skips, cache_config.block_size)
-    if rebuilt is not model_input:
-        # The rebuilt input lacks the loaded tokens that the store needs to key whole prompts,
-        # so the plan rides along as a private attribute vLLM never reads (frozen dataclass).
-        object.__setattr__(rebuilt, PLAN_ATTR, plan)
-    for seq, n, skip in zip(plan.step.prefills, plan.loaded, skips):
-        if retrieve_status[seq.index] == RetrieveStatus.PREFILL:
-            logger.info(
-                "LMCache v0 door: prompt of %d tokens: %d hit tokens loaded, computing %d",
-                seq.query_len, n, seq.query_len - skip,
-            )
+    wanted = [status == RetrieveStatus.PREFILL for status in retrieve_status]
+    rebuilt, plan = retrieve_step(engine, model_input, plan, kv_caches, cache_config.block_size, wanted)
+    _PLANS.remember(rebuilt, plan, same_step=True)
     return rebuilt, False, None
 
 
 def lmcache_should_store(model_input: Any, kv_caches: Optional[Sequence[torch.Tensor]] = None) -> List[StoreStatus]:
-    """One status per sequence: PREFILL for prompt steps from position 0 whose KV can be keyed."""
-    plan = _plan_of(model_input)
-    step = plan.step if plan is not None else read_step(model_input)
-    statuses = [StoreStatus.NONE] * (len(step.seqs) if step is not None else 0)
-    if plan is None or force_skip_save() or (kv_caches is not None and _is_profile_run(kv_caches)):
+    """One status per sequence: PREFILL for prompt steps whose KV can be keyed."""
+    plan = _PLANS.get(model_input)
+    if plan is None:
+        return []
+    statuses = [StoreStatus.NONE] * len(plan.step.seqs)
+    if force_skip_save() or (kv_caches is not None and _is_profile_run(kv_caches)):
         return statuses
-    for seq, salt in zip(plan.step.prefills, plan.salts):
-        if seq.context_len == 0 and salt is not None:
-            statuses[seq.index] = StoreStatus.PREFILL
+    for prefill in plan.prefills:
+        if prefill.served:
+            statuses[prefill.seq.index] = StoreStatus.PREFILL
     return statuses
 
 
@@ -313,74 +330,46 @@ def lmcache_store_kv(
     engine = LMCacheEngineBuilder.get(ENGINE_NAME)
     if engine is None or _is_profile_run(kv_caches) or StoreStatus.PREFILL not in store_status:
         return
-    plan = _plan_of(model_input)
+    plan = _PLANS.get(model_input)
     if plan is None:
         return
-    chunk_size = engine.config.chunk_size
-    for seq, salt, loaded in zip(plan.step.prefills, plan.salts, plan.loaded):
-        if store_status[seq.index] != StoreStatus.PREFILL or salt is None:
-            continue
-        end = seq.end
-        if not engine.config.save_unfull_chunk:
-            end = seq.start + (seq.query_len // chunk_size) * chunk_size
-        if end <= seq.start:
-            continue
-        tokens = plan.tokens[seq.start : end]
-        # Chunks loaded this step are cached already: leave them out of the store.
-        cached = (loaded // chunk_size) * chunk_size
-        mask = None
-        if cached:
-            mask = torch.ones(len(tokens), dtype=torch.bool)
-            mask[:cached] = False
-        engine.store(
-            tokens,
-            mask,
-            cache_salt=salt,
-            kvcaches=kv_caches,
-            slot_mapping=plan.slot_mapping[seq.start : end],
-        )
+    wanted = [status == StoreStatus.PREFILL for status in store_status]
+    store_step(engine, plan, kv_caches, cache_config.block_size, wanted)
 
 
 def execute_with_cache(runner: Any, model_input: Any, kv_caches: List[torch.Tensor], forward: Callable[[Any], T]) -> T:
-    """One v0 step with LMCache: retrieve and rebuild, `forward(input)`, store.
+    """One v0 step with LMCache: plan, retrieve and rebuild, `forward(input)`, store.
 
-    Starts the engine at the first real step. Steps it does not serve (profiling, a user's own
-    KV transfer config, pipeline parallelism, sliding-window attention) go to `forward`
+    Starts the engine at the first real step. Steps it does not serve (profiling, decode-only,
+    and every step of a runner `RunnerView.reason_to_step_aside` names) go to `forward`
     untouched. A failure inside the cache is logged and the step computes everything, as it
     would without LMCache.
     """
     metadata = model_input.attn_metadata
-    if (
-        metadata is None
-        or metadata.num_prefills == 0  # decode-only steps: nothing to load or store
-        or runner.vllm_config.kv_transfer_config is not None
-        or _is_profile_run(kv_caches)
-        or runner.parallel_config.pipeline_parallel_size > 1
-    ):
+    if metadata is None or metadata.num_prefills == 0 or _is_profile_run(kv_caches):
         return forward(model_input)
-    if getattr(runner, "sliding_window", None) is not None:
-        # vLLM's CPU prefix-aware attention cannot mask a window, and a windowed prompt's early
-        # tokens have no slots to store from or load into.
-        _warn_once("LMCache v0 door: sliding-window attention is not supported; the cache stays off")
+    view = RunnerView.of(runner)
+    reason = view.reason_to_step_aside()
+    if reason is not None:
+        if reason != "kv_transfer_config":
+            warn_once(f"LMCache v0 door: {reason}; the cache stays off")
         return forward(model_input)
-    if LMCacheEngineBuilder.get(ENGINE_NAME) is None:
-        init_lmcache_engine(runner.model_config, runner.parallel_config, runner.cache_config, vllm_config=runner.vllm_config)
-    step_input = model_input
+    engine = LMCacheEngineBuilder.get(ENGINE_NAME) or _open_engine(view.vllm_config)
+    step_input, plan = model_input, None
     try:
-        statuses = lmcache_should_retrieve(model_input, kv_caches)
-        if RetrieveStatus.PREFILL in statuses:
-            step_input, _, _ = lmcache_retrieve_kv(runner.model, model_input, runner.cache_config, kv_caches, statuses)
+        plan = plan_step(model_input)
+        if plan is not None:
+            step_input, plan = retrieve_step(engine, model_input, plan, kv_caches, view.block_size)
     except Exception:
         logger.exception("LMCache v0 door: retrieve failed; computing the whole step")
         step_input = model_input
+        if plan is not None:
+            for prefill in plan.prefills:
+                prefill.loaded = 0
     output = forward(step_input)
     try:
-        store_statuses = lmcache_should_store(step_input, kv_caches)
-        if StoreStatus.PREFILL in store_statuses:
-            lmcache_store_kv(
-                runner.model_config, runner.parallel_config, runner.cache_config,
-                runner.model, step_input, kv_caches, store_statuses,
-            )
+        if plan is not None and not force_skip_save():
+            store_step(engine, plan, kv_caches, view.block_size)
     except Exception:
         logger.exception("LMCache v0 door: store failed; the step's KV is not cached")
     return output

@@ -27,11 +27,7 @@ class Serde(ABC):
 
     @abstractmethod
     def decode(
-        self,
-        key: KeyLike,
-        data: Buffer,
-        allocate: AllocateFn,
-        dtype: Optional[torch.dtype] = None,
+        self, key: KeyLike, data: Buffer, allocate: AllocateFn, dtype: Optional[torch.dtype] = None
     ) -> Optional[MemoryObj]:
         """A new object holding the chunk, or None (logged) when `data` is not a valid chunk
         of this serde for `key` (and of `dtype`, when given) or memory is full."""

@@ -176,11 +176,7 @@ class CacheGenSerde(Serde):
         return header + stream
 
     def decode(
-        self,
-        key: KeyLike,
-        data: Buffer,
-        allocate: AllocateFn,
-        dtype: Optional[torch.dtype] = None,
+        self, key: KeyLike, data: Buffer, allocate: AllocateFn, dtype: Optional[torch.dtype] = None
     ) -> Optional[MemoryObj]:
         view = memoryview(data).cast("B")
         header = chunk_format.decode_header(view)

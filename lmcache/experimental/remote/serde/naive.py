@@ -24,11 +24,7 @@ class NaiveSerde(Serde):
         return chunk_format.encode_memory_obj(key, obj)
 
     def decode(
-        self,
-        key: KeyLike,
-        data: Buffer,
-        allocate: AllocateFn,
-        dtype: Optional[torch.dtype] = None,
+        self, key: KeyLike, data: Buffer, allocate: AllocateFn, dtype: Optional[torch.dtype] = None
     ) -> Optional[MemoryObj]:
         header = chunk_format.decode_header(data)
         if header is None:

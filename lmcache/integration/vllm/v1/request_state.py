@@ -46,14 +46,6 @@ class SaveSpec:
 
 
 @dataclass
-class RequestCounters:
-    """What the worker actually did for one request (for the per-request log line)."""
-
-    loaded_tokens: int = 0  # tokens written into vLLM's cache from LMCache
-    stored_tokens: int = 0  # tokens handed to LMCache's store
-
-
-@dataclass
 class RequestTracker:
     """One running request as the scheduler side sees it across steps."""
 

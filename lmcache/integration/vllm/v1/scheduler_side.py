@@ -20,14 +20,13 @@ request that ends without loading is released by the worker's `get_finished`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
+from lmcache.integration.vllm.request_log import RequestCounters, RequestStats, format_request_line
 from lmcache.integration.vllm.v1.request_policy import DoorSettings, RequestPolicy, request_policy
 from lmcache.integration.vllm.v1.request_state import (
     LMCacheConnectorMetadata,
     LoadSpec,
-    RequestCounters,
     RequestTracker,
     make_req_meta,
     plan_save,
@@ -41,25 +40,6 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 logger = init_logger(__name__)
-
-
-@dataclass
-class RequestStats:
-    """What the scheduler side learnt about one request, for its log line."""
-
-    prompt_tokens: int
-    vllm_cached_tokens: int  # vLLM's own prefix-cache hit
-    lmcache_hit_tokens: int = 0  # LMCache's cached prefix at lookup
-
-
-def format_request_line(req_id: str, stats: RequestStats, counters: RequestCounters, reason: str) -> str:
-    """The per-request log line (tests parse it: keep the key=value fields stable)."""
-    line = (
-        f"LMCache request {req_id}: prompt_tokens={stats.prompt_tokens} "
-        f"vllm_cached_tokens={stats.vllm_cached_tokens} lmcache_hit_tokens={stats.lmcache_hit_tokens} "
-        f"loaded_tokens={counters.loaded_tokens} stored_tokens={counters.stored_tokens}"
-    )
-    return f"{line} (not stored: {reason})" if reason else line
 
 
 def _single_group(block_ids: Sequence[Sequence[int]], req_id: str) -> list[int]:

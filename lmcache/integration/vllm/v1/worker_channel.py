@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol, Sequence
 
 import numpy as np
 
-from lmcache.integration.vllm.v1.request_state import RequestCounters
+from lmcache.integration.vllm.request_log import RequestCounters
 from lmcache.logging import init_logger
 
 if TYPE_CHECKING:

@@ -41,7 +41,8 @@ from lmcache.experimental.config import LMCacheEngineConfig
 from lmcache.experimental.kv_layout import KVLayout
 from lmcache.experimental.token_database import skip_prefix_mask
 from lmcache.integration.vllm.utils import check_kv_caches
-from lmcache.integration.vllm.v1.request_state import LMCacheConnectorMetadata, ReqMeta, RequestCounters
+from lmcache.integration.vllm.request_log import RequestCounters
+from lmcache.integration.vllm.v1.request_state import LMCacheConnectorMetadata, ReqMeta
 from lmcache.integration.vllm.v1.worker_channel import WorkerChannelServer, channel_socket_path
 from lmcache.integration.vllm.vllm_compat import attention_kv_caches, kv_caches_in_layer_order
 from lmcache.integration.vllm.worker_engine import ENGINE_EXIT_PRIORITY, open_worker_engine
