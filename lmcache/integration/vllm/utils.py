@@ -91,9 +91,10 @@ def kv_cache_dtype(vllm_config: "VllmConfig") -> torch.dtype:
 def detect_kv_layout(vllm_config: "VllmConfig") -> KVLayout:
     """The paged layout of one layer's K (V) cache for this vLLM configuration.
 
-    CPU backend: `CPU_IPEX` when vLLM 0.9's CPU attention runs through IPEX, `CPU_PACKED` when it
-    falls back to its own kernels, `CPU_ATTN` on vLLM 0.32 (`vllm_compat.cpu_kv_layout`). GPU: `FLASH` (flash-attention's `(2, blocks, block_size,
-    heads, head_size)`). MLA models: `MLA` on either.
+    CPU backend (`vllm_compat.cpu_kv_layout`): `CPU_IPEX` when vLLM 0.9's CPU attention runs
+    through IPEX, `CPU_PACKED` when it falls back to its own kernels, `CPU_ATTN` on vLLM 0.32.
+    GPU: `FLASH` (flash-attention's `(2, blocks, block_size, heads, head_size)`). MLA models:
+    `MLA` on either.
     """
     if vllm_config.model_config.use_mla:
         return KVLayout.MLA

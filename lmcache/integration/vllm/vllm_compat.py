@@ -66,6 +66,7 @@ def is_legacy_vllm() -> bool:
     """True on the 0.9 line (v0 engine, IPEX/packed CPU layouts, `resumed_from_preemption`)."""
     return vllm_release() < (0, 10)
 
+
 # vLLM 0.9.2 `vllm/distributed/kv_transfer/kv_connector/v1/lmcache_connector.py`: the shell keeps
 # the object `lmcache.integration.vllm.vllm_v1_adapter.LMCacheConnectorV1Impl` builds here.
 _SHELL_IMPL_ATTRIBUTE = "_lmcache_engine"
