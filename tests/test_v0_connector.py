@@ -95,6 +95,20 @@ def test_init_builds_once_and_refuses_pipeline_parallelism(vllm_config):
     assert LMCacheEngineBuilder.get(ENGINE_NAME) is None
 
 
+@pytest.mark.vllm
+def test_both_doors_share_one_engine_and_one_close(vllm_config):
+    """The v0 door and the v1 worker side build through `open_worker_engine`: one engine per
+    process, closed once."""
+    from lmcache.integration.vllm.utils import lmcache_get_config
+    from lmcache.integration.vllm.worker_engine import close_worker_engine, open_worker_engine
+
+    v0 = init_lmcache_engine(vllm_config.model_config, vllm_config.parallel_config, vllm_config.cache_config)
+    v1 = open_worker_engine(vllm_config, lmcache_get_config(), "v1 worker")
+    assert v1.engine is v0 and (v1.world_size, v1.rank) == (1, 0)
+    assert close_worker_engine("v0 door") is True
+    assert LMCacheEngineBuilder.get(ENGINE_NAME) is None and close_worker_engine("v0 door") is False
+
+
 def test_config_errors_are_loud(monkeypatch):
     """A bad LMCACHE_* value stops engine creation with the key named (no silent cache-off)."""
     monkeypatch.setenv("LMCACHE_CHUNK_SIZE", "lots")
