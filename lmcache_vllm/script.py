@@ -37,7 +37,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     sys.argv = [sys.argv[0] if sys.argv else "lmcache_vllm", *args]
     try:
         prepare()
-    except ImportError as exc:
+    except (ImportError, ValueError) as exc:
         print(f"lmcache_vllm: {exc}", file=sys.stderr)
         raise SystemExit(1) from None
     from vllm.entrypoints.cli.main import main as vllm_main

@@ -12,9 +12,10 @@
   vLLM inspects a model's class in a fresh Python process so that this one never initialises
   CUDA; a CPU platform has no CUDA, and that process (importing torch and vLLM again) took
   17-22 s of every server start on a 2-core machine.
-- the method vLLM calls exactly when it picks the v1 engine (`vllm_compat.wrapper_patch_points`): when
-  the user gave no KV transfer config, ours becomes `LMCacheConnectorV1` (vLLM's built-in shell
-  around `lmcache.integration.vllm.vllm_v1_adapter`). A user's own setting is left alone.
+- the method vLLM calls exactly when it picks the v1 engine (`vllm_compat.wrapper_patch_points`;
+  on vLLM 0.32, which has only the v1 engine, the engine-config build): when the user gave no KV
+  transfer config, ours becomes `LMCacheConnectorV1` (vLLM's built-in shell around
+  `lmcache.integration.vllm.vllm_v1_adapter`). A user's own setting is left alone.
 
 vLLM runs engines and workers in processes it starts with `spawn`, where patches made here do
 not exist. `mark_environment()` records the intent in an environment variable those processes
@@ -131,26 +132,43 @@ def wrap_run_in_subprocess(original: Callable[..., Any]) -> Callable[..., Any]:
     return _run_in_subprocess
 
 
+def use_v1_connector(engine_args: Any) -> None:
+    """Give `engine_args` our v1 connector unless the user set a KV transfer config."""
+    if engine_args.kv_transfer_config is None:
+        from lmcache.integration.vllm.vllm_compat import wrapper_kv_transfer_config
+
+        engine_args.kv_transfer_config = wrapper_kv_transfer_config()
+        logger.info("lmcache_vllm: v1 engine selected, using KV connector %s", V1_CONNECTOR)
+    else:
+        logger.info(
+            "lmcache_vllm: v1 engine with the user's KV transfer config (%s) left as given",
+            engine_args.kv_transfer_config.kv_connector,
+        )
+
+
 def wrap_set_default_args_v1(original: Callable[..., Any]) -> Callable[..., Any]:
-    """vLLM's v1 engine-args defaults that also turn on our v1 connector by default."""
+    """vLLM 0.9's v1 engine-args defaults that also turn on our v1 connector by default."""
 
     @functools.wraps(original)
     def _set_default_args_v1(self: Any, *args: Any, **kwargs: Any) -> Any:
         result = original(self, *args, **kwargs)
-        if self.kv_transfer_config is None:
-            from vllm.config import KVTransferConfig
-
-            self.kv_transfer_config = KVTransferConfig(kv_connector=V1_CONNECTOR, kv_role="kv_both")
-            logger.info("lmcache_vllm: v1 engine selected, using KV connector %s", V1_CONNECTOR)
-        else:
-            logger.info(
-                "lmcache_vllm: v1 engine with the user's KV transfer config (%s) left as given",
-                self.kv_transfer_config.kv_connector,
-            )
+        use_v1_connector(self)
         return result
 
     setattr(_set_default_args_v1, _WRAPPED_MARK, True)
     return _set_default_args_v1
+
+
+def wrap_create_engine_config(original: Callable[..., Any]) -> Callable[..., Any]:
+    """vLLM 0.32's engine-config build, with our v1 connector turned on before it reads it."""
+
+    @functools.wraps(original)
+    def create_engine_config(self: Any, *args: Any, **kwargs: Any) -> Any:
+        use_v1_connector(self)
+        return original(self, *args, **kwargs)
+
+    setattr(create_engine_config, _WRAPPED_MARK, True)
+    return create_engine_config
 
 
 _WRAPPERS: dict[str, Callable[[Callable[..., Any]], Callable[..., Any]]] = {
@@ -158,6 +176,7 @@ _WRAPPERS: dict[str, Callable[[Callable[..., Any]], Callable[..., Any]]] = {
     "v1_default_args": wrap_set_default_args_v1,
     "v0_load_model": wrap_load_model,
     "model_inspection": wrap_run_in_subprocess,
+    "v1_engine_config": wrap_create_engine_config,
 }
 
 

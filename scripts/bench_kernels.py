@@ -2,8 +2,9 @@
 
 Shape (defaults): 32 layers, 8 KV heads, head size 128, block size 16, one 256-token chunk in
 random non-contiguous blocks; float32 and bfloat16; store (cache -> object) and retrieve
-(object -> cache); layouts FLASH, CPU_IPEX and CPU_PACKED. For each row it prints GB/s (object
-bytes moved per second; each byte is read once and written once) of:
+(object -> cache); layouts FLASH, CPU_IPEX and CPU_PACKED, and with --layouts CPU_ATTN vLLM 0.32's
+CPU cache (which vLLM uses with blocks of 32 or more, e.g. --block-size 128). For each row it
+prints GB/s (object bytes moved per second; each byte is read once and written once) of:
   kernel  c_ops.multi_layer_kv_transfer
   torch   the plain torch indexing a Python connector would do, layer by layer
   copy    torch copy_ between two contiguous tensors of the same size, same thread count
@@ -13,7 +14,7 @@ of --repeat rounds (the machine is shared and noisy: the minimum is the least di
 the contenders run interleaved round by round so a slow patch hits all of them alike.
 
 Usage: .venv/bin/python scripts/bench_kernels.py [--threads 2] [--repeat 25] [--blocks 64]
-       [--dtypes float32,bfloat16] [--layouts FLASH,CPU_IPEX,CPU_PACKED]
+       [--dtypes float32,bfloat16] [--layouts FLASH,CPU_IPEX,CPU_PACKED,CPU_ATTN] [--block-size 16]
 """
 
 from __future__ import annotations
@@ -50,7 +51,10 @@ def make_setup(layout: KVLayout, dtype: torch.dtype, args: argparse.Namespace) -
     shape_k = layout_shape(layout, args.blocks, args.block_size, args.heads, args.head_size, dtype)
     shape_v = layout_shape(layout, args.blocks, args.block_size, args.heads, args.head_size, dtype, True)
     keys = [torch.randn(shape_k, generator=gen).to(dtype) for _ in range(args.layers)]
-    values = [torch.randn(shape_v, generator=gen).to(dtype) for _ in range(args.layers)]
+    if layout == KVLayout.CPU_ATTN:  # one tensor per layer holds K and V
+        values = list(keys)
+    else:
+        values = [torch.randn(shape_v, generator=gen).to(dtype) for _ in range(args.layers)]
     used = (args.tokens + args.block_size - 1) // args.block_size
     if used > args.blocks:
         raise SystemExit(f"--blocks {args.blocks} is too small for {args.tokens} tokens")
@@ -70,13 +74,26 @@ def kernel_fn(s: Setup, to_cache: bool) -> Callable[[], None]:
     return run
 
 
-def _index(layout: KVLayout, block: torch.Tensor, off: torch.Tensor):
+def _indexed(layout: KVLayout, cache: torch.Tensor, is_value: bool) -> torch.Tensor:
+    """The view of `cache` that the indexing key of `_index` applies to: the cache itself, or for
+    CPU_ATTN its K half [blocks, H, D, bs] or V half [blocks, H, bs, D]."""
+    if layout != KVLayout.CPU_ATTN:
+        return cache
+    nb, heads, bs, two_d = cache.shape
+    halves = cache.view(nb, heads, 2, bs * two_d // 2)
+    if is_value:
+        return halves[:, :, 1].view(nb, heads, bs, two_d // 2)
+    return halves[:, :, 0].view(nb, heads, two_d // 2, bs)
+
+
+def _index(layout: KVLayout, block: torch.Tensor, off: torch.Tensor, is_value: bool):
     """The advanced-indexing key that selects the chunk's tokens in `layout` (K or V)."""
     if layout == KVLayout.FLASH:
         return (block, off)
-    if layout == KVLayout.CPU_IPEX:
+    if layout == KVLayout.CPU_IPEX or (layout == KVLayout.CPU_ATTN and is_value):
         return (block, slice(None), off)
-    return (block, slice(None), slice(None), off)  # CPU_PACKED: K [.., D/x, bs, x], V [.., D, bs]
+    # CPU_PACKED: K [.., D/x, bs, x], V [.., D, bs]; CPU_ATTN's K half [.., D, bs]
+    return (block, slice(None), slice(None), off)
 
 
 def torch_fn(s: Setup, to_cache: bool) -> Callable[[], None]:
@@ -96,7 +113,8 @@ def torch_fn(s: Setup, to_cache: bool) -> Callable[[], None]:
                     else:
                         torch.index_select(flat, 0, flat_slots, out=rows)
                     continue
-                key = _index(s.layout, block, off)
+                key = _index(s.layout, block, off, kv == 1)
+                cache = _indexed(s.layout, cache, kv == 1)
                 if to_cache:
                     cache[key] = rows.view(cache[key].shape)
                 else:

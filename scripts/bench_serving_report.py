@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Iterable, Mapping, Optional, Sequence
@@ -19,10 +20,17 @@ from bench_serving_workloads import PhaseTotals, RequestRecord
 from lmcache.integration.vllm.request_log import parse_request_lines
 
 
+_VLLM_ID_SUFFIX = re.compile(r"-[0-9a-f]{8}$")
+
+
 def attach_lmcache_hits(records: Iterable[RequestRecord], log_text: str) -> int:
     """Fill the `lmcache_*` fields of the records whose id our log names; return how many."""
-    # One line per finished request from the v1 door (the last one wins if logged twice).
-    logged = {line.req_id: line for line in parse_request_lines(log_text)}
+    # One line per finished request from the v1 door (the last one wins if logged twice). vLLM
+    # 0.32 appends `-<8 hex digits>` to the engine request id; both forms are keys.
+    logged = {}
+    for line in parse_request_lines(log_text):
+        logged[line.req_id] = line
+        logged[_VLLM_ID_SUFFIX.sub("", line.req_id)] = line
     found = 0
     for rec in records:
         line = logged.get(rec.request_id)

@@ -97,6 +97,14 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def request_log_flags() -> list[str]:
+    """Request logging off: vLLM 0.9 logs requests unless told not to; vLLM 0.32 logs none by
+    default and no longer knows the flag."""
+    from lmcache_vllm.compat import installed_vllm_release
+
+    return ["--disable-log-requests"] if (installed_vllm_release() or "").startswith("0.9.") else []
+
+
 def vllm_args(settings: ServerSettings, port: int, positional_model: bool = False) -> list[str]:
     """The vLLM server flags every kind gets (`serve` subcommands take the model as a positional)."""
     return [
@@ -108,7 +116,7 @@ def vllm_args(settings: ServerSettings, port: int, positional_model: bool = Fals
         "--max-model-len", str(settings.max_model_len),
         "--block-size", str(settings.block_size),
         "--num-gpu-blocks-override", str(settings.num_kv_blocks),
-        "--disable-log-requests",
+        *request_log_flags(),
         *settings.extra_vllm_args,
     ]
 

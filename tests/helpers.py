@@ -155,7 +155,9 @@ def make_case(layout: KVLayout, dtype: torch.dtype, *, num_layers: int = 3, num_
     shape_k = layout_shape(layout, num_blocks, block_size, num_heads, head_size, dtype)
     keys = [random_bytes(shape_k, dtype, gen) for _ in range(num_layers)]
     values: List[torch.Tensor] = []
-    if layout != KVLayout.MLA:
+    if layout == KVLayout.CPU_ATTN:  # one tensor per layer holds K and V
+        values = list(keys)
+    elif layout != KVLayout.MLA:
         shape_v = layout_shape(layout, num_blocks, block_size, num_heads, head_size, dtype, is_value=True)
         values = [random_bytes(shape_v, dtype, gen) for _ in range(num_layers)]
     slots = make_slots(num_tokens, block_size, num_blocks, start, prefix, gen)

@@ -116,8 +116,8 @@ def test_request_lines_of_the_v1_door_are_attached_by_request_id():
         "[2026-01-01 00:00:00] LMCache INFO: LMCache request cmpl-bench-a-0: prompt_tokens=3000 "
         "vllm_cached_tokens=0 lmcache_hit_tokens=2816 loaded_tokens=2816 stored_tokens=184 (scheduler_side.py)\n"
         "INFO noise\n"
-        "LMCache request cmpl-bench-b-0: prompt_tokens=10 vllm_cached_tokens=0 lmcache_hit_tokens=0 "
-        "loaded_tokens=0 stored_tokens=0 (not stored: skip_save)\n"
+        "LMCache request cmpl-bench-b-0-9dd58e56: prompt_tokens=10 vllm_cached_tokens=0 lmcache_hit_tokens=0 "
+        "loaded_tokens=0 stored_tokens=0 (not stored: skip_save)\n"  # vLLM 0.32 appends 8 hex digits
     )
     a, b, other = (RequestRecord("s", "w", "p", i, None, rid, 10, 8, 0.1, 0.2, 0.0, None)
                    for i, rid in enumerate(["cmpl-bench-a-0", "cmpl-bench-b-0", "cmpl-other"]))

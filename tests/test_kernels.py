@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from typing import List
+from typing import List, Tuple
 
 import pytest
 import torch
@@ -30,12 +30,24 @@ def _indexable(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else t
 
 
+def _cpu_attn_half(cache: torch.Tensor, is_value: bool) -> torch.Tensor:
+    """CPU_ATTN's K half as [blocks, H, D, B] (tokens as columns) or V half as [blocks, H, B, D]."""
+    nb, heads, bs, two_d = cache.shape
+    halves = cache.view(nb, heads, 2, bs * two_d // 2)
+    if is_value:
+        return halves[:, :, 1].view(nb, heads, bs, two_d // 2)
+    return halves[:, :, 0].view(nb, heads, two_d // 2, bs)
+
+
 def _gather(cache: torch.Tensor, layout: KVLayout, is_value: bool, slots: torch.Tensor,
             block_size: int) -> torch.Tensor:
     """Rows [n, hidden] of the given (non-negative) slots."""
     cache = _indexable(cache)
     block, off = slots // block_size, slots % block_size
-    if layout == KVLayout.FLASH:
+    if layout == KVLayout.CPU_ATTN:
+        half = _cpu_attn_half(cache, is_value)
+        rows = half[block, :, off, :] if is_value else half[block, :, :, off]  # [n, H, D]
+    elif layout == KVLayout.FLASH:
         rows = cache[block, off]                      # [n, H, D]
     elif layout == KVLayout.CPU_IPEX:
         rows = cache[block, :, off, :]                # [n, H, D]
@@ -52,7 +64,13 @@ def _scatter(cache: torch.Tensor, layout: KVLayout, is_value: bool, slots: torch
              block_size: int, rows: torch.Tensor) -> None:
     cache, rows = _indexable(cache), _indexable(rows)
     block, off = slots // block_size, slots % block_size
-    if layout == KVLayout.FLASH:
+    if layout == KVLayout.CPU_ATTN:
+        half = _cpu_attn_half(cache, is_value)
+        if is_value:
+            half[block, :, off, :] = rows.view(half[block, :, off, :].shape)
+        else:
+            half[block, :, :, off] = rows.view(half[block, :, :, off].shape)
+    elif layout == KVLayout.FLASH:
         cache[block, off] = rows.view(cache[block, off].shape)
     elif layout == KVLayout.CPU_IPEX:
         cache[block, :, off, :] = rows.view(cache[block, :, off, :].shape)
@@ -84,6 +102,14 @@ def reference_retrieve(c: Case, keys: List[torch.Tensor], values: List[torch.Ten
             _scatter(cache, c.layout, kv == 1, c.slots[valid], c.block_size, obj[kv, layer, valid])
 
 
+def clone_caches(c: Case) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
+    """Copies of the K and V caches, still one tensor per layer where the layout shares it."""
+    keys = [t.clone() for t in c.keys]
+    if c.layout == KVLayout.CPU_ATTN:
+        return keys, list(keys)
+    return keys, [t.clone() for t in c.values]
+
+
 def assert_same_bytes(got: torch.Tensor, want: torch.Tensor) -> None:
     assert torch.equal(bits(got), bits(want))
 
@@ -111,8 +137,7 @@ def test_store_matches_reference(layout: KVLayout, dtype: torch.dtype, block_siz
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda layout: layout.name)
 def test_retrieve_matches_reference(layout: KVLayout, dtype: torch.dtype, block_size: int) -> None:
     c = make_case(layout, dtype, block_size=block_size)
-    want_k = [t.clone() for t in c.keys]
-    want_v = [t.clone() for t in c.values]
+    want_k, want_v = clone_caches(c)
     reference_retrieve(c, want_k, want_v)
     obj_before = c.buffer.clone()
     run_multi(c, to_cache=True)
@@ -184,10 +209,14 @@ def test_single_layer_matches_multi_layer(layout: KVLayout, dtype: torch.dtype) 
         # Retrieve the layer into fresh caches and compare with the oracle.
         new_k = torch.zeros_like(c.keys[layer])
         new_v = torch.zeros_like(value) if value is not None else None
+        if layout == KVLayout.CPU_ATTN:
+            new_v = new_k
         c_ops.single_layer_kv_transfer(obj_layer, new_k, new_v, c.slots, int(layout),
                                        c.block_size, c.num_heads, True)
         ref_k = torch.zeros_like(c.keys[layer])
         ref_v = [torch.zeros_like(value)] if value is not None else []
+        if layout == KVLayout.CPU_ATTN:
+            ref_v = [ref_k]
         sub = Case(layout, dtype, c.block_size, c.num_heads, c.head_size, [], [], c.slots,
                    obj_layer.view(-1), 0, obj_layer.unsqueeze(1))
         reference_retrieve(sub, [ref_k], ref_v)
@@ -201,6 +230,7 @@ def test_layout_constants_match_python_enum() -> None:
     assert c_ops.LAYOUT_CPU_IPEX == KVLayout.CPU_IPEX == 1
     assert c_ops.LAYOUT_CPU_PACKED == KVLayout.CPU_PACKED == 2
     assert c_ops.LAYOUT_MLA == KVLayout.MLA == 3
+    assert c_ops.LAYOUT_CPU_ATTN == KVLayout.CPU_ATTN == 4
 
 
 def test_uses_several_threads_consistently() -> None:
@@ -254,7 +284,7 @@ def test_header_offsets_match_layout_shapes(layout: KVLayout, dtype: torch.dtype
     slots = torch.tensor([0, 4, 5, 17, 34, 12, 33], dtype=torch.int64)
     for kv in range(1 if layout == KVLayout.MLA else 2):
         shape = layout_shape(layout, num_blocks, block_size, heads, head_size, dtype, is_value=kv == 1)
-        positions = torch.arange(num_blocks * block_size * heads * head_size).view(shape)
+        positions = torch.arange(torch.Size(shape).numel()).view(shape)
         want = _gather(positions, layout, kv == 1, slots, block_size)
         got = c_ops._cache_offsets(int(layout), kv, slots, block_size, heads, head_size, es)
         assert torch.equal(got, want)
@@ -284,8 +314,7 @@ def test_negative_slots_anywhere_are_skipped(layout: KVLayout) -> None:
     reference_store(c, want)
     run_multi(c, to_cache=False)
     assert_same_bytes(c.obj, want)
-    want_k = [t.clone() for t in c.keys]
-    want_v = [t.clone() for t in c.values]
+    want_k, want_v = clone_caches(c)
     c.obj.copy_(random_bytes(tuple(c.obj.shape), c.dtype, torch.Generator().manual_seed(5)))
     reference_retrieve(c, want_k, want_v)
     run_multi(c, to_cache=True)

@@ -112,7 +112,7 @@ def test_obj_shape_and_hidden() -> None:
 def test_unknown_layout() -> None:
     c = make_case(KVLayout.FLASH, torch.float32)
     assert_rejected(c, lambda: c_ops.multi_layer_kv_transfer(
-        c.obj, c.keys, c.values, c.slots, 4, c.block_size, c.num_heads, True), "layout must be 0")
+        c.obj, c.keys, c.values, c.slots, len(KVLayout), c.block_size, c.num_heads, True), "layout must be 0")
 
 
 def test_single_layer_checks() -> None:

@@ -31,6 +31,8 @@ def test_packed_x_per_dtype() -> None:
         (KVLayout.CPU_PACKED, False, (10, 8, 16, 16, 8)),
         (KVLayout.CPU_PACKED, True, (10, 8, 128, 16)),
         (KVLayout.MLA, False, (10, 16, 128)),
+        (KVLayout.CPU_ATTN, False, (10, 8, 16, 256)),
+        (KVLayout.CPU_ATTN, True, (10, 8, 16, 256)),
     ],
 )
 def test_layout_shape(layout: KVLayout, is_value: bool, want: tuple) -> None:
@@ -69,6 +71,17 @@ def test_split_mla_cache() -> None:
     assert k is latent and v is None
     with pytest.raises(ValueError, match="MLA layer cache must be one"):
         split_layer_cache((latent, latent), KVLayout.MLA)
+
+
+def test_split_cpu_attn_cache_is_both_halves() -> None:
+    """vLLM 0.32's one tensor per layer is handed to the kernels as K and as V."""
+    kv = torch.zeros(5, 2, 32, 2 * 64)
+    k, v = split_layer_cache(kv, KVLayout.CPU_ATTN)
+    assert k is kv and v is kv
+    with pytest.raises(ValueError, match="CPU_ATTN layer cache must be one"):
+        split_layer_cache((kv, kv), KVLayout.CPU_ATTN)
+    with pytest.raises(ValueError, match="CPU_ATTN layer cache must be one"):
+        split_layer_cache(torch.zeros(2, 5, 32 * 128), KVLayout.CPU_ATTN)
 
 
 def test_split_errors_name_the_layout() -> None:

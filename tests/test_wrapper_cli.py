@@ -58,5 +58,5 @@ def test_unsupported_vllm_stops_the_cli_with_a_message():
     )
     out = run([sys.executable, "-c", code], timeout=120)
     assert out.returncode == 1
-    assert "lmcache_vllm: lmcache_vllm supports vLLM 0.9.2; the installed" in out.stderr
+    assert "lmcache_vllm: lmcache_vllm supports vLLM 0.9.2, 0.32.0; the installed vllm is 0.10.0" in out.stderr
     assert "Traceback" not in out.stderr

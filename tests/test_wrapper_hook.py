@@ -150,6 +150,7 @@ def test_importing_the_package_does_not_import_vllm():
 def test_supported_versions(monkeypatch):
     assert compat.is_supported("0.9.2") and compat.is_supported("0.9.2+cpu") and compat.is_supported("0.9.2.post1")
     assert not compat.is_supported("0.9.1") and not compat.is_supported("0.10.0")
+    assert compat.is_supported("0.32.0") and compat.is_supported("0.32.0+cpu")
     assert compat.installed_vllm_version() is not None
     assert compat.check_vllm_supported().startswith("0.9.2")
 
@@ -171,10 +172,20 @@ def test_unsupported_vllm_is_an_import_error_naming_versions_and_install(monkeyp
     assert "supports vLLM 0.9.2" in message and "0.10.1" in message and "pip install vllm==0.9.2" in message
 
 
+def test_v0_engine_option_is_refused_naming_the_vllm_version():
+    """`VLLM_USE_V1=0` (the v0 engine) is an error on vLLM 0.32, which has no v0 engine and would
+    silently ignore it; on 0.9.2 it stays the user's choice."""
+    compat.check_engine_options("0.9.2", {"VLLM_USE_V1": "0"})
+    compat.check_engine_options("0.32.0", {"VLLM_USE_V1": "1"})
+    compat.check_engine_options("0.32.0", {})
+    with pytest.raises(ValueError, match=r"VLLM_USE_V1=0 .*v0 engine.* vLLM 0\.32\.0\+cpu does not have .*unset VLLM_USE_V1"):
+        compat.check_engine_options("0.32.0+cpu", {"VLLM_USE_V1": "0"})
+
+
 def test_missing_vllm_is_an_import_error(monkeypatch):
     _fake_versions(monkeypatch, {})
     monkeypatch.setattr("importlib.util.find_spec", lambda name, *a: None)
-    with pytest.raises(ImportError, match=r"needs vLLM \(0\.9\.2\).*no `vllm` package is installed.*pip install"):
+    with pytest.raises(ImportError, match=r"needs vLLM \(0\.9\.2, 0\.32\.0\).*no `vllm` package is installed.*pip install"):
         compat.check_vllm_supported()
 
 

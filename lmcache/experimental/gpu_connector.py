@@ -9,7 +9,8 @@ all layers of the chunk, on the device the KV caches live on (CPU here, CUDA whe
 - `VLLMPagedMemGPUConnector`: per layer a paged (K, V) pair; the layout is read from the shapes.
 - `VLLMPagedMemGPUConnectorV2`: what vLLM hands over today - a list with one tensor per layer
   (flash `(2, num_blocks, block_size, heads, head_size)`, CPU `(2, num_blocks, block_size * heads *
-  head_size)`, MLA `(num_blocks, block_size, head_size)`) or a (K, V) pair per layer; the layout
+  head_size)`, MLA `(num_blocks, block_size, head_size)`, vLLM 0.3x CPU `(num_blocks, heads,
+  block_size, 2 * head_size)` with `layout=CPU_ATTN`) or a (K, V) pair per layer; the layout
   comes from the `layout=` kwarg or, where unambiguous, from the shapes.
 
 `slot_mapping` is a 1-D int64 tensor covering the whole token sequence (`slot_mapping[start:end]`
@@ -214,6 +215,14 @@ class VLLMPagedMemGPUConnector(_KVBlobConnector):
         return heads
 
     def _geometry_stacked(self, t: torch.Tensor) -> PagedGeometry:
+        if self.layout == KVLayout.CPU_ATTN:
+            # vLLM 0.3x CPU attention: (num_blocks, heads, block_size, 2 * head_size), K and V inside.
+            if t.dim() != 4 or t.shape[1] * t.shape[3] != 2 * self.hidden_dim_size:
+                raise ValueError(
+                    f"a CPU_ATTN cache must be (num_blocks, heads, block_size, 2 * head_size) with "
+                    f"heads * head_size = {self.hidden_dim_size}, got shape {tuple(t.shape)}"
+                )
+            return PagedGeometry(KVLayout.CPU_ATTN, self._block_size_or(t.shape[2]), self._heads(t.shape[1]))
         if t.dim() < 2 or t.shape[0] != 2:
             raise ValueError(f"a per-layer KV cache tensor must stack K and V on dim 0, got shape {tuple(t.shape)}")
         if t.dim() == 5 and self.layout in (None, KVLayout.FLASH):

@@ -44,6 +44,11 @@ class KVLayout(IntEnum):
 
     MLA         one latent vector per token, K only
                 [num_blocks, block_size, head_size]
+
+    CPU_ATTN    vLLM >= 0.11 CPU attention (ISAs vec, vec16): K and V in one tensor
+                [num_blocks, heads, block_size, 2 * head_size]
+                block: | h0: K d0 of tok0..tokB | d1 ... | V tok0 d0..dD | tok1 ... | h1: ... |
+                (per head the K half is transposed, the V half is token rows)
     ```
     """
 
@@ -51,6 +56,7 @@ class KVLayout(IntEnum):
     CPU_IPEX = 1
     CPU_PACKED = 2
     MLA = 3
+    CPU_ATTN = 4
 
 
 def packed_x(dtype: torch.dtype) -> int:
@@ -60,7 +66,8 @@ def packed_x(dtype: torch.dtype) -> int:
 
 # The one definition of each layout's K (V) shape, as dimension names in order; `layout_shape`
 # builds shapes from it and `layout_dims` reads shapes back. "groups" * "x" is the head size
-# of a CPU_PACKED key (x = 16 bytes of elements).
+# of a CPU_PACKED key (x = 16 bytes of elements); "kv_head_size" is CPU_ATTN's 2 * head_size
+# (its K and V share one tensor, so both have that shape).
 _DIMS: dict = {
     (KVLayout.FLASH, False): ("blocks", "block_size", "heads", "head_size"),
     (KVLayout.FLASH, True): ("blocks", "block_size", "heads", "head_size"),
@@ -69,6 +76,8 @@ _DIMS: dict = {
     (KVLayout.CPU_PACKED, False): ("blocks", "heads", "groups", "block_size", "x"),
     (KVLayout.CPU_PACKED, True): ("blocks", "heads", "head_size", "block_size"),
     (KVLayout.MLA, False): ("blocks", "block_size", "head_size"),
+    (KVLayout.CPU_ATTN, False): ("blocks", "heads", "block_size", "kv_head_size"),
+    (KVLayout.CPU_ATTN, True): ("blocks", "heads", "block_size", "kv_head_size"),
 }
 
 
@@ -90,7 +99,8 @@ def layout_shape(
 ) -> Tuple[int, ...]:
     """The shape of one layer's K (or V, `is_value=True`) cache in `layout`."""
     names = _dim_names(layout, is_value)
-    dims = {"blocks": num_blocks, "block_size": block_size, "heads": num_heads, "head_size": head_size}
+    dims = {"blocks": num_blocks, "block_size": block_size, "heads": num_heads, "head_size": head_size,
+            "kv_head_size": 2 * head_size}
     if "x" in names:
         x = packed_x(dtype)
         if head_size % x:
@@ -112,6 +122,10 @@ def layout_dims(
         if dims["x"] != packed_x(dtype):
             return None
         dims["head_size"] = dims.pop("groups") * dims.pop("x")
+    if "kv_head_size" in dims:
+        if dims["kv_head_size"] % 2:
+            return None
+        dims["head_size"] = dims.pop("kv_head_size") // 2
     dims.setdefault("heads", 1)  # MLA: one latent vector per token
     return dims
 
@@ -121,10 +135,13 @@ def vllm_layer_cache_shape(
 ) -> Tuple[int, ...]:
     """The shape of the one tensor vLLM hands out per layer for `layout`.
 
-    FLASH: K and V stacked, `(2, *layout_shape)`; the CPU layouts: K and V stacked with each
-    block flattened, `(2, num_blocks, block_size * heads * head_size)` (the layout is how the
-    backend views a block); MLA: the latent cache itself."""
+    FLASH: K and V stacked, `(2, *layout_shape)`; vLLM 0.9's CPU layouts: K and V stacked with
+    each block flattened, `(2, num_blocks, block_size * heads * head_size)` (the layout is how
+    the backend views a block); MLA: the latent cache itself; CPU_ATTN (vLLM 0.32): its one
+    tensor, `layout_shape` itself."""
     layout = KVLayout(layout)
+    if layout == KVLayout.CPU_ATTN:
+        return layout_shape(layout, num_blocks, block_size, num_heads, head_size, torch.float32)
     if layout == KVLayout.MLA:
         return layout_shape(layout, num_blocks, block_size, 1, head_size, torch.float32)
     if layout == KVLayout.FLASH:
@@ -138,9 +155,18 @@ def split_layer_cache(kv_cache: LayerCache, layout: KVLayout) -> Tuple[torch.Ten
     Accepted: a (K, V) pair; one tensor with K and V stacked on dim 0 (the CPU
     backend's `(2, num_blocks, block_size * heads * head_size)`, flash's
     `(2, num_blocks, block_size, heads, head_size)`); for MLA the latent cache
-    `(num_blocks, block_size, head_size)`. No data is copied.
+    `(num_blocks, block_size, head_size)`; for CPU_ATTN the one
+    `(num_blocks, heads, block_size, 2 * head_size)` tensor, returned as both K and V
+    (the kernels find each half in it). No data is copied.
     """
     layout = KVLayout(layout)
+    if layout == KVLayout.CPU_ATTN:
+        if not isinstance(kv_cache, torch.Tensor) or kv_cache.dim() != 4 or kv_cache.shape[-1] % 2:
+            raise ValueError(
+                "a CPU_ATTN layer cache must be one (num_blocks, heads, block_size, 2 * head_size) "
+                f"tensor, got {_describe(kv_cache)}"
+            )
+        return kv_cache, kv_cache
     if layout == KVLayout.MLA:
         if not isinstance(kv_cache, torch.Tensor) or kv_cache.dim() != 3:
             raise ValueError(

@@ -24,7 +24,7 @@ import torch
 from lmcache.config import LMCacheEngineMetadata
 from lmcache.experimental.config import BOOL_WORDS, LMCacheEngineConfig, parse_bool, prefixed_overrides
 from lmcache.experimental.kv_layout import KVLayout, vllm_layer_cache_shape
-from lmcache.integration.vllm.vllm_compat import ipex_paged_attention_in_use
+from lmcache.integration.vllm.vllm_compat import cpu_kv_layout, torch_dtype_of
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -82,26 +82,26 @@ def kv_cache_dtype(vllm_config: "VllmConfig") -> torch.dtype:
         if not isinstance(dtype, torch.dtype):
             raise ValueError(f"model_config.dtype={dtype!r} is not resolved to a torch dtype")
         return dtype
-    from vllm.utils import STR_DTYPE_TO_TORCH_DTYPE
-
-    if cache_dtype not in STR_DTYPE_TO_TORCH_DTYPE:
+    dtype = torch_dtype_of(cache_dtype)
+    if dtype is None:
         raise ValueError(f"kv_cache_dtype={cache_dtype!r}: LMCache does not know this KV cache dtype")
-    return STR_DTYPE_TO_TORCH_DTYPE[cache_dtype]
+    return dtype
 
 
 def detect_kv_layout(vllm_config: "VllmConfig") -> KVLayout:
     """The paged layout of one layer's K (V) cache for this vLLM configuration.
 
-    CPU backend: `CPU_IPEX` when vLLM's CPU attention runs through IPEX, `CPU_PACKED` when it
-    falls back to its own kernels. GPU: `FLASH` (flash-attention's `(2, blocks, block_size,
-    heads, head_size)`). MLA models: `MLA` on either.
+    CPU backend (`vllm_compat.cpu_kv_layout`): `CPU_IPEX` when vLLM 0.9's CPU attention runs
+    through IPEX, `CPU_PACKED` when it falls back to its own kernels, `CPU_ATTN` on vLLM 0.32.
+    GPU: `FLASH` (flash-attention's `(2, blocks, block_size, heads, head_size)`). MLA models:
+    `MLA` on either.
     """
     if vllm_config.model_config.use_mla:
         return KVLayout.MLA
     from vllm.platforms import current_platform
 
     if current_platform.is_cpu():
-        return KVLayout.CPU_IPEX if ipex_paged_attention_in_use() else KVLayout.CPU_PACKED
+        return cpu_kv_layout(vllm_config)
     if current_platform.is_cuda_alike():
         return KVLayout.FLASH
     raise ValueError(
@@ -190,7 +190,8 @@ def check_kv_caches(
                 f"KV cache of layer {index} has dtype {cache.dtype}, the engine metadata says {metadata.kv_dtype}"
             )
         shape = tuple(cache.shape)
-        num_blocks = shape[0] if layout == KVLayout.MLA else (shape[1] if len(shape) > 1 else 0)
+        one_tensor = layout in (KVLayout.MLA, KVLayout.CPU_ATTN)  # blocks on dim 0, not K/V
+        num_blocks = shape[0] if one_tensor else (shape[1] if len(shape) > 1 else 0)
         if shape != vllm_layer_cache_shape(layout, num_blocks, block_size, num_kv_heads, head_size):
             raise ValueError(
                 f"KV cache of layer {index} has shape {shape}, which is not a {layout.name} cache with "

@@ -5,31 +5,67 @@ and the vLLM version it was checked against; a vLLM release that renames one of 
 in one place, and a version difference becomes a branch in one function here rather than
 `hasattr` checks across the doors.
 
+Two vLLM lines are supported: 0.9.2 (v0 and v1 engines) and 0.32 (v1 only; `vllm_release()`
+tells them apart). Where they differ, the function below has one branch per line.
+
 Operations:
+- `vllm_release()` / `is_legacy_vllm()`: the running vLLM's release; whether it is the 0.9 line.
 - `current_vllm_config()`: the `VllmConfig` vLLM set as current in this process, or None.
 - `ipex_paged_attention_in_use()`: whether vLLM's CPU attention keeps K/V in IPEX's layout.
+- `cpu_kv_layout(vllm_config)`: the paged layout of vLLM's CPU attention cache.
+- `torch_dtype_of(cache_dtype)`: vLLM's KV cache dtype name -> torch dtype (None if unknown).
+- `kv_caches_in_layer_order(kv_caches)`: the per-layer dict `register_kv_caches` gets, in order.
+- `cached_request_step(cached, i)`: (resumed, new block ids) of one scheduled running request.
+- `load_failure_policy(vllm_config)`: what vLLM does with blocks whose load failed.
 - `FLASH_METADATA_VIEW_RESETS`: the flash-attention metadata's memoized views, to drop on rebuild.
 - `connector_impl_of(shell)` / `step_connector_metadata(shell)`: what vLLM's own
   `LMCacheConnectorV1` shell holds and hands over each step.
 - `attention_kv_caches(forward_context)`: each decoder attention layer's KV cache tensor.
 - `multimodal_placeholders(request)`: a v1 request's multimodal content hashes and positions.
 - `wrapper_patch_points()`: the vLLM methods the `lmcache_vllm` wrapper wraps.
+- `wrapper_kv_transfer_config()`: the KV transfer config the wrapper turns on for the user.
 
 Nothing here imports vLLM at module import time: `lmcache_vllm` imports it in every vLLM process.
 """
 
 from __future__ import annotations
 
+import functools
+import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, List, Mapping, Optional, Sequence, Tuple
 
 if TYPE_CHECKING:
     import torch
     from vllm.config import VllmConfig
     from vllm.forward_context import ForwardContext
 
-# The vLLM release every name below was read from and tested against.
+    from lmcache.experimental.kv_layout import KVLayout
+
+# The vLLM releases every name below was read from and tested against: the legacy line (v0 and
+# v1 engines) and the current one (v1 only).
 CHECKED_VLLM_VERSION = "0.9.2"
+CHECKED_LATEST_VLLM_VERSION = "0.32.0"
+
+# vLLM >= 0.11 CPU attention ISAs whose cache blocks have the CPU_ATTN layout (measured against
+# vLLM 0.32's `cpu_attn_reshape_and_cache`, tests/latest/test_kernels_cpu_attn.py); `amx` packs
+# K for its tiles and the others were not measured.
+CPU_ATTN_ISAS = ("vec", "vec16")
+
+
+@functools.lru_cache(maxsize=1)
+def vllm_release() -> Tuple[int, ...]:
+    """The running vLLM's release as numbers: (0, 9, 2), (0, 32, 0)."""
+    from vllm.version import __version__
+
+    match = re.match(r"\d+(\.\d+)*", __version__)
+    return tuple(int(x) for x in match.group(0).split(".")[:3]) if match else (0,)
+
+
+def is_legacy_vllm() -> bool:
+    """True on the 0.9 line (v0 engine, IPEX/packed CPU layouts, `resumed_from_preemption`)."""
+    return vllm_release() < (0, 10)
+
 
 # vLLM 0.9.2 `vllm/distributed/kv_transfer/kv_connector/v1/lmcache_connector.py`: the shell keeps
 # the object `lmcache.integration.vllm.vllm_v1_adapter.LMCacheConnectorV1Impl` builds here.
@@ -59,6 +95,69 @@ def ipex_paged_attention_in_use() -> bool:
     return bool(ipex_attn._use_ipex)
 
 
+def cpu_kv_layout(vllm_config: "VllmConfig") -> "KVLayout":
+    """The layout of vLLM's CPU attention cache for this config.
+
+    vLLM 0.9.2: `CPU_IPEX` when its CPU attention runs through IPEX, else `CPU_PACKED`.
+    vLLM 0.32: `CPU_ATTN` (one tensor per layer), for the ISAs `CPU_ATTN_ISAS`; the ISA is what
+    `vllm.v1.attention.backends.cpu_attn._get_attn_isa` picks for the dtype and block size."""
+    from lmcache.experimental.kv_layout import KVLayout
+
+    if is_legacy_vllm():
+        return KVLayout.CPU_IPEX if ipex_paged_attention_in_use() else KVLayout.CPU_PACKED
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    cache = vllm_config.cache_config
+    model = vllm_config.model_config
+    isa = _get_attn_isa(model.dtype, cache.block_size, model.get_head_size(), cache.cache_dtype)
+    if isa not in CPU_ATTN_ISAS:
+        raise ValueError(
+            f"vLLM {'.'.join(map(str, vllm_release()))} CPU attention uses ISA {isa!r} for dtype "
+            f"{model.dtype} and block_size {cache.block_size}; LMCache reads its cache only for "
+            f"ISAs {', '.join(CPU_ATTN_ISAS)} (e.g. use float32, or float16 without AMX)"
+        )
+    return KVLayout.CPU_ATTN
+
+
+def torch_dtype_of(cache_dtype: str) -> Optional["torch.dtype"]:
+    """vLLM's name for a KV cache dtype (`fp8`, `half`, ...) as a torch dtype; None if unknown.
+    vLLM 0.9.2: `vllm.utils.STR_DTYPE_TO_TORCH_DTYPE`; 0.32: `vllm.utils.torch_utils`."""
+    if is_legacy_vllm():
+        from vllm.utils import STR_DTYPE_TO_TORCH_DTYPE
+    else:
+        from vllm.utils.torch_utils import STR_DTYPE_TO_TORCH_DTYPE
+    return STR_DTYPE_TO_TORCH_DTYPE.get(cache_dtype)
+
+
+def kv_caches_in_layer_order(kv_caches: Mapping[str, "torch.Tensor"]) -> List["torch.Tensor"]:
+    """The tensors of `register_kv_caches`' `{layer name: cache}` in model layer order (the
+    order the engine stores layers in), by the layer index vLLM's own
+    `vllm.model_executor.models.utils.extract_layer_index` reads from each name."""
+    from vllm.model_executor.models.utils import extract_layer_index
+
+    return [kv_caches[name] for name in sorted(kv_caches, key=extract_layer_index)]
+
+
+def cached_request_step(cached: Any, index: int) -> Tuple[bool, Optional[Sequence[Sequence[int]]]]:
+    """(resumed after preemption, new block ids per KV cache group or None for none) of the
+    `index`-th request of the scheduler output's `scheduled_cached_reqs`.
+    vLLM 0.9.2: `resumed_from_preemption[i]`, `new_block_ids[i]` always a tuple; vLLM 0.32:
+    `req_id in resumed_req_ids`, `new_block_ids[i]` None when no block was added."""
+    if is_legacy_vllm():
+        return bool(cached.resumed_from_preemption[index]), cached.new_block_ids[index]
+    return cached.req_ids[index] in cached.resumed_req_ids, cached.new_block_ids[index]
+
+
+def load_failure_policy(vllm_config: "VllmConfig") -> Optional[str]:
+    """What vLLM does with blocks a connector reports it failed to load: `recompute` or `fail`
+    (vLLM 0.32: `kv_transfer_config.kv_load_failure_policy`, default `fail`); None on vLLM 0.9.2,
+    which never asks."""
+    kv_transfer = vllm_config.kv_transfer_config
+    if is_legacy_vllm() or kv_transfer is None:
+        return None
+    return kv_transfer.kv_load_failure_policy
+
+
 def connector_impl_of(shell: Any) -> Any:
     """The object vLLM's `LMCacheConnectorV1` shell delegates to (None for other connectors).
     vLLM 0.9.2: attribute `_lmcache_engine` of the shell."""
@@ -74,20 +173,39 @@ def step_connector_metadata(shell: Any) -> Any:
 def attention_kv_caches(forward_context: "ForwardContext") -> List["torch.Tensor"]:
     """Each decoder attention layer's KV cache tensor for this virtual engine, in model order.
     vLLM 0.9.2: `ForwardContext.no_compile_layers` holds the `Attention` modules, each with
-    `kv_cache[virtual_engine]` bound by the model runner."""
-    from vllm.attention import Attention, AttentionType
+    `kv_cache[virtual_engine]` bound by the model runner. vLLM 0.32: the module moved to
+    `vllm.model_executor.layers.attention` and `kv_cache` is the tensor itself."""
+    if is_legacy_vllm():
+        from vllm.attention import Attention, AttentionType
+
+        def cache_of(layer: Any) -> "torch.Tensor":
+            return layer.kv_cache[forward_context.virtual_engine]
+    else:
+        from vllm.model_executor.layers.attention.attention import Attention
+        from vllm.v1.attention.backend import AttentionType
+
+        def cache_of(layer: Any) -> "torch.Tensor":
+            return layer.kv_cache
 
     caches = []
     for layer in forward_context.no_compile_layers.values():
         if isinstance(layer, Attention) and layer.attn_type == AttentionType.DECODER:
-            caches.append(layer.kv_cache[forward_context.virtual_engine])
+            caches.append(cache_of(layer))
     return caches
 
 
 def multimodal_placeholders(request: Any) -> Optional[List[Tuple[Optional[str], int, int]]]:
     """`(content hash or None, offset, length)` per multimodal input of a v1 request (None without
     any). vLLM 0.9.2: `Request.mm_positions` (`PlaceholderRange`s) beside `Request.mm_hashes`;
-    a hash list of another length counts as unhashed."""
+    a hash list of another length counts as unhashed. vLLM 0.32: `Request.mm_features`, each with
+    its content hash `identifier` and its `mm_position`."""
+    if not is_legacy_vllm():
+        features = list(getattr(request, "mm_features", None) or [])
+        if not features:
+            return None
+        return [
+            (f.identifier or None, int(f.mm_position.offset), int(f.mm_position.length)) for f in features
+        ]
     positions = list(getattr(request, "mm_positions", None) or [])
     if not positions:
         return None
@@ -95,6 +213,17 @@ def multimodal_placeholders(request: Any) -> Optional[List[Tuple[Optional[str], 
     if len(hashes) != len(positions):
         hashes = [None] * len(positions)
     return [(h or None, int(p.offset), int(p.length)) for h, p in zip(hashes, positions)]
+
+
+def wrapper_kv_transfer_config() -> Any:
+    """The `KVTransferConfig` the wrapper gives users who gave none: vLLM's `LMCacheConnectorV1`,
+    storing and loading; on vLLM 0.32 also `kv_load_failure_policy="recompute"`, so a load that
+    comes back short is recomputed rather than failing the request."""
+    from vllm.config import KVTransferConfig
+
+    if is_legacy_vllm():
+        return KVTransferConfig(kv_connector="LMCacheConnectorV1", kv_role="kv_both")
+    return KVTransferConfig(kv_connector="LMCacheConnectorV1", kv_role="kv_both", kv_load_failure_policy="recompute")
 
 
 @dataclass(frozen=True)
@@ -105,25 +234,30 @@ class PatchPoint:
     name: str
     # What the wrapper puts around it: "v0_execute_model" (LMCache around a v0 step),
     # "v0_load_model" (start the engine once the model is loaded), "model_inspection" (vLLM's
-    # model-class inspection, in-process on the CPU platform) or "v1_default_args" (turn on the
-    # v1 connector when vLLM picks the v1 engine).
+    # model-class inspection, in-process on the CPU platform), "v1_default_args" (turn on the v1
+    # connector when vLLM picks the v1 engine) or "v1_engine_config" (turn it on before the
+    # engine config is built, vLLM 0.32).
     role: str
 
 
 def wrapper_patch_points() -> List[PatchPoint]:
     """The methods `lmcache_vllm.vllm_injection` wraps. vLLM 0.9.2: the v0 GPU and CPU model
     runners' `execute_model` and `load_model`; `EngineArgs._set_default_args_v1`, which vLLM
-    calls exactly when it chose the v1 engine (private: there is no public hook at that moment);
-    `vllm.model_executor.models.registry._run_in_subprocess`, which runs the model-class
-    inspection in a fresh interpreter (private)."""
+    calls exactly when it chose the v1 engine (private: there is no public hook at that moment).
+    vLLM 0.32 (v1 only): `EngineArgs.create_engine_config`, before it reads the KV transfer
+    config. Both: `vllm.model_executor.models.registry._run_in_subprocess`, which runs the
+    model-class inspection in a fresh interpreter (private)."""
     from vllm.engine.arg_utils import EngineArgs
     from vllm.model_executor.models import registry
+
+    inspection = PatchPoint(registry, "_run_in_subprocess", "model_inspection")
+    if not is_legacy_vllm():
+        return [PatchPoint(EngineArgs, "create_engine_config", "v1_engine_config"), inspection]
     from vllm.worker.cpu_model_runner import CPUModelRunner
     from vllm.worker.model_runner import ModelRunner
 
-    points = [PatchPoint(EngineArgs, "_set_default_args_v1", "v1_default_args")]
+    points = [PatchPoint(EngineArgs, "_set_default_args_v1", "v1_default_args"), inspection]
     for runner in (ModelRunner, CPUModelRunner):
         points.append(PatchPoint(runner, "execute_model", "v0_execute_model"))
         points.append(PatchPoint(runner, "load_model", "v0_load_model"))
-    points.append(PatchPoint(registry, "_run_in_subprocess", "model_inspection"))
     return points

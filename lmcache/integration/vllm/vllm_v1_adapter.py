@@ -1,4 +1,5 @@
-"""`LMCacheConnectorV1Impl`: what vLLM 0.9.2's own `LMCacheConnectorV1` shell builds and calls.
+"""`LMCacheConnectorV1Impl`: what vLLM's own `LMCacheConnectorV1` shell builds and calls (vLLM
+0.9.2, and vLLM 0.32 in its default, non-native mode).
 
 vLLM builds one per role: `SCHEDULER` (in the engine core, next to the scheduler) and `WORKER`
 (in each worker). This class only routes: scheduler calls go to `LMCacheSchedulerSide`, worker
@@ -27,7 +28,8 @@ from lmcache.integration.vllm.v1.worker_channel import (
     channel_socket_path,
 )
 from lmcache.integration.vllm.v1.worker_side import IN_PROCESS_EXECUTORS, LMCacheWorkerSide
-from lmcache.integration.vllm.vllm_compat import connector_impl_of, step_connector_metadata
+from lmcache.integration.vllm.vllm_compat import connector_impl_of, load_failure_policy, step_connector_metadata
+from lmcache.logging import init_logger
 
 if TYPE_CHECKING:
     import torch
@@ -37,6 +39,9 @@ if TYPE_CHECKING:
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.request import Request
+
+logger = init_logger(__name__)
+
 
 def in_process_worker_side() -> Optional[LMCacheWorkerSide]:
     """The worker side of this process, found through vLLM's own KV-transfer group (or None)."""
@@ -72,6 +77,12 @@ class LMCacheConnectorV1Impl:
         self.role = role
         config = lmcache_get_config(extra_config_of(vllm_config))
         settings = DoorSettings.from_vllm(vllm_config, config)  # checks the door's own keys in both roles
+        if load_failure_policy(vllm_config) == "fail":
+            logger.warning(
+                "kv_transfer_config.kv_load_failure_policy is 'fail': a request whose LMCache load comes back "
+                "short (a chunk evicted or a tier unreadable since the lookup) fails instead of recomputing; "
+                "set it to 'recompute' to serve it anyway"
+            )
         self.scheduler_side: Optional[LMCacheSchedulerSide] = None
         self.worker_side: Optional[LMCacheWorkerSide] = None
         if role == KVConnectorRole.SCHEDULER:
@@ -109,6 +120,18 @@ class LMCacheConnectorV1Impl:
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[Optional[set[str]], Optional[set[str]]]:
         return self._worker("get_finished").get_finished(finished_req_ids)
+
+    def register_kv_caches(self, kv_caches: dict[str, "torch.Tensor"]) -> None:
+        """vLLM 0.3x hands over `{layer name: KV cache}` once the caches are allocated."""
+        self._worker("register_kv_caches").register_kv_caches(kv_caches)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """vLLM 0.3x: blocks promised by this step's loads but not filled (vLLM recomputes them)."""
+        return self._worker("get_block_ids_with_load_errors").get_block_ids_with_load_errors()
+
+    def get_kv_events(self) -> list[Any]:
+        """vLLM 0.3x asks every step for KV cache events to publish; LMCache emits none."""
+        return []
 
     # ----- scheduler side --------------------------------------------------------------------------
 

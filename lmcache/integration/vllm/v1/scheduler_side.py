@@ -32,6 +32,7 @@ from lmcache.integration.vllm.v1.request_state import (
     plan_save,
 )
 from lmcache.integration.vllm.v1.worker_channel import ChannelError, WorkerChannel
+from lmcache.integration.vllm.vllm_compat import cached_request_step
 from lmcache.logging import init_logger
 
 if TYPE_CHECKING:
@@ -147,9 +148,10 @@ class LMCacheSchedulerSide:
                 continue
             # Speculative tokens are scheduled but not part of the request's tokens yet.
             total = min(cached.num_computed_tokens[i] + scheduler_output.num_scheduled_tokens[req_id], request.num_tokens)
-            new_blocks = _single_group(cached.new_block_ids[i], req_id)
+            resumed, new_block_ids = cached_request_step(cached, i)
+            new_blocks = [] if new_block_ids is None else _single_group(new_block_ids, req_id)
             load_spec: Optional[LoadSpec] = None
-            if cached.resumed_from_preemption[i]:
+            if resumed:
                 tracker.resume(request.all_token_ids[:total], new_blocks)
                 load_spec = self._load_specs.pop(req_id, None)
             else:

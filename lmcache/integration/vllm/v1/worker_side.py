@@ -6,7 +6,9 @@ vLLM calls, per step (inside the forward context):
   release the request's pins;
 - `wait_for_save(metadata)`: for every request with a store, store the step's new tokens;
 - `get_finished(finished_req_ids)`: nothing is in flight between steps, so `(None, None)`;
-  pins of requests that ended before their load are released here.
+  pins of requests that ended before their load are released here;
+- `get_block_ids_with_load_errors()` (vLLM 0.3x): the blocks of this step's loads that LMCache
+  promised but could not fill, so vLLM recomputes them instead of reading stale KV.
 
 It also answers the scheduler side's channel (`lookup`, `unpin`, `pop_request_counters`),
 in-process or through `WorkerChannelServer` when the scheduler runs in another process.
@@ -30,7 +32,7 @@ from __future__ import annotations
 
 import multiprocessing.util
 import threading
-from typing import TYPE_CHECKING, Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence, Union
 
 import torch
 
@@ -42,7 +44,7 @@ from lmcache.integration.vllm.utils import check_kv_caches
 from lmcache.integration.vllm.request_log import RequestCounters
 from lmcache.integration.vllm.v1.request_state import LMCacheConnectorMetadata, ReqMeta
 from lmcache.integration.vllm.v1.worker_channel import WorkerChannelServer, channel_socket_path
-from lmcache.integration.vllm.vllm_compat import attention_kv_caches
+from lmcache.integration.vllm.vllm_compat import attention_kv_caches, kv_caches_in_layer_order
 from lmcache.integration.vllm.worker_engine import ENGINE_EXIT_PRIORITY, open_worker_engine
 from lmcache.logging import init_logger
 
@@ -68,6 +70,7 @@ class LMCacheWorkerSide:
         self._lock = threading.Lock()
         self._kv_caches: Optional[list[torch.Tensor]] = None
         self._counters: dict[str, RequestCounters] = {}
+        self._load_error_blocks: set[int] = set()
         self._server: Optional[WorkerChannelServer] = None
 
     @classmethod
@@ -129,9 +132,10 @@ class LMCacheWorkerSide:
             self._kv_caches = caches
         return self._kv_caches
 
-    def register_kv_caches(self, kv_caches: Sequence[torch.Tensor]) -> None:
-        """Use these KV cache tensors (one per layer, model order) instead of the forward context's."""
-        caches = list(kv_caches)
+    def register_kv_caches(self, kv_caches: Union[Sequence[torch.Tensor], Mapping[str, torch.Tensor]]) -> None:
+        """Use these KV cache tensors instead of the forward context's: one per layer in model
+        order, or vLLM 0.3x's `{layer name: cache}`."""
+        caches = kv_caches_in_layer_order(kv_caches) if isinstance(kv_caches, Mapping) else list(kv_caches)
         check_kv_caches(caches, self.engine.metadata, self.layout, self.block_size)
         self._kv_caches = caches
 
@@ -158,19 +162,33 @@ class LMCacheWorkerSide:
         # NOTE: vLLM's own cached blocks may be shared with running requests: never write them.
         slots = req.slot_mapping[:num_tokens].clone()
         slots[:vllm_cached] = -1
-        with self._lock:
-            got = self.engine.retrieve(
-                req.token_ids[:num_tokens], mask, kvcaches=kv_caches, slot_mapping=slots, cache_salt=req.cache_salt
-            )
+        try:
+            with self._lock:
+                got = self.engine.retrieve(
+                    req.token_ids[:num_tokens], mask, kvcaches=kv_caches, slot_mapping=slots, cache_salt=req.cache_salt
+                )
+        except Exception:  # a cache tier must not fail serving: the tokens count as not loaded
+            logger.exception("request %s: LMCache load failed", req.req_id)
+            got = torch.zeros(num_tokens, dtype=torch.bool)
         loaded = int(got[vllm_cached:num_tokens].sum())
         self._count(req.req_id, loaded=loaded)
         expected = num_tokens - vllm_cached
         if loaded < expected:
+            missing = slots[:num_tokens][~got[:num_tokens].bool() & (slots[:num_tokens] >= 0)]
+            with self._lock:
+                self._load_error_blocks.update((missing // self.block_size).tolist())
             logger.error(
                 "request %s: LMCache promised %d tokens but loaded %d (chunks evicted or unreadable since the "
-                "lookup); vLLM will treat the missing tokens as computed",
+                "lookup); their blocks are reported as load errors (vLLM 0.3x recomputes them, vLLM 0.9 "
+                "treats them as computed)",
                 req.req_id, expected, loaded,
             )
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """The vLLM blocks that loads since the last call promised but did not fill."""
+        with self._lock:
+            blocks, self._load_error_blocks = self._load_error_blocks, set()
+        return blocks
 
     def wait_for_save(self, metadata: Any) -> None:
         """Store every request's planned tokens (after the forward pass wrote their KV)."""

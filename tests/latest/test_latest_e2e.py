@@ -1,0 +1,98 @@
+"""vLLM 0.32 (the current line, .venv-latest) end to end on the tiny float32 model: vLLM's own
+`LMCacheConnectorV1` loading our `LMCacheConnectorV1Impl`, the wrapper's `LLM`, and
+`lmcache_vllm serve`.
+
+Every run is compared with one cache-off run (same chunked-prefill settings): greedy tokens equal,
+logprobs equal up to float rounding. Hit, load and store counts come from the door's per-request
+log line. vLLM 0.32 keeps the CPU cache as CPU_ATTN blocks of 128 tokens and prefills in chunks of
+`max_num_batched_tokens`; P_LONG is longer than one such chunk. Engine starts cost most of the
+time, so there are four: cache off, vLLM's connector with its prefix cache off, the wrapper with
+it on, and the server.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+from conftest import ROOT, VLLM_TEST_ENV
+from test_v1_e2e import (
+    LMCACHE_ENV,
+    MAX_BATCHED,
+    P_LONG,
+    P_OTHER,
+    P_SHARED_A,
+    P_SHARED_B,
+    PREFIX_CACHE_ON_HITS,
+    assert_no_pins_left,
+    assert_same_as_baseline,
+    connector_kwargs,
+    hits,
+    run,
+)
+
+pytestmark = pytest.mark.vllm
+
+PROMPTS = [P_LONG, P_SHARED_A, P_SHARED_B, P_OTHER]
+# vLLM 0.32 has no VLLM_USE_V1 (one engine); the shared settings set it to 1, which it ignores.
+ENV = {**LMCACHE_ENV}
+
+
+@pytest.fixture(scope="module")
+def baseline(tiny_model):
+    off = run(tiny_model, PROMPTS, {"enable_prefix_caching": False, "max_num_batched_tokens": MAX_BATCHED}, {})
+    assert off.lines == []
+    outputs = off.outputs[0]
+    assert len({tuple(o) for o in outputs}) > 1, "the model ignores its prompt; this test could not fail"
+    return {tuple(p): (outputs[i], off.logprobs[0][i]) for i, p in enumerate(PROMPTS)}
+
+
+def test_vllm_connector_repeats_and_shared_prefix_with_chunked_prefill(tiny_model, baseline):
+    """vLLM's own LMCacheConnectorV1, its prefix cache off: every repeat is loaded from LMCache."""
+    prompts = [P_LONG, P_SHARED_A, P_SHARED_B, [P_LONG, P_OTHER]]
+    result = run(tiny_model, prompts, connector_kwargs(prefix_caching=False), ENV, rounds=2)
+    assert_same_as_baseline(result, prompts, baseline)
+    lines = hits(result.lines)
+    assert lines[:3] == [
+        (1500, 0, 0, 0, 1500),  # three prefill chunks of 512, stored whole
+        (1424, 0, 0, 0, 1424),
+        (1424, 0, 1024, 1024, 400),  # only the shared prefix (4 chunks of 256) hits
+    ]
+    assert sorted(lines[3:5]) == [(1100, 0, 0, 0, 1100), (1500, 0, 1500, 1500, 0)]
+    assert lines[5:8] == [(1500, 0, 1500, 1500, 0), (1424, 0, 1424, 1424, 0), (1424, 0, 1424, 1424, 0)]
+    assert sorted(lines[8:]) == [(1100, 0, 1100, 1100, 0), (1500, 0, 1500, 1500, 0)]
+    assert "Initializing latest dev LMCache connector" in result.log  # vLLM's shell, non-native mode
+    assert_no_pins_left(result)
+
+
+def test_wrapper_llm_with_vllm_prefix_cache(tiny_model, baseline):
+    """`lmcache_vllm.vllm.LLM` with no KV transfer config: the wrapper turns the connector on; vLLM's
+    own prefix cache serves what it still holds and LMCache loads only the rest."""
+    prompts = [P_LONG, P_SHARED_A, P_SHARED_B]
+    kwargs = {"enable_prefix_caching": True, "max_num_batched_tokens": MAX_BATCHED}
+    env = {**ENV, "LMCACHE_CHUNK_SIZE": "256"}
+    result = run(tiny_model, prompts, kwargs, env, rounds=2, vllm_module="lmcache_vllm.vllm")
+    assert_same_as_baseline(result, prompts, baseline)
+    assert "lmcache_vllm: v1 engine selected, using KV connector LMCacheConnectorV1" in result.log
+    assert hits(result.lines) == PREFIX_CACHE_ON_HITS  # as on vLLM 0.9.2
+    assert_no_pins_left(result)
+
+
+def test_wrapper_serve_hits_over_http():
+    """`lmcache_vllm serve` on vLLM 0.32 (scripts/serve_demo.py): the repeat is served from LMCache
+    with the same text, and Ctrl-C stops the server cleanly."""
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "serve_demo.py"), "--prompt-tokens", "1000",
+         "--log", str(ROOT / ".cache" / "serve_demo_latest.log")],
+        capture_output=True, text=True, timeout=900, cwd=str(ROOT),
+        env={**os.environ, **VLLM_TEST_ENV, "LMCACHE_CHUNK_SIZE": "256"},
+    )
+    out = proc.stdout
+    assert proc.returncode == 0, out + proc.stderr[-3000:]
+    assert re.search(r"first \(cold\) .* LMCache hit tokens 0/1000", out), out
+    assert re.search(r"second \(repeat\) .* LMCache hit tokens 1000/1000", out), out
+    assert "same completion text both times: True" in out
+    assert "server stopped cleanly (exit code 0)" in out
