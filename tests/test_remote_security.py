@@ -130,6 +130,25 @@ def redis_auth(tmp_path_factory) -> Iterator[RedisServer]:
     server.stop()
 
 
+def _store_one(url: str, n: int, **kwargs):
+    """Store chunk `key(n)` through a remote tier at `url`; the chunk, once acknowledged."""
+    cpu = remote_cpu()
+    writer = remote_backend(url, cpu=cpu, **kwargs)
+    chunk = remote_chunk(cpu, seed=n)
+    writer.submit_put_task(key(n), chunk)
+    writer.close()
+    assert writer.remote_stats().puts_acknowledged == 1
+    return chunk
+
+
+def _reads_back(url: str, n: int, want) -> None:
+    reader = remote_backend(url)
+    got = reader.get_blocking(key(n))
+    assert got is not None and torch.equal(got.tensor, want.tensor), f"{n}: not the chunk stored"
+    got.ref_count_down()
+    reader.close()
+
+
 def _lm_url(server: LMCacheServer, userinfo: str = "", scheme: str = "lm") -> str:
     return f"{scheme}://{userinfo}127.0.0.1:{server.address[1]}"
 
@@ -177,6 +196,9 @@ def test_bad_urls_and_config_dumps_never_show_the_secret(monkeypatch) -> None:
     config = LMCacheEngineConfig.from_defaults(remote_url="redis://u:s3cret@h:1", remote_password="other-s3cret")
     assert "s3cret" not in repr(config) and "redis://u:***@h:1" in repr(config)
     assert "remote_password='***'" in repr(config)
+    with pytest.raises(ValueError) as err:
+        LMCacheEngineConfig.from_defaults().with_overrides({"remote_pasword": "s3cret"})
+    assert "s3cret" not in str(err.value) and "remote_password" in str(err.value)
 
 
 def test_remote_password_comes_from_the_environment(monkeypatch) -> None:
@@ -196,29 +218,16 @@ def test_remote_password_comes_from_the_environment(monkeypatch) -> None:
 )
 def test_redis_with_credentials_in_the_url_stores_and_hits(redis_auth, lmcache_lines, userinfo, tail) -> None:
     url = f"redis://{userinfo}127.0.0.1:{redis_auth.port}{tail}"
-    cpu = remote_cpu()
-    writer = remote_backend(url, cpu=cpu)
-    chunk = remote_chunk(cpu, seed=21)
-    writer.submit_put_task(key(21), chunk)
-    writer.close()
-    assert writer.remote_stats().puts_acknowledged == 1
-    reader = remote_backend(url)
-    got = reader.get_blocking(key(21))
-    assert got is not None and torch.equal(got.tensor, chunk.tensor)
-    got.ref_count_down()
-    reader.close()
+    _reads_back(url, 21, _store_one(url, 21))
     admin = redis.Redis(port=redis_auth.port, password=REDIS_PASSWORD, db=2 if tail else 0)
     assert admin.keys("lmcache:*"), "the chunk is not in the database the URL names"
     admin.flushall()
+    admin.close()
 
 
 def test_redis_password_from_the_config_key_and_a_wrong_one(redis_auth, lmcache_lines) -> None:
     url = f"redis://127.0.0.1:{redis_auth.port}"
-    cpu = remote_cpu()
-    good = remote_backend(url, cpu=cpu, password=REDIS_PASSWORD)
-    good.submit_put_task(key(5), remote_chunk(cpu, seed=5))
-    good.close()
-    assert good.remote_stats().puts_acknowledged == 1
+    _store_one(url, 5, password=REDIS_PASSWORD)
     for bad_url in (url, f"redis://:{WRONG_TOKEN}@127.0.0.1:{redis_auth.port}"):
         bad = remote_backend(bad_url)
         assert not bad.contains(key(5)) and bad.get_blocking(key(5)) is None
@@ -256,13 +265,7 @@ def test_rediss_checks_the_server_against_the_configured_ca(tmp_path, tls_files,
 
 
 def test_lm_token_client_stores_and_hits_and_intruders_get_nothing(token_server, lmcache_lines, monkeypatch) -> None:
-    good_url = _lm_url(token_server, f":{TOKEN_IN_URL}@")
-    cpu = remote_cpu()
-    writer = remote_backend(good_url, cpu=cpu)
-    original = remote_chunk(cpu, seed=1)
-    writer.submit_put_task(key(1), original)
-    writer.close()
-    assert writer.remote_stats().puts_acknowledged == 1
+    original = _store_one(_lm_url(token_server, f":{TOKEN_IN_URL}@"), 1)
     refusals_before = token_server.info()["auth_refusals"]
 
     for intruder_url in (_lm_url(token_server), _lm_url(token_server, f":{WRONG_TOKEN}@")):
@@ -278,11 +281,7 @@ def test_lm_token_client_stores_and_hits_and_intruders_get_nothing(token_server,
     assert wait_for(lambda: token_server.info()["auth_refusals"] >= refusals_before + 4)
 
     monkeypatch.setenv(CLIENT_TOKEN_ENV, TOKEN)  # the token from the environment instead of the URL
-    reader = remote_backend(_lm_url(token_server))
-    got = reader.get_blocking(key(1))
-    assert got is not None and torch.equal(got.tensor, original.tensor), "an intruder changed the chunk"
-    got.ref_count_down()
-    reader.close()
+    _reads_back(_lm_url(token_server), 1, original)  # not what an intruder tried to write
 
 
 def test_lm_server_serves_nothing_before_the_handshake(token_server) -> None:
@@ -323,12 +322,7 @@ def test_a_client_with_a_token_will_not_trust_a_server_without_one(lmcache_lines
 def test_lms_with_the_right_ca_works_and_plaintext_or_wrong_ca_get_nothing(tls_server, tls_files, lmcache_lines, monkeypatch) -> None:
     port = tls_server.port
     monkeypatch.setenv(CLIENT_CA_ENV, str(tls_files.ca))
-    cpu = remote_cpu()
-    writer = remote_backend(f"lms://:{TOKEN_IN_URL}@127.0.0.1:{port}", cpu=cpu)
-    original = remote_chunk(cpu, seed=2)
-    writer.submit_put_task(key(2), original)
-    writer.close()
-    assert writer.remote_stats().puts_acknowledged == 1
+    original = _store_one(f"lms://:{TOKEN_IN_URL}@127.0.0.1:{port}", 2)
 
     plaintext = remote_backend(f"lm://:{TOKEN_IN_URL}@127.0.0.1:{port}")
     assert not plaintext.contains(key(2)) and plaintext.get_blocking(key(2)) is None
@@ -341,11 +335,7 @@ def test_lms_with_the_right_ca_works_and_plaintext_or_wrong_ca_get_nothing(tls_s
     wrong_ca.close()
 
     monkeypatch.setenv(CLIENT_CA_ENV, str(tls_files.ca))
-    reader = remote_backend(f"lms://:{TOKEN_IN_URL}@localhost:{port}")  # host name checked too
-    got = reader.get_blocking(key(2))
-    assert got is not None and torch.equal(got.tensor, original.tensor)
-    got.ref_count_down()
-    reader.close()
+    _reads_back(f"lms://:{TOKEN_IN_URL}@localhost:{port}", 2, original)  # host name checked too
 
 
 def test_protected_mode_refuses_a_public_bind_without_a_token() -> None:

@@ -261,9 +261,9 @@ def _coerce(name: str, hint: Any, value: Any) -> Any:
 
 def shown_value(name: str, value: Any) -> Any:
     """`value` of field `name` as messages may show it: URLs masked, the password hidden."""
-    if name == "remote_password" and value is not None:
+    if value is not None and any(word in name.lower() for word in ("password", "token", "secret")):
         return MASK
-    return mask_url(value) if isinstance(value, str) and name.endswith("_url") else value
+    return mask_url(value) if isinstance(value, str) and "://" in value else value
 
 
 def parse_key_value(name: str, hint: Any, value: Any) -> Any:
@@ -298,7 +298,8 @@ def _closest_field(name: str) -> Optional[str]:
 def _unknown_key_error(key: Any, value: Any, source: str) -> ValueError:
     hint = _closest_field(str(key))
     did_you_mean = f" (did you mean {hint!r}?)" if hint else ""
-    return ValueError(f"{source}: unknown config key {key!r} (value {value!r}){did_you_mean}")
+    shown = shown_value(str(key), shown_value(hint or "", value))  # a misspelt secret too
+    return ValueError(f"{source}: unknown config key {key!r} (value {shown!r}){did_you_mean}")
 
 
 def _check_keys(mapping: Mapping[Any, Any], source: str) -> None:
