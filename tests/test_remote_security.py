@@ -12,6 +12,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -336,6 +337,22 @@ def test_lms_with_the_right_ca_works_and_plaintext_or_wrong_ca_get_nothing(tls_s
 
     monkeypatch.setenv(CLIENT_CA_ENV, str(tls_files.ca))
     _reads_back(f"lms://:{TOKEN_IN_URL}@localhost:{port}", 2, original)  # host name checked too
+    admin = create_connector(f"lms://:{TOKEN_IN_URL}@127.0.0.1:{port}")
+    assert admin.info()["tls_refusals"] >= 1  # the plaintext client
+    admin.close()
+
+
+def test_a_silent_peer_cannot_hold_a_tls_handshake_open(tls_files) -> None:
+    server = LMCacheServer(ServerConfig(port=0, frame_timeout_s=0.5, tls_cert=str(tls_files.cert), tls_key=str(tls_files.key)))
+    server.start_in_thread()
+    try:
+        with socket.create_connection(server.address, timeout=10) as sock:
+            started = time.monotonic()
+            assert sock.recv(1) == b""  # closed by the server, not by our timeout
+            assert time.monotonic() - started < 5
+        assert wait_for(lambda: server.info()["frame_timeouts"] == 1)
+    finally:
+        server.shutdown()
 
 
 def test_protected_mode_refuses_a_public_bind_without_a_token() -> None:

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import logging
 import mmap
 import socket
 import ssl
@@ -422,16 +423,26 @@ class LMCacheServer:
         try:
             tls.do_handshake()
         except socket.timeout:
+            self._forget(tls)
             raise FrameDeadline(f"TLS handshake not complete within {self.config.frame_timeout_s:.1f} s") from None
         except ssl.SSLError as err:
             count = self._count("tls_refusals")
-            if count % _REAP_LOG_EVERY == 1:
-                logger.warning("TLS handshake with %s failed: %s (%d failed so far)", peer, err.reason or err, count)
-            with self._lock:
-                self._connections.pop(tls, None)
-            tls.close()
+            # A peer that closes before saying anything is a port probe (health check): quiet.
+            level = logging.DEBUG if isinstance(err, ssl.SSLEOFError) else logging.WARNING
+            if count % _REAP_LOG_EVERY == 1 or level == logging.DEBUG:
+                logger.log(level, "TLS handshake with %s failed: %s (%d failed so far)", peer, err.reason or err, count)
+            self._forget(tls)
             return None
+        except OSError:
+            self._forget(tls)
+            raise
         return tls
+
+    def _forget(self, conn: socket.socket) -> None:
+        """Close `conn` and stop tracking it (the TLS socket the connection thread never got)."""
+        with self._lock:
+            self._connections.pop(conn, None)
+        conn.close()
 
     def _authenticate(
         self, conn: socket.socket, peer: tuple, header: FrameHeader, deadline: float, handshake: ServerHandshake
