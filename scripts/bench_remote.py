@@ -7,6 +7,8 @@ Prints, for 256-token chunks of the given geometry:
 - raw loopback TCP bandwidth (one connection, sendall/recv_into between two processes);
 - `lm://` (our server, its own process) and Redis (`redis-server`, if installed): pipelined
   put and get GB/s of encoded chunks, and each as a ratio of the raw bandwidth;
+- `lm://` with a token, and `lms://` (token + TLS, a throwaway CA made with `openssl`), each
+  as a ratio of plain `lm://` in the same run (`--no-secure` leaves them out);
 - `naive` vs `cachegen`: bytes on the wire per chunk, encode time, and end-to-end get time
   (fetch from `lm://` + check + decode into a memory object) per chunk.
 The KV is synthetic (Gaussian with per-channel scales, as real K has outlier channels); the
@@ -36,6 +38,7 @@ sys.path.insert(0, str(ROOT))
 from lmcache.experimental.memory_management import HostMemoryAllocator, MemoryFormat, MemoryObj  # noqa: E402
 from lmcache.experimental.remote.lm_connector import LMServerConnector  # noqa: E402
 from lmcache.experimental.remote.redis_connector import RedisConnector  # noqa: E402
+from lmcache.server.security import client_tls_context  # noqa: E402
 from lmcache.experimental.remote.serde import CacheGenSerde, NaiveSerde  # noqa: E402
 
 TOKENS = 256
@@ -176,14 +179,49 @@ def serde_costs(
     return sum(len(b) for b in encoded) / n, encode_s / n, get_s / n
 
 
-def start_lm_server(max_gb: float) -> Tuple[subprocess.Popen, int]:
+def start_lm_server(max_gb: float, extra_args: List[str] = (), env: Optional[dict] = None) -> Tuple[subprocess.Popen, int]:
     port = _free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "lmcache.server", "127.0.0.1", str(port), "--max-size-gb", str(max_gb)],
-        env={**os.environ, "PYTHONPATH": str(ROOT), "LMCACHE_LOG_LEVEL": "WARNING"},
+        [sys.executable, "-m", "lmcache.server", "127.0.0.1", str(port), "--max-size-gb", str(max_gb), *extra_args],
+        env={**os.environ, "PYTHONPATH": str(ROOT), "LMCACHE_LOG_LEVEL": "WARNING", **(env or {})},
     )
     _wait_port(port)
     return proc, port
+
+
+def make_tls_files(workdir: str) -> Tuple[str, str, str]:
+    """(CA, certificate, key) for 127.0.0.1, made with the openssl CLI."""
+    def openssl(*args: str) -> None:
+        subprocess.run(["openssl", *args], cwd=workdir, check=True, capture_output=True)
+
+    ec = ("-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes")
+    openssl("req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.pem", "-days", "1", "-subj", "/CN=bench-ca")
+    openssl("req", *ec, "-keyout", "srv.key", "-out", "srv.csr", "-subj", "/CN=127.0.0.1")
+    Path(workdir, "san.ext").write_text("subjectAltName=IP:127.0.0.1\n")
+    openssl("x509", "-req", "-in", "srv.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
+            "-out", "srv.pem", "-days", "1", "-extfile", "san.ext")
+    return tuple(os.path.join(workdir, name) for name in ("ca.pem", "srv.pem", "srv.key"))  # type: ignore[return-value]
+
+
+def secure_rows(naive_blobs: List[bytes], plain: Tuple[float, float], max_gb: float, repeats: int, workdir: str) -> None:
+    """Put/get GB/s with a token, and with a token over TLS, as ratios of plain lm://."""
+    token = "bench-token"
+    ca, cert, key = make_tls_files(workdir)
+    setups = {
+        "lm:// + token": ([], None),
+        "lms:// + token":  (["--tls-cert", cert, "--tls-key", key], client_tls_context(ca)),
+    }
+    for name, (args, tls) in setups.items():
+        proc, port = start_lm_server(max_gb, args, env={"LMCACHE_SERVER_TOKEN": token})
+        try:
+            conn = LMServerConnector("127.0.0.1", port, timeout=120, token=token, tls=tls)
+            put, get = store_bandwidth(conn, naive_blobs, repeats)
+            print(f"{name + ':':18s} put    {put:6.2f} GB/s ({put / plain[0]:5.1%} of lm://)  "
+                  f"get      {get:6.2f} GB/s ({get / plain[1]:5.1%} of lm://)")
+            conn.close()
+        finally:
+            proc.terminate()
+            proc.wait()
 
 
 def start_redis(workdir: str) -> Optional[Tuple[subprocess.Popen, int]]:
@@ -208,6 +246,7 @@ def main() -> None:
     parser.add_argument("--head-size", type=int, default=128)
     parser.add_argument("--dtype", choices=["float16", "bfloat16", "float32"], default="float16")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--no-secure", action="store_true", help="skip the token and TLS rows")
     args = parser.parse_args()
 
     dtype = getattr(torch, args.dtype)
@@ -231,6 +270,8 @@ def main() -> None:
         put, get = store_bandwidth(lm, naive_blobs, args.repeats)
         print(f"lm:// (naive):     put    {put:6.2f} GB/s ({put / raw_up:5.1%} of raw)   "
               f"get      {get:6.2f} GB/s ({get / raw_down:5.1%} of raw)")
+        if not args.no_secure:
+            secure_rows(naive_blobs, (put, get), max(1.0, total * 3 / 1e9), args.repeats, tmp)
         if redis_started is not None:
             rc = RedisConnector([("127.0.0.1", redis_started[1])], timeout=120)
             put, get = store_bandwidth(rc, naive_blobs, args.repeats)

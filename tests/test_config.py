@@ -32,7 +32,7 @@ SPEC_FROM_DEFAULTS = {
 EXTRA_DEFAULTS = {
     "use_layerwise": False, "enable_async_loading": False, "save_unfull_chunk": True,
     "priority_limit": None, "enable_pd": False, "blend_separator": "[BLEND_SEP]",
-    "blend_add_special_in_precomp": False,
+    "blend_add_special_in_precomp": False, "remote_password": None,
 }
 SPEC_FROM_LEGACY = {
     "chunk_size": 256, "backend": "cpu", "remote_url": "lm://localhost:65432", "remote_serde": "naive",
@@ -49,7 +49,7 @@ NON_DEFAULT: Dict[str, Any] = {
     "blend_min_tokens": 64, "enable_p2p": True, "lookup_url": "localhost:8100",
     "distributed_url": "localhost:8200", "error_handling": True, "use_layerwise": True,
     "enable_async_loading": True, "save_unfull_chunk": False, "priority_limit": 3, "enable_pd": True,
-    "blend_separator": "<sep>", "blend_add_special_in_precomp": True,
+    "blend_separator": "<sep>", "blend_add_special_in_precomp": True, "remote_password": "s3cret",
 }
 
 
@@ -113,7 +113,7 @@ BAD_VALUES = [
     ("max_local_cpu_size", float("inf")), ("max_local_cpu_size", True), ("max_local_disk_size", -0.5),
     ("remote_url", "localhost:65432"), ("remote_url", "http://host:80"), ("remote_url", "lm://host"),
     ("remote_url", "lm://host:0"), ("remote_url", "lm://host:65536"), ("remote_url", "lm://host:port"),
-    ("remote_url", "lm://:65432"), ("remote_url", "redis://a:1,b:2"), ("remote_url", "redis://a:1/0"),
+    ("remote_url", "lm://:65432"), ("remote_url", "redis://a:1,b:2"), ("remote_url", "redis://a:1/x"),
     ("remote_url", "lm://::1:80"), ("remote_url", 65432),
     ("remote_serde", "json"), ("remote_serde", 1),
     ("blend_recompute_ratio", 1.5), ("blend_recompute_ratio", -0.1), ("blend_min_tokens", -1),

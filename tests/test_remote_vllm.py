@@ -76,14 +76,19 @@ def test_second_instance_hits_the_first_ones_chunks_and_a_dead_server_costs_noth
 
 
 def test_cachegen_through_vllm_hits_and_reports_agreement(tiny_model, cache_off, tmp_path):
-    server = LMServerProcess(log_path=tmp_path / "server.log").start()
-    env = {"LMCACHE_REMOTE_URL": server.url, "LMCACHE_REMOTE_SERDE": "cachegen"}
+    # A server with a token: instance A has it in the URL, B in LMCACHE_REMOTE_TOKEN.
+    token = "vllm-tok-93xq"
+    (tmp_path / "token").write_text(token)
+    server = LMServerProcess(["--token-file", str(tmp_path / "token")], log_path=tmp_path / "server.log").start()
+    url_a = server.url.replace("lm://", f"lm://:{token}@")
+    env = {"LMCACHE_REMOTE_SERDE": "cachegen"}
     try:
-        _, _, lines_a, _ = _run(tiny_model, env)
-        tokens_b, _, lines_b, _ = _run(tiny_model, env)
+        _, _, lines_a, log_a = _run(tiny_model, {**env, "LMCACHE_REMOTE_URL": url_a})
+        tokens_b, _, lines_b, log_b = _run(tiny_model, {**env, "LMCACHE_REMOTE_URL": server.url, "LMCACHE_REMOTE_TOKEN": token})
     finally:
         server.stop()
     assert lines_a == [(0, 0, 1500)] and lines_b == [(1500, 1500, 0)]
+    assert token not in log_a + log_b + (tmp_path / "server.log").read_text()
     same = sum(a == b for a, b in zip(tokens_b, cache_off[0]))
     print(f"cachegen through vLLM: {same}/{MAX_TOKENS} greedy tokens equal to cache-off")
     # Lossy by design; the first token comes from the last prompt position, computed on loaded KV.

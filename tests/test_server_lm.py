@@ -236,9 +236,9 @@ def test_dead_server_raises_unavailable_and_restart_is_transparent(tmp_path) -> 
 def test_cli_defaults_to_loopback_and_validates_arguments(tmp_path) -> None:
     config = _parse_args(["5555"])
     assert (config.host, config.port) == ("127.0.0.1", 5555)
-    config = _parse_args(["0.0.0.0", "6000", "--max-size-gb", "0.5"])
+    config = _parse_args(["0.0.0.0", "6000", "--max-size-gb", "0.5", "--no-auth"])
     assert config.host == "0.0.0.0" and config.max_size_bytes == 512 * 1024**2
-    for bad in (["a", "b", "c"], ["notaport"], ["1", "--max-size-gb", "0"], ["1", "--max-frame-mb", "99999"]):
+    for bad in (["0.0.0.0", "6000"], ["a", "b", "c"], ["notaport"], ["1", "--max-size-gb", "0"], ["1", "--max-frame-mb", "99999"]):
         with pytest.raises(SystemExit):
             _parse_args(bad)
     port = free_port()

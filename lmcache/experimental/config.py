@@ -45,13 +45,17 @@ NON_FIELD_ENV_VARS: Tuple[str, ...] = (
     "LMCACHE_USE_EXPERIMENTAL",
     "LMCACHE_TRACK_USAGE",
     "LMCACHE_BUILD_CUDA",
+    # Secrets and TLS of the remote tier (`remote_secrets`), and the lm:// server's token.
+    "LMCACHE_REMOTE_TOKEN",
+    "LMCACHE_REMOTE_TLS_CA",
+    "LMCACHE_SERVER_TOKEN",
 )
 
 # Keys of the old `lmcache_vllm` config, loaded from YAML and `LMCACHE_<KEY>` variables with a
 # deprecation warning (mapped in `legacy_config.py`).
 LEGACY_KEYS: Tuple[str, ...] = ("local_device", "max_local_cache_size", "pipelined_backend")
 
-REMOTE_SCHEMES: Tuple[str, ...] = ("lm", "redis", "rediss", "redis-cluster", "redis-sentinel")
+REMOTE_SCHEMES: Tuple[str, ...] = ("lm", "lms", "redis", "rediss", "redis-cluster", "redis-sentinel")
 REMOTE_SERDES: Tuple[str, ...] = ("naive", "cachegen", "safetensor")
 # Schemes whose URL lists several host:port pairs (cluster nodes, Sentinels).
 MULTI_HOST_SCHEMES: Tuple[str, ...] = ("redis-cluster", "redis-sentinel")
@@ -88,11 +92,45 @@ def parse_bool(value: Any) -> Optional[bool]:
 @dataclass(frozen=True)
 class RemoteUrl:
     """A parsed `remote_url`: the scheme, one (host, port) per server (several for a cluster or
-    the Sentinels), and for `redis-sentinel://` the master's service name when the URL names it."""
+    the Sentinels), for `redis-sentinel://` the master's service name when the URL names it, the
+    userinfo (percent-decoded; for `lm://` the password is the token) and a Redis database number.
+    The password never shows in `repr`."""
 
     scheme: str
     hosts: Tuple[Tuple[str, int], ...]
     service: Optional[str] = None
+    username: Optional[str] = None
+    password: Optional[str] = dataclasses.field(default=None, repr=False)
+    db: Optional[int] = None
+
+    def display(self) -> str:
+        """The URL for log lines and errors: `mask_url` of it (password or token as `***`)."""
+        user = urllib.parse.quote(self.username or "", safe="")
+        password = urllib.parse.quote(self.password or "", safe="")
+        userinfo = f"{user}:{password}@" if password else (f"{user}@" if user else "")
+        hosts = ",".join(f"[{h}]:{p}" if ":" in h else f"{h}:{p}" for h, p in self.hosts)
+        tail = f"/{self.service}" if self.service else (f"/{self.db}" if self.db is not None else "")
+        return mask_url(f"{self.scheme}://{userinfo}{hosts}{tail}")
+
+
+MASK = "***"
+# Schemes whose URL may end in `/N`, a Redis database number (a cluster has only database 0).
+DB_SCHEMES: Tuple[str, ...] = ("redis", "rediss")
+
+
+def mask_url(url: str) -> str:
+    """`url` with the password or token of its userinfo replaced by `***`: the one spelling of a
+    URL that log lines, error messages, reprs and config dumps may show. Works on URLs that do
+    not parse too (everything between `://` and the last `@` before the host part is hidden,
+    except a user name)."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        return url
+    userinfo, at, hosts = rest.rpartition("@")
+    if not at:
+        return url
+    user, colon, _ = userinfo.partition(":")
+    return f"{scheme}://{user}{':' + MASK if colon else ''}@{hosts}"
 
 
 def _parse_host_port(text: str, key: str, whole: str) -> Tuple[str, int]:
@@ -115,30 +153,53 @@ def _parse_port(text: str, key: str, whole: str) -> int:
 
 
 def parse_remote_url(url: str, key: str = "remote_url") -> RemoteUrl:
-    """Parse `lm://h:p`, `redis://h:p`, `rediss://h:p`, `redis-cluster://h1:p1,h2:p2` or
-    `redis-sentinel://h1:p1,h2:p2[/service]`."""
+    """Parse `lm://h:p`, `lms://h:p` (TLS), `redis://h:p[/db]`, `rediss://h:p[/db]`,
+    `redis-cluster://h1:p1,h2:p2` or `redis-sentinel://h1:p1,h2:p2[/service]`, each optionally
+    with `[user][:password]@` before the hosts (percent-encoded). Errors show the URL masked."""
+    shown = mask_url(url)
     scheme, sep, rest = url.partition("://")
     if not sep:
-        raise ValueError(f"{key}={url!r}: expected scheme://host:port with scheme in {REMOTE_SCHEMES}")
+        raise ValueError(f"{key}={shown!r}: expected scheme://host:port with scheme in {REMOTE_SCHEMES}")
     if scheme not in REMOTE_SCHEMES:
-        raise ValueError(f"{key}={url!r}: unknown scheme {scheme!r}, expected one of {REMOTE_SCHEMES}")
+        raise ValueError(f"{key}={shown!r}: unknown scheme {scheme!r}, expected one of {REMOTE_SCHEMES}")
+    userinfo, at, rest = rest.rpartition("@")
+    username, password = _split_userinfo(userinfo) if at else (None, None)
     rest = rest[:-1] if rest.endswith("/") else rest
-    service = None
+    service = db = None
     if scheme == "redis-sentinel":
-        rest, service = _split_sentinel_service(rest, key, url)
+        rest, service = _split_sentinel_service(rest, key, shown)
+    elif scheme in DB_SCHEMES:
+        rest, db = _split_db(rest, key, shown)
     parts = rest.split(",")
     if scheme not in MULTI_HOST_SCHEMES and len(parts) != 1:
-        raise ValueError(f"{key}={url!r}: only {' and '.join(MULTI_HOST_SCHEMES)} take several host:port pairs")
-    return RemoteUrl(scheme, tuple(_parse_host_port(part, key, url) for part in parts), service)
+        raise ValueError(f"{key}={shown!r}: only {' and '.join(MULTI_HOST_SCHEMES)} take several host:port pairs")
+    hosts = tuple(_parse_host_port(part, key, shown) for part in parts)
+    return RemoteUrl(scheme, hosts, service, username, password, db)
 
 
-def _split_sentinel_service(rest: str, key: str, url: str) -> Tuple[str, Optional[str]]:
+def _split_userinfo(userinfo: str) -> Tuple[Optional[str], Optional[str]]:
+    """`user:pass` / `:pass` / `user` (percent-encoded) -> (user or None, password or None)."""
+    user, _, password = userinfo.partition(":")
+    return urllib.parse.unquote(user) or None, urllib.parse.unquote(password) or None
+
+
+def _split_db(rest: str, key: str, shown: str) -> Tuple[str, Optional[int]]:
+    """`h:p/3` -> (`h:p`, 3); no `/` -> (rest, None)."""
+    hosts, sep, db = rest.partition("/")
+    if not sep:
+        return rest, None
+    if not (db.isascii() and db.isdigit()):
+        raise ValueError(f"{key}={shown!r}: Redis database {db!r} must be a number")
+    return hosts, int(db)
+
+
+def _split_sentinel_service(rest: str, key: str, shown: str) -> Tuple[str, Optional[str]]:
     """`h1:p1,h2:p2/mymaster` -> (`h1:p1,h2:p2`, `mymaster`); no `/` -> (rest, None)."""
     hosts, sep, service = rest.partition("/")
     if not sep:
         return rest, None
     if not re.fullmatch(r"[A-Za-z0-9._-]+", service):
-        raise ValueError(f"{key}={url!r}: Sentinel service name {service!r} must be letters, digits, '.', '_' or '-'")
+        raise ValueError(f"{key}={shown!r}: Sentinel service name {service!r} must be letters, digits, '.', '_' or '-'")
     return hosts, service
 
 
@@ -198,6 +259,13 @@ def _coerce(name: str, hint: Any, value: Any) -> Any:
     raise TypeError(f"LMCacheEngineConfig field {name} has unsupported type {hint!r}")
 
 
+def shown_value(name: str, value: Any) -> Any:
+    """`value` of field `name` as messages may show it: URLs masked, the password hidden."""
+    if value is not None and any(word in name.lower() for word in ("password", "token", "secret")):
+        return MASK
+    return mask_url(value) if isinstance(value, str) and "://" in value else value
+
+
 def parse_key_value(name: str, hint: Any, value: Any) -> Any:
     """`value` parsed as a field of type `hint` would be, errors naming `name` (for keys that are
     not fields, such as the legacy ones)."""
@@ -230,7 +298,8 @@ def _closest_field(name: str) -> Optional[str]:
 def _unknown_key_error(key: Any, value: Any, source: str) -> ValueError:
     hint = _closest_field(str(key))
     did_you_mean = f" (did you mean {hint!r}?)" if hint else ""
-    return ValueError(f"{source}: unknown config key {key!r} (value {value!r}){did_you_mean}")
+    shown = shown_value(str(key), shown_value(hint or "", value))  # a misspelt secret too
+    return ValueError(f"{source}: unknown config key {key!r} (value {shown!r}){did_you_mean}")
 
 
 def _check_keys(mapping: Mapping[Any, Any], source: str) -> None:
@@ -303,6 +372,18 @@ class LMCacheEngineConfig:
     enable_pd: bool = False
     blend_separator: str = "[BLEND_SEP]"
     blend_add_special_in_precomp: bool = False
+    # The remote store's password (Redis) or token (lm://) for those who keep secrets out of
+    # `remote_url` (`LMCACHE_REMOTE_PASSWORD`); a password in the URL wins. Never printed.
+    remote_password: Optional[str] = None
+
+    def __repr__(self) -> str:
+        """The fields, with `remote_url` masked and `remote_password` hidden (config dumps)."""
+        shown = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        if self.remote_url is not None:
+            shown["remote_url"] = mask_url(self.remote_url)
+        if self.remote_password is not None:
+            shown["remote_password"] = MASK
+        return f"{type(self).__name__}({', '.join(f'{k}={v!r}' for k, v in shown.items())})"
 
     def __post_init__(self) -> None:
         """The one place values are parsed and checked; errors name the key and the value."""
@@ -367,6 +448,7 @@ class LMCacheEngineConfig:
         enable_pd: bool = False,
         blend_separator: str = "[BLEND_SEP]",
         blend_add_special_in_precomp: bool = False,
+        remote_password: Optional[str] = None,
         **unknown: Any,
     ) -> "LMCacheEngineConfig":
         """The spec's defaults with some fields replaced; an unknown keyword is a ValueError."""
@@ -406,7 +488,7 @@ class LMCacheEngineConfig:
             return LMCacheEngineConfig.cpu_only_defaults().with_overrides(overrides, source="environment")
         except ValueError as exc:
             # Name the variables as the user typed them, not only the parsed values.
-            culprits = [f"{env_var_name(name)}={raw!r}" for name, raw in field_vars.items()
+            culprits = [f"{env_var_name(name)}={shown_value(name, raw)!r}" for name, raw in field_vars.items()
                         if re.search(rf"\b{name}=", str(exc))]
             raise ValueError(f"{exc} (set by {', '.join(culprits)})" if culprits else str(exc)) from exc
 

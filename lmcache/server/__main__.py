@@ -1,19 +1,22 @@
 """`lmcache_server [HOST] PORT [DEVICE]` / `python -m lmcache.server ...`: run the `lm://` server.
 
-HOST defaults to 127.0.0.1: the server has no authentication, so listening on other
-interfaces is something to ask for explicitly (`lmcache_server 0.0.0.0 65432`). DEVICE is the
-old server's storage device; only `cpu` (where chunks always live) is accepted.
+HOST defaults to 127.0.0.1. Listening on any other interface needs a token
+(`LMCACHE_SERVER_TOKEN` or `--token-file PATH`; never a command-line value, which `ps` shows),
+or `--no-auth` to insist on none; `--tls-cert`/`--tls-key` serve TLS (`lms://` clients).
+DEVICE is the old server's storage device; only `cpu` (where chunks always live) is accepted.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 from typing import Optional, Sequence, Tuple
 
 from lmcache.logging import init_logger
 from lmcache.server.protocol import DEFAULT_MAX_PAYLOAD_BYTES, HARD_MAX_PAYLOAD_BYTES
+from lmcache.server.security import SERVER_TOKEN_ENV, read_token_file
 from lmcache.server.server import LMCacheServer, ServerConfig
 
 logger = init_logger(__name__)
@@ -51,6 +54,7 @@ def _parse_args(argv: Optional[Sequence[str]]) -> ServerConfig:
         "drained, the connection stays) and clients learn the limit from the refusal",
     )
     _add_limit_arguments(parser)
+    _add_security_arguments(parser)
     args = parser.parse_args(argv)
     host, port_text = _split_address(parser, args.address)
     port = _parse_port(parser, port_text)
@@ -71,6 +75,7 @@ def _parse_args(argv: Optional[Sequence[str]]) -> ServerConfig:
             frame_timeout_s=args.frame_timeout,
             idle_timeout_s=args.idle_timeout,
             max_pending_bytes=None if args.max_pending_mb is None else int(args.max_pending_mb * (1 << 20)),
+            **_security_options(args),
         )
     except ValueError as err:
         parser.error(str(err))
@@ -126,6 +131,32 @@ def _add_limit_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_security_arguments(parser: argparse.ArgumentParser) -> None:
+    """Token, TLS and protected mode (the token itself is never an argument)."""
+    parser.add_argument(
+        "--token-file",
+        metavar="PATH",
+        help=f"file holding the token clients must prove (else {SERVER_TOKEN_ENV}, if set)",
+    )
+    parser.add_argument("--tls-cert", metavar="PEM", help="certificate chain: serve TLS (lms://)")
+    parser.add_argument("--tls-key", metavar="PEM", help="private key of --tls-cert")
+    parser.add_argument(
+        "--no-auth",
+        action="store_true",
+        help="listen on a non-loopback HOST without a token (anyone reaching the port can read "
+        "and overwrite every chunk)",
+    )
+
+
+def _security_options(args: argparse.Namespace) -> dict:
+    """ServerConfig's token/TLS fields from the arguments and the environment (ValueError if bad)."""
+    if args.token_file is not None:
+        token = read_token_file(args.token_file)
+    else:
+        token = os.environ.get(SERVER_TOKEN_ENV, "").strip().encode() or None
+    return dict(token=token, tls_cert=args.tls_cert, tls_key=args.tls_key, no_auth=args.no_auth)
+
+
 def _parse_port(parser: argparse.ArgumentParser, text: str) -> int:
     """PORT is ASCII digits in 0..65535 (0 = any free port); `int()` would take `+80` or `٨٠`."""
     if not (text.isascii() and text.isdigit()) or int(text) > 65535:
@@ -136,8 +167,8 @@ def _parse_port(parser: argparse.ArgumentParser, text: str) -> int:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Console-script entry point; returns the process exit code."""
     config = _parse_args(argv)
-    server = LMCacheServer(config)
     try:
+        server = LMCacheServer(config)  # loads the TLS certificate, if any
         server.start()
     except OSError as err:
         logger.error("%s", err)

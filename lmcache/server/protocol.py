@@ -22,10 +22,17 @@ Operations:
 - `EXISTS key` -> `OK` or `NOT_FOUND`.
 - `DELETE key` -> `OK` (was there) or `NOT_FOUND`.
 - `INFO` -> `OK` + a JSON object of server statistics and limits (`max_payload_bytes`, ...).
+- `AUTH payload` (at most `MAX_AUTH_PAYLOAD_BYTES`) -> `OK` + payload or `REFUSED`: the token
+  handshake of `security.py`. A server with a token serves nothing else before it succeeded.
 
 Version 1 since the start: the refusal payload and the INFO limits were added without a bump
 because both sides ignore what they do not read (a reply's payload on `REFUSED`, unknown INFO
-keys), so older clients and servers still interoperate.
+keys), so older clients and servers still interoperate. `AUTH` was added without a bump too: a
+client without a token never sends it, so old and new clients work with a server without a
+token; an old server answers a new client's `AUTH` with `BAD_REQUEST` "unknown op code 7", and
+a server with a token answers an old client's first request with `BAD_REQUEST`
+"authentication required" - each a clear refusal, and a bump would only break the pairs that
+work.
 
 Anything else (bad magic, unknown version or op, a key over its limit or a payload over
 `HARD_MAX_PAYLOAD_BYTES`, a payload on an op that takes none) is a `ProtocolError`: the server answers an `ERROR` frame with status
@@ -54,6 +61,9 @@ MAX_KEY_BYTES = 4096
 HARD_MAX_PAYLOAD_BYTES = 4 << 30
 # What server and client accept by default; a 256-token chunk of a 70B model is ~80 MB.
 DEFAULT_MAX_PAYLOAD_BYTES = 1 << 30
+# An AUTH frame carries a nonce and an HMAC-SHA256 proof at most: a peer that has not
+# authenticated yet can make the server hold no more than this.
+MAX_AUTH_PAYLOAD_BYTES = 64
 
 Buffer = Union[bytes, bytearray, memoryview]
 
@@ -70,6 +80,7 @@ class Op(enum.IntEnum):
     EXISTS = 4
     DELETE = 5
     INFO = 6
+    AUTH = 7
 
 
 class Status(enum.IntEnum):
@@ -83,15 +94,16 @@ class Status(enum.IntEnum):
 
 # Ops that name a key, and the one op whose request carries a payload.
 _KEYED_OPS = frozenset({Op.PUT, Op.GET, Op.EXISTS, Op.DELETE})
-_PAYLOAD_REQUEST_OPS = frozenset({Op.PUT})
+_PAYLOAD_REQUEST_OPS = frozenset({Op.PUT, Op.AUTH})
 
 
 class RefusalReason(str, enum.Enum):
-    """Why a put was refused (the `reason` of a `REFUSED` reply's JSON payload)."""
+    """Why a put (or a handshake) was refused (the `reason` of a `REFUSED` reply's JSON payload)."""
 
     TOO_LARGE = "too_large"  # over the server's frame limit (`max_payload_bytes`)
     OVER_STORE = "over_store"  # larger than the server's whole store
     BUSY = "busy"  # unfinished frames already hold the server's pending budget
+    AUTH_FAILED = "auth_failed"  # the handshake's proof was wrong (security.py)
 
 
 def refusal_payload(reason: RefusalReason, max_payload_bytes: int) -> bytes:
@@ -180,6 +192,8 @@ def parse_header(raw: Buffer, max_payload_bytes: int, is_request: bool) -> Frame
             raise ProtocolError(f"{op.name} request must not carry a key")
         if op not in _PAYLOAD_REQUEST_OPS and payload_len != 0:
             raise ProtocolError(f"{op.name} request must not carry a payload")
+        if op == Op.AUTH and payload_len > MAX_AUTH_PAYLOAD_BYTES:
+            raise ProtocolError(f"AUTH payload of {payload_len} bytes exceeds {MAX_AUTH_PAYLOAD_BYTES}")
     return FrameHeader(op=op, status=status, key_len=key_len, payload_len=payload_len)
 
 

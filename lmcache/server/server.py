@@ -20,16 +20,25 @@ pending budget is read to its end (into a small scratch block), answered `REFUSE
 reason and the frame limit, and counted in `refused_puts`. A connection that breaks the
 protocol (bad magic or version, unknown op, a key over its limit, a frame cut short or past its
 deadline) is answered with `BAD_REQUEST` where possible and closed, with the reason logged.
+
+With a token (`ServerConfig.token`) a connection must pass `security.py`'s handshake before
+anything else is served; a peer that fails it, or asks for anything first, is answered and
+closed, counted in `auth_refusals` and logged (rate-limited) with its address. With a TLS
+certificate every connection starts with a TLS handshake, which must finish within
+`frame_timeout_s` (failures counted in `tls_refusals`).
 """
 
 from __future__ import annotations
 
+import ipaddress
 import json
+import logging
 import mmap
 import socket
+import ssl
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 from lmcache.logging import init_logger
@@ -47,6 +56,13 @@ from lmcache.server.protocol import (
     parse_header,
     refusal_payload,
     send_frame,
+)
+from lmcache.server.security import (
+    AUTH_REQUIRED,
+    SERVER_TOKEN_ENV,
+    AuthRefused,
+    ServerHandshake,
+    server_tls_context,
 )
 from lmcache.server.store import LRUChunkStore
 
@@ -82,6 +98,13 @@ class ServerConfig:
     idle_timeout_s: float = 120.0
     # Payload bytes of unfinished frames, all connections together; None = 2 x max_payload_bytes.
     max_pending_bytes: Optional[int] = None
+    # The shared secret clients must prove (security.py); None = no authentication.
+    token: Optional[bytes] = field(default=None, repr=False)
+    # PEM certificate chain and key: serve TLS (`lms://`) instead of plaintext.
+    tls_cert: Optional[str] = None
+    tls_key: Optional[str] = None
+    # Listen beyond loopback without a token anyway (protected mode off).
+    no_auth: bool = False
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -106,6 +129,31 @@ class ServerConfig:
                 f"max_pending_bytes ({self.max_pending_bytes}) must be at least max_payload_bytes "
                 f"({self.max_payload_bytes}), or a frame at the limit could never be received"
             )
+        self._check_security()
+
+    def _check_security(self) -> None:
+        """Protected mode: no token on a non-loopback address is refused unless `no_auth`."""
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("TLS needs both a certificate (--tls-cert) and its key (--tls-key)")
+        if self.token is not None and not self.token:
+            raise ValueError("the token is empty")
+        if self.token is None and not self.no_auth and not is_loopback(self.host):
+            raise ValueError(
+                f"refusing to listen on {self.host} without authentication: anyone who reaches "
+                f"the port could read and overwrite every cached chunk. Set a token with "
+                f"{SERVER_TOKEN_ENV}=... or --token-file PATH (clients then use "
+                f"lm://:TOKEN@host:port or LMCACHE_REMOTE_TOKEN), or pass --no-auth to insist"
+            )
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` is a loopback address (or `localhost`): the only place without a token."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a host name other than localhost: it may resolve anywhere
 
 
 class _PendingBudget:
@@ -161,7 +209,12 @@ class LMCacheServer:
             "refused_too_large": 0,
             "refused_over_store": 0,
             "refused_busy": 0,
+            "auth_refusals": 0,
+            "tls_refusals": 0,
         }
+        self._tls: Optional[ssl.SSLContext] = None
+        if config.tls_cert is not None and config.tls_key is not None:
+            self._tls = server_tls_context(config.tls_cert, config.tls_key)
         self._accept_thread: Optional[threading.Thread] = None
 
     @property
@@ -199,7 +252,8 @@ class LMCacheServer:
         cfg = self.config
         logger.info(
             "lm:// server listening on %s:%d (max size %.2f GiB, frame limit %d bytes, "
-            "frame timeout %.1f s, idle timeout %.1f s, %d connections, pending budget %d bytes)",
+            "frame timeout %.1f s, idle timeout %.1f s, %d connections, pending budget %d bytes, "
+            "%s, %s)",
             host,
             port,
             cfg.max_size_bytes / 1024**3,
@@ -208,6 +262,8 @@ class LMCacheServer:
             cfg.idle_timeout_s,
             cfg.max_connections,
             self.pending_limit,
+            "token required" if cfg.token is not None else "no authentication",
+            "TLS" if self._tls is not None else "plaintext",
         )
         return host, port
 
@@ -310,12 +366,24 @@ class LMCacheServer:
             return True
 
     def _serve_connection(self, conn: socket.socket, peer: tuple) -> None:
+        handshake = ServerHandshake(self.config.token)
         try:
+            if self._tls is not None:
+                tls = self._tls_accept(conn, peer)
+                if tls is None:
+                    return
+                conn = tls
             while not self._stop.is_set():
                 header = self._read_header(conn, peer)
                 if header is None:
+                    if handshake.started and not handshake.done:
+                        self._refuse_auth(peer, "left during the handshake (a different token?)")
                     return
-                self._handle(conn, header[0], header[1])
+                if header[0].op == Op.AUTH or not handshake.done:
+                    if not self._authenticate(conn, peer, header[0], header[1], handshake):
+                        return
+                else:
+                    self._handle(conn, header[0], header[1])
                 if not self._mark(conn):
                     return
         except ProtocolError as err:
@@ -338,6 +406,69 @@ class LMCacheServer:
             with self._lock:
                 self._connections.pop(conn, None)
             conn.close()
+
+    def _tls_accept(self, conn: socket.socket, peer: tuple) -> Optional[ssl.SSLSocket]:
+        """The TLS handshake, whole within `frame_timeout_s` (CPython bounds one `do_handshake`
+        by the socket timeout as a deadline); None when it failed or the connection was reaped."""
+        assert self._tls is not None
+        tls = self._tls.wrap_socket(conn, server_side=True, do_handshake_on_connect=False)
+        with self._lock:  # `conn` gave its descriptor to `tls`: track (and reap) that instead
+            state = self._connections.pop(conn, None)
+            if state is not None:
+                self._connections[tls] = state
+        if state is None:
+            tls.close()
+            return None
+        tls.settimeout(self.config.frame_timeout_s)
+        try:
+            tls.do_handshake()
+        except socket.timeout:
+            self._forget(tls)
+            raise FrameDeadline(f"TLS handshake not complete within {self.config.frame_timeout_s:.1f} s") from None
+        except ssl.SSLError as err:
+            count = self._count("tls_refusals")
+            # A peer that closes before saying anything is a port probe (health check): quiet.
+            level = logging.DEBUG if isinstance(err, ssl.SSLEOFError) else logging.WARNING
+            if count % _REAP_LOG_EVERY == 1 or level == logging.DEBUG:
+                logger.log(level, "TLS handshake with %s failed: %s (%d failed so far)", peer, err.reason or err, count)
+            self._forget(tls)
+            return None
+        except OSError:
+            self._forget(tls)
+            raise
+        return tls
+
+    def _forget(self, conn: socket.socket) -> None:
+        """Close `conn` and stop tracking it (the TLS socket the connection thread never got)."""
+        with self._lock:
+            self._connections.pop(conn, None)
+        conn.close()
+
+    def _authenticate(
+        self, conn: socket.socket, peer: tuple, header: FrameHeader, deadline: float, handshake: ServerHandshake
+    ) -> bool:
+        """Answer one handshake frame; False (after a refusal) when the connection must close."""
+        conn.settimeout(self.config.frame_timeout_s)
+        if header.op != Op.AUTH:
+            self._refuse_auth(peer, f"{header.op.name} before authenticating")
+            # The key (bounded) is read so the answer is not lost to a reset; a payload is not.
+            self._recv_exact(conn, header.key_len, deadline, "the key")
+            send_frame(conn, Op.ERROR, Status.BAD_REQUEST, payload=AUTH_REQUIRED.encode())
+            return False
+        payload = bytes(self._recv_exact(conn, header.payload_len, deadline, "an AUTH payload"))
+        try:
+            status, reply = handshake.step(payload)
+        except AuthRefused as err:
+            self._refuse_auth(peer, str(err))
+            send_frame(conn, Op.AUTH, Status.REFUSED, payload=self._refusal(RefusalReason.AUTH_FAILED))
+            return False
+        send_frame(conn, Op.AUTH, status, payload=reply or None)
+        return True
+
+    def _refuse_auth(self, peer: tuple, why: str) -> None:
+        count = self._count("auth_refusals")
+        if count % _REAP_LOG_EVERY == 1:
+            logger.warning("refused a connection from %s: %s (%d refused so far)", peer, why, count)
 
     def _read_header(self, conn: socket.socket, peer: tuple) -> Optional[tuple[FrameHeader, float]]:
         """Wait up to `idle_timeout_s` for a frame to start; then (its header, its deadline)."""
@@ -520,8 +651,10 @@ class _PayloadBuffer:
 
 
 def _hang_up(conn: socket.socket) -> None:
-    """Wake whatever thread is blocked on `conn`; that thread closes it."""
+    """Wake whatever thread is blocked on `conn`; that thread closes it. (The plain socket's
+    shutdown also for a TLS socket: `SSLSocket.shutdown` would drop its TLS state under the
+    thread still reading it.)"""
     try:
-        conn.shutdown(socket.SHUT_RDWR)
+        socket.socket.shutdown(conn, socket.SHUT_RDWR)
     except OSError:
         pass

@@ -1,4 +1,4 @@
-"""Remote stores for the remote tier: connectors (`lm://`, `redis://`, `rediss://`,
+"""Remote stores for the remote tier: connectors (`lm://`, `lms://`, `redis://`, `rediss://`,
 `redis-cluster://`, `redis-sentinel://`) behind one byte-level interface, and the serdes that
 fill them.
 
@@ -8,10 +8,12 @@ URL grammar is the config's (`lmcache.experimental.config.parse_remote_url`).
 
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 from lmcache.experimental.config import parse_remote_url
 from lmcache.experimental.remote.connector import RemoteConnector, RemoteUnavailableError
+from lmcache.server.security import CLIENT_CA_ENV, CLIENT_TOKEN_ENV, client_tls_context
 
 __all__ = ["RemoteConnector", "RemoteUnavailableError", "create_connector", "redis_key_prefix"]
 
@@ -29,6 +31,7 @@ def create_connector(
     pool_size: int = 4,
     ttl_s: Optional[float] = None,
     max_value_bytes: Optional[int] = None,
+    password: Optional[str] = None,
 ) -> RemoteConnector:
     """A connector for `url`; nothing is connected until the first call.
 
@@ -36,17 +39,31 @@ def create_connector(
     bounds its memory with LRU instead of expiry). `max_value_bytes` caps what one put sends
     (None = the connector's default: 1 GiB for `lm://`, 512 MB for Redis); each connector also
     learns its server's own limit and refuses larger values without sending them.
+
+    Secrets: the URL's userinfo first, else `password` (the `remote_password` config key); for
+    `lm://`/`lms://` the token is the URL's password, else `LMCACHE_REMOTE_TOKEN`, else
+    `password`. `lms://` and `rediss://` check the server against `LMCACHE_REMOTE_TLS_CA` (or the
+    system store).
     """
     parsed = parse_remote_url(url)
-    if parsed.scheme == "lm":
+    if parsed.scheme in ("lm", "lms"):
         from lmcache.experimental.remote.lm_connector import LMServerConnector
 
         host, port = parsed.hosts[0]
         lm_limit = {} if max_value_bytes is None else {"max_payload_bytes": max_value_bytes}
+        token = parsed.password or os.environ.get(CLIENT_TOKEN_ENV, "").strip() or password
         return LMServerConnector(
-            host, port, timeout=timeout, lookup_timeout=lookup_timeout, pool_size=pool_size, **lm_limit
+            host,
+            port,
+            timeout=timeout,
+            lookup_timeout=lookup_timeout,
+            pool_size=pool_size,
+            token=token,
+            tls=client_tls_context() if parsed.scheme == "lms" else None,
+            **lm_limit,
         )
     redis_limit = {} if max_value_bytes is None else {"max_value_bytes": max_value_bytes}
+    credentials = dict(username=parsed.username, password=parsed.password or password)
     if parsed.scheme == "redis-sentinel":
         from lmcache.experimental.remote.redis_sentinel_connector import (
             RedisSentinelConnector,
@@ -61,6 +78,7 @@ def create_connector(
             timeout=timeout,
             lookup_timeout=lookup_timeout,
             pool_size=pool_size,
+            **credentials,
             **redis_limit,
         )
     from lmcache.experimental.remote.redis_connector import RedisConnector
@@ -74,5 +92,8 @@ def create_connector(
         timeout=timeout,
         lookup_timeout=lookup_timeout,
         pool_size=pool_size,
+        db=parsed.db,
+        ssl_ca_certs=os.environ.get(CLIENT_CA_ENV, "").strip() or None,
+        **credentials,
         **redis_limit,
     )

@@ -23,6 +23,11 @@ class RemoteUnavailableError(ConnectionError):
     """The remote store could not be reached or did not answer in time."""
 
 
+class RemoteAuthError(RemoteUnavailableError):
+    """The remote store refused our credentials or TLS (or could not prove it is the one we
+    trust): to the tier it is down - every lookup a miss, never data - and probed with backoff."""
+
+
 class RemoteConnector(ABC):
     """A byte store behind a network connection; safe to call from several threads."""
 

@@ -16,17 +16,30 @@ limit (from `INFO` before its first put, and from every `REFUSED` reply, which n
 refuses what is larger itself, without sending it; a put the server refuses anyway (over its
 store, or its budget for unfinished frames is full) comes back False on a connection that stays
 usable.
+
+With a token, every new connection first passes `lmcache.server.security`'s handshake; with a
+TLS context (`lms://`) it is TLS first, certificate and host name checked. A server that refuses
+the token (or cannot prove it knows it, or wants one we do not have) is `RemoteAuthError`: logged
+as an error (rate-limited), never retried at once, and to the remote tier a down store - every
+lookup a miss, probed again with backoff - never data.
 """
 
 from __future__ import annotations
 
 import json
 import socket
+import ssl
 import threading
 from dataclasses import dataclass
 from typing import Optional, Sequence, Tuple
 
-from lmcache.experimental.remote.connector import Buffer, RemoteConnector, RemoteUnavailableError
+from lmcache.experimental.config import RemoteUrl
+from lmcache.experimental.remote.connector import (
+    Buffer,
+    RemoteAuthError,
+    RemoteConnector,
+    RemoteUnavailableError,
+)
 from lmcache.logging import init_logger
 from lmcache.server.protocol import (
     DEFAULT_MAX_PAYLOAD_BYTES,
@@ -42,6 +55,7 @@ from lmcache.server.protocol import (
     recv_exact,
     refusal_limit,
 )
+from lmcache.server.security import AUTH_REQUIRED, AuthRefused, client_handshake
 
 logger = init_logger(__name__)
 
@@ -50,6 +64,8 @@ PIPELINE_WINDOW = 32
 _TOO_LARGE_LOG_EVERY = 100
 # Payloads at least this large are sent on their own instead of being joined to the header.
 _ZERO_COPY_BYTES = 64 * 1024
+# Log one "refused our credentials" error per this many refusals.
+_AUTH_LOG_EVERY = 100
 
 
 @dataclass(frozen=True)
@@ -68,8 +84,18 @@ class _Reply:
 class _ConnectionPool:
     """Idle connections to one server; a connection is used by one thread at a time."""
 
-    def __init__(self, host: str, port: int, max_idle: int, connect_timeout: float) -> None:
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        max_idle: int,
+        connect_timeout: float,
+        token: Optional[bytes] = None,
+        tls: Optional[ssl.SSLContext] = None,
+    ) -> None:
         self._address = (host, port)
+        self._token = token
+        self._tls = tls
         self._max_idle = max_idle
         self._connect_timeout = connect_timeout
         self._idle: list[socket.socket] = []
@@ -90,6 +116,20 @@ class _ConnectionPool:
                 f"cannot connect to lm://{self._address[0]}:{self._address[1]}: {err}"
             ) from err
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        try:
+            if self._tls is not None:
+                sock = self._tls.wrap_socket(sock, server_hostname=self._address[0])
+            if self._token is not None:
+                client_handshake(sock, self._token)
+        except AuthRefused as err:
+            sock.close()
+            raise RemoteAuthError(str(err)) from err
+        except ssl.SSLError as err:
+            sock.close()
+            raise RemoteAuthError(f"TLS handshake failed: {err.reason or err}") from err
+        except (OSError, ProtocolError) as err:
+            sock.close()
+            raise RemoteUnavailableError(f"handshake with {self._address[0]}:{self._address[1]} failed: {err}") from err
         return sock, False
 
     def release(self, sock: socket.socket) -> None:
@@ -123,7 +163,11 @@ class LMServerConnector(RemoteConnector):
         lookup_timeout: float = 1.0,
         pool_size: int = 4,
         max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
+        token: Optional[str] = None,
+        tls: Optional[ssl.SSLContext] = None,
     ) -> None:
+        """`token`: the server's shared secret (None = no handshake); `tls`: a client context
+        (`security.client_tls_context`) for `lms://`."""
         if timeout <= 0 or lookup_timeout <= 0:
             raise ValueError(f"timeouts must be positive, got {timeout} and {lookup_timeout}")
         if not 0 < max_payload_bytes <= HARD_MAX_PAYLOAD_BYTES:
@@ -138,11 +182,15 @@ class LMServerConnector(RemoteConnector):
         # The server's frame limit once known (INFO, or a refusal naming it); None = ask.
         self._server_limit: Optional[int] = None
         self._too_large = 0
-        self._pool = _ConnectionPool(host, port, pool_size, connect_timeout=lookup_timeout)
+        self._auth_refusals = 0
+        secret = None if token is None else token.encode("utf-8")
+        self._pool = _ConnectionPool(host, port, pool_size, lookup_timeout, secret, tls)
+        scheme = "lm" if tls is None else "lms"
+        self._url = RemoteUrl(scheme, ((host, port),), password=token).display()
 
     @property
     def url(self) -> str:
-        return f"lm://{self._host}:{self._port}"
+        return self._url
 
     def delete(self, key: str) -> bool:
         reply = self._call([_Request(Op.DELETE, _key_bytes(key))], self._timeout)[0]
@@ -224,12 +272,20 @@ class LMServerConnector(RemoteConnector):
             return []
         may_retry = True
         while True:
-            sock, reused = self._pool.acquire()
+            try:
+                sock, reused = self._pool.acquire()
+            except RemoteAuthError as err:
+                self._log_auth_refusal(err)
+                raise
             try:
                 replies = self._exchange(sock, requests, timeout)
             except socket.timeout as err:
                 sock.close()
                 raise RemoteUnavailableError(f"{self.url} did not answer within {timeout} s") from err
+            except RemoteAuthError as err:
+                sock.close()
+                self._log_auth_refusal(err)
+                raise
             except (OSError, ProtocolError) as err:
                 sock.close()
                 self._pool.clear()
@@ -241,6 +297,17 @@ class LMServerConnector(RemoteConnector):
                 continue
             self._pool.release(sock)
             return replies
+
+    def _log_auth_refusal(self, err: RemoteAuthError) -> None:
+        self._auth_refusals += 1
+        if self._auth_refusals % _AUTH_LOG_EVERY == 1:
+            logger.error(
+                "%s refused this client: %s (check the token and CA; every lookup is a miss "
+                "meanwhile; %d refusals so far)",
+                self.url,
+                err,
+                self._auth_refusals,
+            )
 
     def _exchange(
         self, sock: socket.socket, requests: Sequence[_Request], timeout: float
@@ -277,6 +344,8 @@ class LMServerConnector(RemoteConnector):
         payload = recv_exact(sock, header.payload_len, "a reply payload") if header.payload_len else None
         if header.op == Op.ERROR:
             reason = bytes(payload or b"").decode("utf-8", "replace")
+            if reason == AUTH_REQUIRED:
+                raise RemoteAuthError(reason)
             raise ProtocolError(f"server rejected the request: {reason}")
         if header.op != op:
             raise ProtocolError(f"reply to {op.name} came back as {header.op.name}")

@@ -35,6 +35,7 @@ from redis.exceptions import OutOfMemoryError, RedisClusterException, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
+from lmcache.experimental.config import RemoteUrl
 from lmcache.experimental.remote.connector import Buffer, RemoteConnector, RemoteUnavailableError
 from lmcache.logging import init_logger
 
@@ -65,7 +66,14 @@ class RedisConnector(RemoteConnector):
         lookup_timeout: float = 1.0,
         pool_size: int = 8,
         max_value_bytes: int = DEFAULT_PROTO_MAX_BULK_LEN,
+        username: Optional[str] = None,
+        password: Optional[str] = None,
+        db: Optional[int] = None,
+        ssl_ca_certs: Optional[str] = None,
     ) -> None:
+        """`username`/`password`: Redis AUTH (an ACL user, or the `requirepass` password alone);
+        `db`: the database number (plain Redis only); `ssl_ca_certs`: the CA `rediss://` checks
+        the server against (None = the system's trust store)."""
         if not hosts:
             raise ValueError("RedisConnector needs at least one host")
         if not cluster and len(hosts) != 1:
@@ -74,7 +82,12 @@ class RedisConnector(RemoteConnector):
             raise ValueError(f"ttl_s must be positive or None, got {ttl_s}")
         if max_value_bytes <= 0:
             raise ValueError(f"max_value_bytes must be positive, got {max_value_bytes}")
+        if cluster and db:
+            raise ValueError(f"Redis Cluster has only database 0, got {db}")
         self._hosts = tuple(hosts)
+        self._credentials = {"username": username, "password": password}
+        self._db = db
+        self._tls_options = {"ssl_ca_certs": ssl_ca_certs} if ssl and ssl_ca_certs else {}
         self._cluster = cluster
         self._ssl = ssl
         self._prefix = key_prefix
@@ -96,7 +109,7 @@ class RedisConnector(RemoteConnector):
     @property
     def url(self) -> str:
         scheme = "redis-cluster" if self._cluster else ("rediss" if self._ssl else "redis")
-        return f"{scheme}://" + ",".join(f"{h}:{p}" for h, p in self._hosts)
+        return RemoteUrl(scheme, self._hosts, db=self._db, **self._credentials).display()
 
     @property
     def refused_puts(self) -> int:
@@ -222,6 +235,8 @@ class RedisConnector(RemoteConnector):
             socket_connect_timeout=self._lookup_timeout,
             retry=Retry(NoBackoff(), 0),
             ssl=self._ssl,
+            **self._credentials,
+            **self._tls_options,
         )
         if self._cluster:
             return RedisCluster(
@@ -240,6 +255,9 @@ class RedisConnector(RemoteConnector):
             socket_timeout=socket_timeout,
             socket_connect_timeout=self._lookup_timeout,
             retry=Retry(NoBackoff(), 0),
+            db=self._db or 0,
+            **self._credentials,
+            **self._tls_options,
         )
         return redis.Redis(connection_pool=pool)
 

@@ -20,6 +20,7 @@ from redis.connection import BlockingConnectionPool
 from redis.retry import Retry
 from redis.sentinel import Sentinel, SentinelConnectionPool
 
+from lmcache.experimental.config import RemoteUrl
 from lmcache.experimental.remote.redis_connector import RedisConnector
 
 SERVICE_NAME_ENV = "REDIS_SERVICE_NAME"
@@ -52,7 +53,7 @@ class RedisSentinelConnector(RedisConnector):
 
     @property
     def url(self) -> str:
-        return "redis-sentinel://" + ",".join(f"{h}:{p}" for h, p in self._sentinels) + f"/{self._service}"
+        return RemoteUrl("redis-sentinel", self._sentinels, self._service, **self._credentials).display()
 
     def _make_client(self, socket_timeout: float) -> Any:
         no_retry = Retry(NoBackoff(), 0)
@@ -72,4 +73,5 @@ class RedisSentinelConnector(RedisConnector):
             socket_timeout=socket_timeout,
             socket_connect_timeout=self._lookup_timeout,
             retry=no_retry,
+            **self._credentials,
         )

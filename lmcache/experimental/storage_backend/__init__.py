@@ -60,6 +60,7 @@ def create_storage_backends(
                 metadata,
                 local_cpu_backend,
                 stats.tier(RemoteBackend.__name__),
+                password=config.remote_password,
             )
         )
     return tiers

@@ -171,6 +171,7 @@ class RemoteBackend(StorageBackendInterface):
         stats: Optional[TierStats] = None,
         options: Optional[RemoteBackendOptions] = None,
         connector: Optional[RemoteConnector] = None,
+        password: Optional[str] = None,
     ) -> None:
         self._options = options if options is not None else RemoteBackendOptions()
         opts = self._options
@@ -182,6 +183,7 @@ class RemoteBackend(StorageBackendInterface):
             pool_size=opts.pool_size,
             ttl_s=opts.ttl_s,
             max_value_bytes=opts.max_value_bytes,
+            password=password,
         )
         self._serde: Serde = create_serde(serde)
         self._metadata = metadata
