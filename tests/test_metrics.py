@@ -1,0 +1,123 @@
+"""`lmcache:` Prometheus metrics: the mapping from the engine's counters, on a private registry,
+and a real engine publishing into the default one (what vLLM's `/metrics` serves)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from prometheus_client import REGISTRY, CollectorRegistry
+
+from lmcache.experimental.metrics import ENGINE_COUNTERS, EngineMetrics, EngineObservation
+from lmcache.experimental.storage_backend.remote_backend import RemoteStatsSnapshot
+from lmcache.experimental.stats import EngineStatsSnapshot, TierStatsSnapshot
+
+LABELS = {"model_name": "m", "worker_id": "0"}
+
+
+def _value(registry, name, **extra):
+    return registry.get_sample_value(name, {**LABELS, **extra})
+
+
+def test_every_engine_counter_is_published_or_left_out_on_purpose():
+    counters = {f.name for f in dataclasses.fields(EngineStatsSnapshot)} - {"tiers", "live_pins", "pinned_requests"}
+    left_out = {"store_requested_tokens", "store_skipped_tokens", "pin_failed_tokens", "lookup_requested_tokens"}
+    assert counters - left_out == set(ENGINE_COUNTERS)
+
+
+def test_publish_adds_deltas_and_sets_gauges():
+    registry = CollectorRegistry()
+    metrics = EngineMetrics("m", 0, registry=registry)
+    first = EngineStatsSnapshot(
+        retrieve_requests=2, store_requests=1, lookup_requests=3, retrieve_requested_tokens=1000,
+        retrieve_hit_tokens=512, stored_tokens=768,
+        tiers={"Hot": TierStatsSnapshot(evicted_chunks=1),
+               "RemoteBackend": TierStatsSnapshot(bytes_read=10, bytes_written=20, errors=2, rejected_chunks=1)},
+    )
+    remote = RemoteStatsSnapshot(puts_refused=1, puts_lost=2, times_down=1)
+    metrics.publish(EngineObservation(first, {"Hot": 4096, "LocalDiskBackend": 100}, remote))
+    assert _value(registry, "lmcache:num_retrieve_requests_total") == 2
+    assert _value(registry, "lmcache:num_store_requests_total") == 1
+    assert _value(registry, "lmcache:num_lookup_requests_total") == 3
+    assert _value(registry, "lmcache:num_requested_tokens_total") == 1000
+    assert _value(registry, "lmcache:num_hit_tokens_total") == 512
+    assert _value(registry, "lmcache:num_stored_tokens_total") == 768
+    assert _value(registry, "lmcache:retrieve_hit_rate") == 0.512
+    assert _value(registry, "lmcache:local_cache_usage", tier="Hot") == 4096
+    assert _value(registry, "lmcache:local_cache_usage", tier="LocalDiskBackend") == 100
+    assert _value(registry, "lmcache:remote_read_bytes_total") == 10
+    assert _value(registry, "lmcache:remote_write_bytes_total") == 20
+    assert _value(registry, "lmcache:num_evicted_chunks_total", tier="Hot") == 1
+    assert _value(registry, "lmcache:num_integrity_misses_total", tier="RemoteBackend") == 1
+    assert _value(registry, "lmcache:num_tier_errors_total", tier="RemoteBackend") == 2
+    assert _value(registry, "lmcache:num_remote_refused_puts_total") == 1
+    assert _value(registry, "lmcache:num_remote_lost_puts_total") == 2
+    assert _value(registry, "lmcache:num_remote_tier_down_events_total") == 1
+
+    # A second publish adds only what grew; gauges follow the latest value.
+    second = dataclasses.replace(first, retrieve_requests=3, retrieve_hit_tokens=612, retrieve_requested_tokens=1200)
+    metrics.publish(EngineObservation(second, {"Hot": 0}, remote))
+    assert _value(registry, "lmcache:num_retrieve_requests_total") == 3
+    assert _value(registry, "lmcache:num_hit_tokens_total") == 612
+    assert _value(registry, "lmcache:num_stored_tokens_total") == 768
+    assert _value(registry, "lmcache:num_remote_lost_puts_total") == 2
+    assert _value(registry, "lmcache:retrieve_hit_rate") == 0.51
+    assert _value(registry, "lmcache:local_cache_usage", tier="Hot") == 0
+
+    metrics.observe_retrieve(0.003)
+    metrics.observe_store(0.2)
+    assert _value(registry, "lmcache:time_to_retrieve_count") == 1
+    assert _value(registry, "lmcache:time_to_retrieve_bucket", le="0.005") == 1
+    assert _value(registry, "lmcache:time_to_store_bucket", le="0.1") == 0
+
+
+def test_two_engines_share_families_under_their_own_labels():
+    registry = CollectorRegistry()
+    a, b = EngineMetrics("m", 0, registry=registry), EngineMetrics("m", 1, registry=registry)
+    a.publish(EngineObservation(EngineStatsSnapshot(stored_tokens=5)))
+    b.publish(EngineObservation(EngineStatsSnapshot(stored_tokens=7)))
+    assert registry.get_sample_value("lmcache:num_stored_tokens_total", {"model_name": "m", "worker_id": "0"}) == 5
+    assert registry.get_sample_value("lmcache:num_stored_tokens_total", {"model_name": "m", "worker_id": "1"}) == 7
+
+
+def test_a_real_engine_publishes_into_the_default_registry(tmp_path):
+    import os
+
+    from helpers import CHUNK, config, geometry, make_engine, prompt, slots_for
+    from kv_reference import make_kvcaches
+
+    def value(name, **extra):
+        return REGISTRY.get_sample_value(name, {"model_name": "test/model", "worker_id": "0", **extra}) or 0.0
+
+    names = ("lmcache:num_store_requests_total", "lmcache:num_stored_tokens_total", "lmcache:num_hit_tokens_total",
+             "lmcache:num_lookup_requests_total", "lmcache:time_to_retrieve_count")
+    before = {n: value(n) for n in names}
+    misses_before = value("lmcache:num_integrity_misses_total", tier="LocalDiskBackend")
+    geo = geometry()
+    cfg = config(local_disk=str(tmp_path), max_local_disk_size=0.01)
+    engine = make_engine(geo, cfg)
+    tokens = prompt(2 * CHUNK)
+    source, slots = make_kvcaches(geo), slots_for(geo, 2 * CHUNK)
+    engine.store(tokens, kvcaches=source, slot_mapping=slots)
+    assert value("lmcache:local_cache_usage", tier="Hot") > 0
+    assert engine.lookup(tokens) == 2 * CHUNK
+    engine.retrieve(tokens, kvcaches=make_kvcaches(geo, seed=3), slot_mapping=slots)
+    engine.close()
+    grown = {n: value(n) - before[n] for n in names}
+    assert grown == {
+        "lmcache:num_store_requests_total": 1, "lmcache:num_stored_tokens_total": 2 * CHUNK,
+        "lmcache:num_hit_tokens_total": 2 * CHUNK, "lmcache:num_lookup_requests_total": 1,
+        "lmcache:time_to_retrieve_count": 1,
+    }
+    assert value("lmcache:local_cache_usage", tier="LocalDiskBackend") > 0
+
+    # A corrupted chunk on disk is an integrity miss.
+    disk_engine = make_engine(geo, config(local_cpu=False, local_disk=str(tmp_path), max_local_disk_size=0.01))
+    second = [k for _, _, k in disk_engine.token_database.process_tokens(tokens)][1]
+    path = disk_engine.storage_manager.tiers[0].key_to_path(second)
+    with open(path, "r+b") as f:
+        f.seek(os.path.getsize(path) - 100)
+        f.write(b"\x00" * 8 + b"\xff" * 8)
+    ret = disk_engine.retrieve(tokens, kvcaches=make_kvcaches(geo, seed=4), slot_mapping=slots)
+    assert int(ret.sum()) == CHUNK
+    disk_engine.close()
+    assert value("lmcache:num_integrity_misses_total", tier="LocalDiskBackend") - misses_before == 1
