@@ -2,8 +2,9 @@
 YAML, vLLM's default (v1) engine, the OpenAI client.
 
 One server start: a long chat prompt, then the same prompt one word longer (the second is a
-partial LMCache hit: the whole chunks of the shared prefix); the log stays free of telemetry
-noise; Ctrl-C (SIGINT to the process group) ends the server within 15 s with exit code 0.
+partial LMCache hit: the whole chunks of the shared prefix); vLLM's `/metrics` shows the
+`lmcache:` metrics of the engine core's process, matching the per-request log lines; the log
+stays free of telemetry noise; Ctrl-C (SIGINT to the process group) ends the server within 15 s with exit code 0.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from pathlib import Path
 
 import pytest
 from conftest import ROOT, VLLM_TEST_ENV
+from lmcache.experimental.metrics import lmcache_samples
+from lmcache.integration.vllm.request_log import parse_request_lines
 from make_tiny_model import WORDS
 from redis_fixture import free_port
 
@@ -53,6 +56,23 @@ def _request_lines(log: Path, count: int, timeout: float = 20) -> list:
             return found
         time.sleep(0.2)
     pytest.fail(f"expected {count} LMCache request lines:\n{log.read_text()[-4000:]}")
+
+
+def _check_metrics(port: int, server_log: str) -> None:
+    """The engine core's `lmcache:` counters on the API server's `/metrics` agree with the lines."""
+    lines = parse_request_lines(server_log)
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
+        page = resp.read().decode()
+    samples = lmcache_samples(page)
+    assert "vllm:prompt_tokens_total" in page  # vLLM's own metrics are still there
+    assert samples["lmcache:num_hit_tokens_total"] == sum(line.counters.loaded_tokens for line in lines) > 0, samples
+    assert samples["lmcache:num_stored_tokens_total"] == sum(line.counters.stored_tokens for line in lines) > 0
+    assert samples["lmcache:num_lookup_requests_total"] >= len(lines)
+    assert samples["lmcache:num_retrieve_requests_total"] >= 1
+    assert samples["lmcache:time_to_retrieve_count"] == samples["lmcache:num_retrieve_requests_total"]
+    assert samples["lmcache:time_to_store_count"] == samples["lmcache:num_store_requests_total"] >= 1
+    assert samples['lmcache:local_cache_usage{tier="Hot"}'] > 0
+    assert 0 < samples["lmcache:retrieve_hit_rate"] <= 1
 
 
 def test_chat_partial_hit_quiet_log_and_prompt_ctrl_c(tiny_model, tmp_path):
@@ -89,6 +109,7 @@ def test_chat_partial_hit_quiet_log_and_prompt_ctrl_c(tiny_model, tmp_path):
         # rest, from the new word on, is computed.
         assert second_hit % CHUNK == 0 and (first_prompt - 16) // CHUNK * CHUNK <= second_hit < first_prompt
         assert second_hit > 0
+        _check_metrics(port, log.read_text())
         time.sleep(3)  # exporters, if any, retry every 1-2 s
     finally:
         stopped = time.monotonic()

@@ -4,7 +4,11 @@ and a real engine publishing into the default one (what vLLM's `/metrics` serves
 from __future__ import annotations
 
 import dataclasses
+import os
+import subprocess
+import sys
 
+import pytest
 from prometheus_client import REGISTRY, CollectorRegistry
 
 from lmcache.experimental.metrics import ENGINE_COUNTERS, EngineMetrics, EngineObservation
@@ -121,3 +125,45 @@ def test_a_real_engine_publishes_into_the_default_registry(tmp_path):
     assert int(ret.sum()) == CHUNK
     disk_engine.close()
     assert value("lmcache:num_integrity_misses_total", tier="LocalDiskBackend") - misses_before == 1
+
+
+def test_lmcache_samples_reads_an_exposition_page():
+    from prometheus_client import generate_latest
+
+    from lmcache.experimental.metrics import lmcache_samples
+
+    registry = CollectorRegistry()
+    for worker in (0, 1):
+        m = EngineMetrics("m", worker, registry=registry)
+        m.publish(EngineObservation(EngineStatsSnapshot(retrieve_hit_tokens=10), {"Hot": 5}))
+        m.observe_retrieve(0.002)
+    page = generate_latest(registry).decode() + "vllm:other_total 3.0\n"
+    samples = lmcache_samples(page)
+    assert samples["lmcache:num_hit_tokens_total"] == 20
+    assert samples['lmcache:local_cache_usage{tier="Hot"}'] == 10
+    assert samples["lmcache:time_to_retrieve_count"] == 2
+    assert samples['lmcache:time_to_retrieve_bucket{le="0.0025"}'] == 2
+    assert not any(k.startswith("vllm:") for k in samples)
+
+
+@pytest.mark.parametrize(
+    "args,env,shared",
+    [(["serve", "m"], {}, True), (["serve", "m"], {"VLLM_USE_V1": "0"}, False), (["chat"], {}, False),
+     (["serve", "m"], {"PROMETHEUS_MULTIPROC_DIR": "/tmp/mine"}, False)],
+)
+def test_the_cli_shares_metrics_across_processes_for_a_v1_serve(args, env, shared):
+    code = (
+        "import os, sys\n"
+        "from lmcache_vllm.script import share_metrics_across_processes\n"
+        f"share_metrics_across_processes({args!r})\n"
+        "d = os.environ.get('PROMETHEUS_MULTIPROC_DIR')\n"
+        "print(d if d and os.path.isdir(d) and d != '/tmp/mine' else 'unset')\n"
+        "import prometheus_client.values as v\n"
+        "print(v.ValueClass.__name__)\n"
+    )
+    base = {k: v for k, v in os.environ.items() if k not in ("PROMETHEUS_MULTIPROC_DIR", "VLLM_USE_V1")}
+    out = subprocess.run([sys.executable, "-c", code], env={**base, **env}, capture_output=True, text=True, check=True)
+    made, value_class = out.stdout.split()
+    assert (made != "unset") == shared, out
+    # Multiprocess values only when a directory is set (ours or the user's).
+    assert (value_class == "MmapedValue") == ("PROMETHEUS_MULTIPROC_DIR" in env or shared), out

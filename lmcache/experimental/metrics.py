@@ -18,10 +18,12 @@ Labels as upstream: `model_name` and `worker_id`, plus `tier` on per-tier series
 from __future__ import annotations
 
 import threading
+import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Dict, Mapping, Optional, Tuple
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.parser import text_string_to_metric_families
 
 from lmcache.experimental.stats import EngineStatsSnapshot, TierStatsSnapshot
 
@@ -103,14 +105,14 @@ class _Families:
 
 
 _families_lock = threading.Lock()
-_families: Dict[int, _Families] = {}
+_families: "weakref.WeakKeyDictionary[CollectorRegistry, _Families]" = weakref.WeakKeyDictionary()
 
 
 def _families_for(registry: CollectorRegistry) -> _Families:
     with _families_lock:
-        if id(registry) not in _families:
-            _families[id(registry)] = _Families(registry)
-        return _families[id(registry)]
+        if registry not in _families:
+            _families[registry] = _Families(registry)
+        return _families[registry]
 
 
 def _delta(new: int, old: int) -> int:
@@ -170,3 +172,19 @@ def record_vllm_hit_tokens(model_name: str, tokens: int, registry: CollectorRegi
     if tokens > 0:
         _families_for(registry).vllm_hit_tokens.labels(model_name=model_name, worker_id="0").inc(tokens)
 
+
+
+def lmcache_samples(exposition: str) -> Dict[str, float]:
+    """The `lmcache:` samples of a `/metrics` page, summed over models and workers.
+
+    Keys are the sample name plus its other labels (`lmcache:local_cache_usage{tier="Hot"}`,
+    `lmcache:time_to_retrieve_bucket{le="0.01"}`); the bench and the tests read pages with it."""
+    out: Dict[str, float] = {}
+    for family in text_string_to_metric_families(exposition):
+        for sample in family.samples:
+            if not sample.name.startswith("lmcache:"):
+                continue
+            rest = sorted((k, v) for k, v in sample.labels.items() if k not in LABELS)
+            key = sample.name + ("{" + ",".join(f'{k}="{v}"' for k, v in rest) + "}" if rest else "")
+            out[key] = out.get(key, 0.0) + sample.value
+    return out
