@@ -14,6 +14,7 @@ from typing import Optional, Sequence, Tuple
 
 from lmcache.logging import init_logger
 from lmcache.server.protocol import DEFAULT_MAX_PAYLOAD_BYTES, HARD_MAX_PAYLOAD_BYTES
+from lmcache.server.metrics import METRICS_HOST, serve_metrics
 from lmcache.server.server import LMCacheServer, ServerConfig
 
 logger = init_logger(__name__)
@@ -56,6 +57,12 @@ def _parse_args(argv: Optional[Sequence[str]]) -> ServerConfig:
         default=30.0,
         help="seconds a started frame may stall before the connection is closed",
     )
+    parser.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="serve the server's counters in Prometheus text format on http://127.0.0.1:PORT/metrics",
+    )
     args = parser.parse_args(argv)
     host, port_text = _split_address(parser, args.address)
     try:
@@ -77,6 +84,7 @@ def _parse_args(argv: Optional[Sequence[str]]) -> ServerConfig:
             max_payload_bytes=max_payload,
             max_connections=args.max_connections,
             frame_timeout_s=args.frame_timeout,
+            metrics_port=args.metrics_port,
         )
     except ValueError as err:
         parser.error(str(err))
@@ -106,6 +114,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     server = LMCacheServer(config)
     try:
         server.start()
+        if config.metrics_port is not None:
+            serve_metrics(server, config.metrics_port)
+            logger.info("metrics on http://%s:%d/metrics", METRICS_HOST, config.metrics_port)
     except OSError as err:
         logger.error("%s", err)
         return 1

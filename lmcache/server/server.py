@@ -52,6 +52,8 @@ class ServerConfig:
     max_connections: int = 256
     # A frame that has started must keep arriving: no byte for this long closes the connection.
     frame_timeout_s: float = 30.0
+    # Serve the counters on http://127.0.0.1:<port>/metrics (`metrics.py`); None = off.
+    metrics_port: Optional[int] = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -67,6 +69,8 @@ class ServerConfig:
             raise ValueError(f"max_connections must be >= 1, got {self.max_connections}")
         if self.frame_timeout_s <= 0:
             raise ValueError(f"frame_timeout_s must be positive, got {self.frame_timeout_s}")
+        if self.metrics_port is not None and not 0 < self.metrics_port <= 65535:
+            raise ValueError(f"metrics_port must be in 1..65535, got {self.metrics_port}")
 
 
 class LMCacheServer:
