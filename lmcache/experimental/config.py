@@ -298,6 +298,11 @@ class LMCacheEngineConfig:
     enable_pd: bool = False
     blend_separator: str = "[BLEND_SEP]"
     blend_add_special_in_precomp: bool = False
+    # The status API (`api_server.py`): off by default, port start + worker id, 127.0.0.1 only;
+    # its state-changing endpoints answer 403 unless this token is set and sent.
+    internal_api_server_enabled: bool = False
+    internal_api_server_port_start: int = 6999
+    internal_api_server_token: Optional[str] = dataclasses.field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         """The one place values are parsed and checked; errors name the key and the value."""
@@ -335,6 +340,12 @@ class LMCacheEngineConfig:
                 _parse_host_port(value, name, value)
             elif self.enable_p2p:
                 raise ValueError(f"{name}=None: enable_p2p=True needs {name} as host:port")
+        if not 0 < self.internal_api_server_port_start <= 65535:
+            raise ValueError(
+                f"internal_api_server_port_start={self.internal_api_server_port_start!r}: must be in 1..65535"
+            )
+        if self.internal_api_server_token is not None and len(self.internal_api_server_token) < 8:
+            raise ValueError("internal_api_server_token: must be at least 8 characters (value not shown)")
 
     # ----- constructors -------------------------------------------------------------------
 
@@ -362,6 +373,9 @@ class LMCacheEngineConfig:
         enable_pd: bool = False,
         blend_separator: str = "[BLEND_SEP]",
         blend_add_special_in_precomp: bool = False,
+        internal_api_server_enabled: bool = False,
+        internal_api_server_port_start: int = 6999,
+        internal_api_server_token: Optional[str] = None,
         **unknown: Any,
     ) -> "LMCacheEngineConfig":
         """The spec's defaults with some fields replaced; an unknown keyword is a ValueError."""
