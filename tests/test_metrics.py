@@ -7,6 +7,7 @@ import dataclasses
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from prometheus_client import REGISTRY, CollectorRegistry
@@ -167,3 +168,48 @@ def test_the_cli_shares_metrics_across_processes_for_a_v1_serve(args, env, share
     assert (made != "unset") == shared, out
     # Multiprocess values only when a directory is set (ours or the user's).
     assert (value_class == "MmapedValue") == ("PROMETHEUS_MULTIPROC_DIR" in env or shared), out
+
+
+def test_the_grafana_dashboard_queries_only_published_names():
+    import json
+    import re
+
+    from prometheus_client import generate_latest
+
+    from lmcache.server.metrics import COUNTERS, GAUGES
+
+    registry = CollectorRegistry()
+    m = EngineMetrics("m", 0, registry=registry)
+    tiers = {"Hot": TierStatsSnapshot(evicted_chunks=1, errors=1, rejected_chunks=1),
+             "RemoteBackend": TierStatsSnapshot(bytes_read=1, bytes_written=1)}
+    remote = RemoteStatsSnapshot(puts_refused=1, puts_lost=1, puts_dropped_queue_full=1, puts_dropped_tier_down=1,
+                                 times_down=1)
+    m.publish(EngineObservation(EngineStatsSnapshot(**{k: 1 for k in ENGINE_COUNTERS}, tiers=tiers), {"Hot": 1}, remote))
+    m.observe_retrieve(0.1)
+    m.observe_store(0.1)
+    from lmcache.experimental.metrics import record_vllm_hit_tokens
+    record_vllm_hit_tokens("m", 1, registry=registry)
+    published = set(re.findall(r"^(lmcache:[\w:]+?)(?:\{| )", generate_latest(registry).decode(), re.M))
+    published |= {n for n, _ in GAUGES.values()} | {f"{n}_total" for n, _ in COUNTERS.values()}
+    dashboard = json.loads((Path(__file__).resolve().parent.parent / "docs" / "grafana" / "lmcache.json").read_text())
+    queried = {name for panel in dashboard["panels"] for target in panel["targets"]
+               for name in re.findall(r"lmcache(?:_server)?:\w+", target["expr"])}
+    assert queried and queried <= published, queried - published
+    assert {"lmcache:num_hit_tokens_total", "lmcache:time_to_retrieve_bucket", "lmcache:local_cache_usage"} <= queried
+
+
+def test_bench_metrics_agreement_and_dashboard_png(tmp_path):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+    from bench_metrics import agreement, dashboard_png
+
+    from lmcache.integration.vllm.request_log import RequestCounters, RequestStats, format_request_line
+
+    log = "\n".join(format_request_line(f"r{i}", RequestStats(600, 0, h), RequestCounters(h, s), "")
+                    for i, (h, s) in enumerate([(0, 600), (512, 88)]))
+    assert agreement({"lmcache:num_hit_tokens_total": 512, "lmcache:num_stored_tokens_total": 688}, log)["agree"]
+    assert not agreement({"lmcache:num_hit_tokens_total": 511, "lmcache:num_stored_tokens_total": 688}, log)["agree"]
+    series = [{"t": t, "samples": {"lmcache:num_hit_tokens_total": 100.0 * t, "lmcache:time_to_retrieve_count": t,
+                                   "lmcache:time_to_retrieve_sum": 0.01 * t}} for t in range(4)]
+    png = dashboard_png({"lmcache-cpu#1": series}, tmp_path / "d.png", "test")
+    assert png is not None and png.read_bytes()[:4] == b"\x89PNG"
+    assert dashboard_png({"x": []}, tmp_path / "e.png", "empty") is None
