@@ -201,7 +201,7 @@ class Bench:
         log_text = proc.spec.log_path.read_text(errors="replace")
         attach_lmcache_hits(mine, log_text)
         if metrics is not None:
-            metrics["agreement"] = agreement(metrics["final"], log_text)
+            metrics["agreement"] = agreement(metrics["final"], log_text, self.settings.chunk_size)
             self.processes[kind][-1]["lmcache_metrics"] = metrics
 
     def run_server(self, kind: str) -> None:
@@ -339,8 +339,9 @@ def main(argv: Optional[list[str]] = None) -> int:
             cpu = run.get("cpu_while_measured")
             agreed = run.get("lmcache_metrics", {}).get("agreement")
             if agreed:
-                print(f"{kind}: /metrics hit tokens {agreed['metric_hit_tokens']} vs log {agreed['log_loaded_tokens']}, "
-                      f"stored {agreed['metric_stored_tokens']} vs log {agreed['log_stored_tokens']}: "
+                print(f"{kind}: /metrics hit tokens {agreed['metric_hit_tokens']:.0f} vs log "
+                      f"{agreed['log_loaded_plus_vllm_overlap']} (loaded {agreed['log_loaded_tokens']} + vLLM overlap), "
+                      f"stored {agreed['metric_stored_tokens']:.0f} vs log {agreed['log_stored_tokens']}: "
                       f"{'agree' if agreed['agree'] else 'DISAGREE'}")
             if cpu:
                 print(f"{kind}: other programs used {100 * cpu['foreign_share']:.0f}% of the machine's CPU "

@@ -204,10 +204,13 @@ def test_bench_metrics_agreement_and_dashboard_png(tmp_path):
 
     from lmcache.integration.vllm.request_log import RequestCounters, RequestStats, format_request_line
 
-    log = "\n".join(format_request_line(f"r{i}", RequestStats(600, 0, h), RequestCounters(h, s), "")
-                    for i, (h, s) in enumerate([(0, 600), (512, 88)]))
-    assert agreement({"lmcache:num_hit_tokens_total": 512, "lmcache:num_stored_tokens_total": 688}, log)["agree"]
-    assert not agreement({"lmcache:num_hit_tokens_total": 511, "lmcache:num_stored_tokens_total": 688}, log)["agree"]
+    # r1: vLLM had 384 tokens, LMCache loaded 128 more; the engine read the chunk [256, 512) whole.
+    log = "\n".join(format_request_line(f"r{i}", RequestStats(600, v, v + n), RequestCounters(n, s), "")
+                     for i, (v, n, s) in enumerate([(0, 0, 600), (384, 128, 88), (0, 512, 0)]))
+    samples = {"lmcache:num_hit_tokens_total": 128 + 128 + 512, "lmcache:num_stored_tokens_total": 688}
+    assert agreement(samples, log, chunk_size=256)["agree"]
+    assert not agreement({**samples, "lmcache:num_hit_tokens_total": 640}, log, chunk_size=256)["agree"]
+    assert agreement({}, "", chunk_size=256)["agree"]  # counters that never grew are absent
     series = [{"t": t, "samples": {"lmcache:num_hit_tokens_total": 100.0 * t, "lmcache:time_to_retrieve_count": t,
                                    "lmcache:time_to_retrieve_sum": 0.01 * t}} for t in range(4)]
     png = dashboard_png({"lmcache-cpu#1": series}, tmp_path / "d.png", "test")
