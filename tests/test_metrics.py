@@ -216,3 +216,12 @@ def test_bench_metrics_agreement_and_dashboard_png(tmp_path):
     png = dashboard_png({"lmcache-cpu#1": series}, tmp_path / "d.png", "test")
     assert png is not None and png.read_bytes()[:4] == b"\x89PNG"
     assert dashboard_png({"x": []}, tmp_path / "e.png", "empty") is None
+
+
+def test_an_older_observation_published_late_never_counts_twice():
+    registry = CollectorRegistry()
+    metrics = EngineMetrics("m", 0, registry=registry)
+    older, newer, newest = (EngineObservation(EngineStatsSnapshot(stored_tokens=n)) for n in (10, 20, 25))
+    for observation in (newer, older, newest):  # two threads' publishes crossed
+        metrics.publish(observation)
+    assert _value(registry, "lmcache:num_stored_tokens_total") == 25

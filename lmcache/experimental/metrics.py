@@ -115,19 +115,17 @@ def _families_for(registry: CollectorRegistry) -> _Families:
         return _families[registry]
 
 
-def _delta(new: int, old: int) -> int:
-    # Counters only grow; a smaller number would be a new engine under the same labels.
-    return new - old if new > old else 0
-
-
 class EngineMetrics:
-    """One engine's view of the metric families: its labels and what it published last."""
+    """One engine's view of the metric families: its labels and the counter values published."""
 
     def __init__(self, model_name: str, worker_id: int, registry: CollectorRegistry = REGISTRY) -> None:
         self._families = _families_for(registry)
         self._labels = {"model_name": model_name, "worker_id": str(worker_id)}
         self._lock = threading.Lock()
-        self._last = EngineObservation(EngineStatsSnapshot())
+        # (counter, tier) -> the engine's count already added to it. Publishes may race (a store
+        # and a lookup on two threads), so a count below what was published is ignored rather
+        # than taken as the new base: counters only grow.
+        self._published: Dict[Tuple[Counter, str], int] = {}
 
     def observe_retrieve(self, seconds: float) -> None:
         self._families.time_to_retrieve.labels(**self._labels).observe(seconds)
@@ -135,32 +133,28 @@ class EngineMetrics:
     def observe_store(self, seconds: float) -> None:
         self._families.time_to_store.labels(**self._labels).observe(seconds)
 
+    def _advance(self, counter: Counter, count: int, tier: str = "") -> None:
+        done = self._published.get((counter, tier), 0)
+        if count > done:
+            labelled = counter.labels(**self._labels, tier=tier) if tier else counter.labels(**self._labels)
+            labelled.inc(count - done)
+            self._published[(counter, tier)] = count
+
     def publish(self, now: EngineObservation) -> None:
-        """Add what happened since the last publish to the counters; set the gauges to `now`."""
+        """Add what the counters gained since the last publish; set the gauges to `now`."""
         f, labels = self._families, self._labels
         with self._lock:
-            last, self._last = self._last, now
             for name, counter in f.engine.items():
-                d = _delta(getattr(now.stats, name), getattr(last.stats, name))
-                if d:
-                    counter.labels(**labels).inc(d)
+                self._advance(counter, getattr(now.stats, name))
             for tier, snap in now.stats.tiers.items():
-                before = last.stats.tiers.get(tier, TierStatsSnapshot())
                 for name, counter in f.tier.items():
-                    d = _delta(getattr(snap, name), getattr(before, name))
-                    if d:
-                        counter.labels(**labels, tier=tier).inc(d)
-            remote_now = now.stats.tiers.get(REMOTE_TIER, TierStatsSnapshot())
-            remote_last = last.stats.tiers.get(REMOTE_TIER, TierStatsSnapshot())
-            for counter, attr in ((f.remote_read_bytes, "bytes_read"), (f.remote_write_bytes, "bytes_written")):
-                d = _delta(getattr(remote_now, attr), getattr(remote_last, attr))
-                if d:
-                    counter.labels(**labels).inc(d)
+                    self._advance(counter, getattr(snap, name), tier)
+            remote = now.stats.tiers.get(REMOTE_TIER, TierStatsSnapshot())
+            self._advance(f.remote_read_bytes, remote.bytes_read)
+            self._advance(f.remote_write_bytes, remote.bytes_written)
             if now.remote is not None:
                 for name, counter in f.remote.items():
-                    d = _delta(getattr(now.remote, name), getattr(last.remote, name, 0) if last.remote else 0)
-                    if d:
-                        counter.labels(**labels).inc(d)
+                    self._advance(counter, getattr(now.remote, name))
             f.hit_rate.labels(**labels).set(now.stats.retrieve_hit_rate)
             f.live_pins.labels(**labels).set(now.stats.live_pins)
             for tier, used in now.usage_bytes.items():
