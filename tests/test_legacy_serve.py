@@ -73,6 +73,7 @@ def _check_metrics(port: int, server_log: str) -> None:
     assert samples["lmcache:time_to_store_count"] == samples["lmcache:num_store_requests_total"] >= 1
     assert samples['lmcache:local_cache_usage{tier="Hot"}'] > 0
     assert 0 < samples["lmcache:retrieve_hit_rate"] <= 1
+    assert samples["lmcache:live_pins"] == 0  # every pinned lookup was loaded and released
 
 
 def test_chat_partial_hit_quiet_log_and_prompt_ctrl_c(tiny_model, tmp_path):

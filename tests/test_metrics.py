@@ -104,8 +104,11 @@ def test_a_real_engine_publishes_into_the_default_registry(tmp_path):
     source, slots = make_kvcaches(geo), slots_for(geo, 2 * CHUNK)
     engine.store(tokens, kvcaches=source, slot_mapping=slots)
     assert value("lmcache:local_cache_usage", tier="Hot") > 0
-    assert engine.lookup(tokens) == 2 * CHUNK
+    assert engine.lookup(tokens, request_id="r1", pin=True) == 2 * CHUNK
+    assert value("lmcache:live_pins") == 2
     engine.retrieve(tokens, kvcaches=make_kvcaches(geo, seed=3), slot_mapping=slots)
+    engine.lookup_unpin(["r1"])
+    assert value("lmcache:live_pins") == 0
     engine.close()
     grown = {n: value(n) - before[n] for n in names}
     assert grown == {

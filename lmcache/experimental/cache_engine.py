@@ -245,6 +245,7 @@ class LMCacheEngine:
     def lookup_unpin(self, request_ids: Iterable[str]) -> None:
         """Release the pins of these requests' lookups (ids without pins are ignored)."""
         self.storage_manager.pins.unpin(request_ids)
+        self.publish_metrics()  # the live_pins gauge drops now, not at the next store or lookup
 
     def prefetch(
         self,
