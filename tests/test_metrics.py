@@ -179,7 +179,8 @@ def test_the_grafana_dashboard_queries_only_published_names():
 
     from prometheus_client import generate_latest
 
-    from lmcache.server.metrics import COUNTERS, GAUGES
+    from lmcache.server import LMCacheServer, ServerConfig
+    from lmcache.server.metrics import ServerCollector
 
     registry = CollectorRegistry()
     m = EngineMetrics("m", 0, registry=registry)
@@ -193,7 +194,9 @@ def test_the_grafana_dashboard_queries_only_published_names():
     from lmcache.experimental.metrics import record_vllm_hit_tokens
     record_vllm_hit_tokens("m", 1, registry=registry)
     published = set(re.findall(r"^(lmcache:[\w:]+?)(?:\{| )", generate_latest(registry).decode(), re.M))
-    published |= {n for n, _ in GAUGES.values()} | {f"{n}_total" for n, _ in COUNTERS.values()}
+    server_registry = CollectorRegistry()
+    server_registry.register(ServerCollector(LMCacheServer(ServerConfig(port=0))))
+    published |= set(re.findall(r"^(lmcache_server:\w+) ", generate_latest(server_registry).decode(), re.M))
     dashboard = json.loads((Path(__file__).resolve().parent.parent / "docs" / "grafana" / "lmcache.json").read_text())
     queried = {name for panel in dashboard["panels"] for target in panel["targets"]
                for name in re.findall(r"lmcache(?:_server)?:\w+", target["expr"])}

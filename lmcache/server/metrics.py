@@ -1,8 +1,10 @@
 """The `lm://` server's counters in Prometheus text format (`lmcache_server --metrics-port`).
 
-A collector reads `LMCacheServer.info()` at every scrape, so nothing is counted twice and the
-store's hot path is untouched. The HTTP endpoint binds 127.0.0.1: the counters are for a local
-scraper (or a tunnel), like the server itself has no authentication.
+A collector reads `LMCacheServer.info()` (what the `INFO` command answers) at every scrape, so
+nothing is counted twice and the store's hot path is untouched. Every `INFO` field becomes
+`lmcache_server:<field>`: a gauge for the levels and limits below, a counter (`_total`) for the
+rest, so a field the server gains later shows up without a change here. The HTTP endpoint binds
+127.0.0.1: the counters are for a local scraper (or a tunnel), as the server has no authentication.
 """
 
 from __future__ import annotations
@@ -18,23 +20,13 @@ from prometheus_client.registry import Collector
 from lmcache.server.server import LMCacheServer
 
 METRICS_HOST = "127.0.0.1"
-# `info()` key -> (metric name, help); counters are exposed as `<name>_total`.
-GAUGES = {
-    "entries": ("lmcache_server:entries", "Chunks stored now"),
-    "bytes_used": ("lmcache_server:bytes_used", "Bytes of keys and values stored now"),
-    "max_bytes": ("lmcache_server:max_bytes", "Bytes the store may hold"),
-    "connections": ("lmcache_server:connections", "Open client connections"),
-}
-COUNTERS = {
-    "puts": ("lmcache_server:puts", "Chunks stored"),
-    "refused_puts": ("lmcache_server:refused_puts", "Puts refused: larger than the store"),
-    "hits": ("lmcache_server:hits", "Gets that found the chunk"),
-    "misses": ("lmcache_server:misses", "Gets that did not"),
-    "evictions": ("lmcache_server:evictions", "Chunks evicted to make room"),
-    "deletes": ("lmcache_server:deletes", "Chunks deleted by clients"),
-    "protocol_errors": ("lmcache_server:protocol_errors", "Connections closed for a bad frame"),
-    "rejected_connections": ("lmcache_server:rejected_connections", "Connections refused: too many open"),
-}
+PREFIX = "lmcache_server:"
+# `INFO` fields that are levels now, not counts since start; `max_*` fields (limits) are too.
+GAUGE_FIELDS = frozenset({"entries", "bytes_used", "connections", "pending_bytes"})
+
+
+def is_gauge(field: str) -> bool:
+    return field in GAUGE_FIELDS or field.startswith("max_")
 
 
 class ServerCollector(Collector):
@@ -44,11 +36,10 @@ class ServerCollector(Collector):
         self._server = server
 
     def collect(self) -> Iterator[Metric]:
-        info = self._server.info()
-        for key, (name, doc) in GAUGES.items():
-            yield GaugeMetricFamily(name, doc, value=info[key])
-        for key, (name, doc) in COUNTERS.items():
-            yield CounterMetricFamily(name, doc, value=info[key])
+        for field, value in sorted(self._server.info().items()):
+            doc = f"lm:// server INFO field {field}"
+            family = GaugeMetricFamily if is_gauge(field) else CounterMetricFamily
+            yield family(PREFIX + field, doc, value=value)
 
 
 def serve_metrics(server: LMCacheServer, port: int) -> Tuple[WSGIServer, threading.Thread]:
