@@ -13,7 +13,9 @@ vLLM's OpenAI server alone and with our cache in each tier (CPU, disk, remote `l
 server the same seeded requests (workloads in `bench_serving_workloads.py`), and writes
 `bench/results/serving-<timestamp>.json` + `.png` (copied to `latest.json` / `latest.png`) with, per
 server, workload and phase: mean/p50/p90 TTFT, throughput and hit rates, the ratios vLLM alone / ours
-and the issue's targets. Exit code 1 when any server failed (the others are still reported).
+and the issue's targets. Each of our servers' `lmcache:` metrics are scraped every second while it
+runs (`bench_metrics.py`), kept with its process and checked against its per-request log lines, and
+drawn as the Grafana dashboard's panels in `serving-<timestamp>-metrics.png` (`latest-metrics.png`). Exit code 1 when any server failed (the others are still reported).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from bench_metrics import MetricsSampler, agreement, dashboard_png  # noqa: E402
 from bench_serving_report import attach_lmcache_hits, plot, ratios, summarize, targets  # noqa: E402
 from bench_serving_servers import (  # noqa: E402
     ALL_KINDS, PERSISTENT_KINDS, VLLM_KIND, CpuMeter, ManagedProcess, ServerError, ServerSettings, describe, free_port,
@@ -182,6 +185,7 @@ class Bench:
         self.clock_zero = time.perf_counter()
         self.bar: Optional[tqdm] = None
         self.meters: dict[int, CpuMeter] = {}
+        self.samplers: dict[int, MetricsSampler] = {}
 
     def plans_for(self, kind: str) -> tuple[list, list]:
         """(steps on the first process, steps on the restarted process)."""
@@ -201,6 +205,8 @@ class Bench:
         running.append(proc)
         proc.wait_healthy(self.args.startup_timeout)
         self.meters[proc.pid] = CpuMeter({p.pid for p in running})
+        if kind != VLLM_KIND:
+            self.samplers[proc.pid] = MetricsSampler(f"http://127.0.0.1:{port}", self.clock_zero).start()
         self.processes.setdefault(kind, []).append(
             {**describe(spec), "ready_s": proc.ready_s, "load_at_ready": os.getloadavg()})
         return proc, f"http://127.0.0.1:{port}"
@@ -222,11 +228,17 @@ class Bench:
     def _finish(self, kind: str, proc: ManagedProcess) -> None:
         self.processes[kind][-1]["load_at_stop"] = os.getloadavg()
         self.processes[kind][-1]["cpu_while_measured"] = self.meters.pop(proc.pid).read()
+        sampler = self.samplers.pop(proc.pid, None)
+        metrics = sampler.stop() if sampler is not None else None
         proc.stop()
         self.processes[kind][-1]["exit_code"] = proc.exit_code
         self.processes[kind][-1]["stopped_by"] = proc.stop_signal
         mine = [r for r in self.records if r.server == kind]
-        attach_lmcache_hits(mine, proc.spec.log_path.read_text(errors="replace"))
+        log_text = proc.spec.log_path.read_text(errors="replace")
+        attach_lmcache_hits(mine, log_text)
+        if metrics is not None:
+            metrics["agreement"] = agreement(metrics["final"], log_text, self.settings.chunk_size)
+            self.processes[kind][-1]["lmcache_metrics"] = metrics
 
     def run_server(self, kind: str) -> None:
         started = time.monotonic()
@@ -353,10 +365,22 @@ def main(argv: Optional[list[str]] = None) -> int:
     plot(summaries, rat, title, png_path)
     shutil.copyfile(json_path, out_dir / f"latest{tag}.json")
     shutil.copyfile(png_path, out_dir / f"latest{tag}.png")
+    series = {f"{kind}#{i + 1}": run["lmcache_metrics"]["series"] for kind, runs in bench.processes.items()
+              for i, run in enumerate(runs) if "lmcache_metrics" in run}
+    metrics_png = dashboard_png(series, out_dir / f"serving{tag}-{stamp}-metrics.png",
+                                f"lmcache: metrics scraped from /metrics during the run of {result['started']}")
+    if metrics_png is not None:
+        shutil.copyfile(metrics_png, out_dir / f"latest{tag}-metrics.png")
     print_table(summaries, rat, tgt)
     for kind, runs in bench.processes.items():
         for run in runs:
             cpu = run.get("cpu_while_measured")
+            agreed = run.get("lmcache_metrics", {}).get("agreement")
+            if agreed:
+                print(f"{kind}: /metrics hit tokens {agreed['metric_hit_tokens']:.0f} vs log "
+                      f"{agreed['log_loaded_plus_vllm_overlap']} (loaded {agreed['log_loaded_tokens']} + vLLM overlap), "
+                      f"stored {agreed['metric_stored_tokens']:.0f} vs log {agreed['log_stored_tokens']}: "
+                      f"{'agree' if agreed['agree'] else 'DISAGREE'}")
             if cpu:
                 print(f"{kind}: other programs used {100 * cpu['foreign_share']:.0f}% of the machine's CPU "
                       f"while it was measured ({cpu['foreign_cpu_s']:.0f} of {cpu['busy_cpu_s']:.0f} busy CPU-s)")

@@ -163,6 +163,10 @@ def server_launch(
     elif settings.door == "wrapper":
         argv = [sys.executable, *WRAPPER_ENTRY, *vllm_args(settings, port, positional_model=True)]
     elif settings.door == "v1":
+        # vLLM's own server runs the engine core (our cache) in another process: its metrics reach
+        # /metrics through prometheus_client's multiprocess mode, which a user turns on like this.
+        env["PROMETHEUS_MULTIPROC_DIR"] = str(log_path.with_suffix(".prometheus"))
+        Path(env["PROMETHEUS_MULTIPROC_DIR"]).mkdir(parents=True, exist_ok=True)
         argv = [
             sys.executable, *VLLM_ENTRY, *vllm_args(settings, port),
             "--kv-transfer-config", json.dumps(V1_CONNECTOR_CONFIG),

@@ -6,7 +6,9 @@
    time to first token (TTFT);
 4. reads the LMCache hit tokens of each request from the server's log (the v0 door's and the v1
    door's per-request lines);
-5. stops the server like Ctrl-C does (SIGINT to its process group) and waits for a clean exit,
+5. reads LMCache's `lmcache:` metrics from the server's `/metrics` (and writes them to
+   `--metrics-json`);
+6. stops the server like Ctrl-C does (SIGINT to its process group) and waits for a clean exit,
    which closes the engine and flushes the disk tier.
 
     python scripts/serve_demo.py [--engine v1|v0] [--prompt-tokens 2000] [--disk DIR] [--log FILE]
@@ -30,16 +32,18 @@ import time
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
-from typing import List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from make_tiny_model import TinyModelSpec, make_tiny_model  # noqa: E402
 
+from lmcache.experimental.metrics import lmcache_samples  # noqa: E402
 from lmcache.integration.vllm.request_log import parse_request_lines, parse_v0_step_lines  # noqa: E402
 
 MODEL_DIR = ROOT / ".cache" / "tiny-model"
+CPU_TIER_USAGE = 'lmcache:local_cache_usage{tier="Hot"}'
 ENGINE_CLOSED = "LMCache v0 door: engine closed"
 # What a starting server is doing, by the first log line of each phase (vLLM's and ours).
 START_PHASES = (
@@ -180,6 +184,12 @@ def request_with_hits(port: int, model: Path, prompt: Sequence[int], log: Path, 
     return RequestResult(ttft, total, text, len(prompt), hit)
 
 
+def scrape_lmcache_metrics(port: int) -> Dict[str, float]:
+    """The `lmcache:` samples on the server's `/metrics` (summed over workers)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as resp:
+        return lmcache_samples(resp.read().decode())
+
+
 def stop(proc: subprocess.Popen, timeout_s: float) -> Optional[int]:
     """Ctrl-C for the server's process group; its exit code, or None if it had to be killed."""
     os.killpg(proc.pid, signal.SIGINT)
@@ -200,6 +210,7 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     p.add_argument("--log", type=Path, default=ROOT / ".cache" / "serve_demo.log", help="server log file")
     p.add_argument("--model", type=Path, default=MODEL_DIR)
     p.add_argument("--start-timeout", type=float, default=600.0)
+    p.add_argument("--metrics-json", type=Path, default=None, help="write the scraped lmcache: metrics here")
     return p.parse_args(argv)
 
 
@@ -232,6 +243,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             hit = "unknown" if result.hit_tokens is None else f"{result.hit_tokens}/{result.prompt_tokens}"
             print(f"{label:16s} TTFT {result.ttft_s * 1000:8.1f} ms   total {result.total_s * 1000:8.1f} ms"
                   f"   LMCache hit tokens {hit}", flush=True)
+        metrics = scrape_lmcache_metrics(port)
+        print(f"/metrics: lmcache:num_hit_tokens {metrics.get('lmcache:num_hit_tokens_total', 0):.0f}, "
+              f"lmcache:num_stored_tokens {metrics.get('lmcache:num_stored_tokens_total', 0):.0f}, "
+              f"CPU tier {metrics.get(CPU_TIER_USAGE, 0):.0f} bytes", flush=True)
+        if args.metrics_json is not None:
+            args.metrics_json.write_text(json.dumps(metrics, indent=1, sort_keys=True))
     finally:
         if proc.poll() is None:
             code = stop(proc, timeout_s=120.0)

@@ -33,6 +33,8 @@ EXTRA_DEFAULTS = {
     "use_layerwise": False, "enable_async_loading": False, "save_unfull_chunk": True,
     "priority_limit": None, "enable_pd": False, "blend_separator": "[BLEND_SEP]",
     "blend_add_special_in_precomp": False, "remote_password": None,
+    "internal_api_server_enabled": False, "internal_api_server_port_start": 6999,
+    "internal_api_server_token": None,
 }
 SPEC_FROM_LEGACY = {
     "chunk_size": 256, "backend": "cpu", "remote_url": "lm://localhost:65432", "remote_serde": "naive",
@@ -50,6 +52,8 @@ NON_DEFAULT: Dict[str, Any] = {
     "distributed_url": "localhost:8200", "error_handling": True, "use_layerwise": True,
     "enable_async_loading": True, "save_unfull_chunk": False, "priority_limit": 3, "enable_pd": True,
     "blend_separator": "<sep>", "blend_add_special_in_precomp": True, "remote_password": "s3cret",
+    "internal_api_server_enabled": True, "internal_api_server_port_start": 7100,
+    "internal_api_server_token": "s3cret-token",
 }
 
 

@@ -27,6 +27,7 @@ def make_settings(**overrides) -> DoorSettings:
         priority_limit=None,
         force_skip_save=False,
         kv_role="kv_both",
+        model_name="test/model",
     )
     values.update(overrides)
     return DoorSettings(**values)

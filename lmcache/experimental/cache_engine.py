@@ -7,6 +7,7 @@ Retrieve: chunk by chunk from the fastest tier that has it, into the serving eng
 by the connector, stopping at the first missing chunk.
 Lookup: the cached prefix length; a pinned lookup also holds that prefix in CPU memory for a
 request id (see `pins.py`) so the retrieve that follows cannot come back short.
+Each of them updates the `lmcache:` Prometheus metrics (`metrics.py`) from the engine's counters.
 
 A cache problem (memory full, a tier failing, a bad chunk on disk) never raises into the serving
 path: it is logged, counted, and becomes a skipped store or a miss. Caller errors (a bad mask,
@@ -14,6 +15,7 @@ missing connector kwargs) still raise.
 """
 
 import threading
+import time
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
@@ -22,8 +24,10 @@ from lmcache.config import LMCacheEngineMetadata
 from lmcache.experimental.config import LMCacheEngineConfig
 from lmcache.experimental.gpu_connector import GPUConnectorInterface
 from lmcache.experimental.memory_management import MemoryAllocatorInterface, MemoryFormat, MemoryObj, MixedMemoryAllocator
+from lmcache.experimental.metrics import EngineMetrics, EngineObservation
 from lmcache.experimental.stats import EngineStats, EngineStatsSnapshot
 from lmcache.experimental.storage_backend import GB, StorageManager, create_storage_manager
+from lmcache.experimental.storage_backend.remote_backend import RemoteBackend
 from lmcache.experimental.token_database import ChunkedTokenDatabase, TokenDatabase
 from lmcache.logging import init_logger
 from lmcache.utils import CacheEngineKey
@@ -59,6 +63,7 @@ class LMCacheEngine:
         self.token_database = token_database
         self.gpu_connector = gpu_connector
         self._stats = EngineStats()
+        self._metrics = EngineMetrics(metadata.model_name, metadata.worker_id)
         self.storage_manager: StorageManager = create_storage_manager(config, metadata, memory_allocator, self._stats)
         self._close_lock = threading.Lock()
         self._closed = False
@@ -77,6 +82,7 @@ class LMCacheEngine:
         are skipped. When memory is full even after eviction, the rest is not stored (logged).
         Raises ValueError if the number of Falses in the mask is not a multiple of the chunk size.
         """
+        started = time.perf_counter()
         chunks = self.token_database.process_tokens(tokens, mask, cache_salt=cache_salt or "")
         requested = _num_selected(tokens, mask)
         if self._closed:
@@ -112,6 +118,8 @@ class LMCacheEngine:
             finally:
                 obj.ref_count_down()
         self._stats.record_store(requested, stored, skipped, dropped)
+        self._metrics.observe_store(time.perf_counter() - started)
+        self.publish_metrics()
         logger.debug(
             "store: %d tokens requested, %d stored, %d already cached, %d dropped", requested, stored, skipped, dropped
         )
@@ -130,6 +138,7 @@ class LMCacheEngine:
         for every token whose KV was loaded. Raises ValueError if the number of Falses in the
         mask is not a multiple of the chunk size.
         """
+        started = time.perf_counter()
         chunks = self.token_database.process_tokens(tokens, mask, cache_salt=cache_salt or "")
         ret_mask = torch.zeros(len(tokens), dtype=torch.bool, device="cpu")
         requested = _num_selected(tokens, mask)
@@ -161,6 +170,8 @@ class LMCacheEngine:
             ret_mask[start:end] = True
             hit += end - start
         self._stats.record_retrieve(requested, hit)
+        self._metrics.observe_retrieve(time.perf_counter() - started)
+        self.publish_metrics()
         logger.debug("retrieve: %d tokens requested, %d loaded", requested, hit)
         return ret_mask
 
@@ -199,6 +210,7 @@ class LMCacheEngine:
             assert request_id is not None
             hit = self._pin(request_id, chunks, search_range)
         self._stats.record_lookup(len(tokens), hit)
+        self.publish_metrics()
         return hit
 
     def _pin(self, request_id: str, chunks: List[Tuple[int, int, CacheEngineKey]], search_range: Optional[List[str]]) -> int:
@@ -233,6 +245,7 @@ class LMCacheEngine:
     def lookup_unpin(self, request_ids: Iterable[str]) -> None:
         """Release the pins of these requests' lookups (ids without pins are ignored)."""
         self.storage_manager.pins.unpin(request_ids)
+        self.publish_metrics()  # the live_pins gauge drops now, not at the next store or lookup
 
     def prefetch(
         self,
@@ -251,6 +264,15 @@ class LMCacheEngine:
         """A snapshot of the engine's and its tiers' counters."""
         return self._stats.snapshot()
 
+    def observation(self) -> EngineObservation:
+        """The counters, the tiers' usage and the remote tier's put/health counters, now."""
+        remote = next((t.remote_stats() for t in self.storage_manager.tiers if isinstance(t, RemoteBackend)), None)
+        return EngineObservation(self._stats.snapshot(), self.storage_manager.usage_bytes(), remote)
+
+    def publish_metrics(self) -> None:
+        """Bring the Prometheus metrics up to date (background tier work shows at the next call)."""
+        self._metrics.publish(self.observation())
+
     def close(self) -> None:
         """Wait for pending writes of every tier, then release every pin and the CPU tier's objects."""
         with self._close_lock:
@@ -259,6 +281,7 @@ class LMCacheEngine:
             self._closed = True
         pins, requests = self.storage_manager.pins.num_pins, self.storage_manager.pins.num_requests
         self.storage_manager.close()
+        self.publish_metrics()
         # The serving engine unpins every request it looked up; pins left here are a leak (tests read this line).
         log = logger.warning if pins else logger.info
         log("LMCache engine closed: live_pins=%d pinned_requests=%d at close (released)", pins, requests)

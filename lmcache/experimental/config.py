@@ -114,6 +114,8 @@ class RemoteUrl:
 
 
 MASK = "***"
+# Config fields that hold secrets: never printed (`LMCacheEngineConfig.__repr__`, the status API).
+SECRET_FIELDS: Tuple[str, ...] = ("remote_password", "internal_api_server_token")
 # Schemes whose URL may end in `/N`, a Redis database number (a cluster has only database 0).
 DB_SCHEMES: Tuple[str, ...] = ("redis", "rediss")
 
@@ -375,14 +377,20 @@ class LMCacheEngineConfig:
     # The remote store's password (Redis) or token (lm://) for those who keep secrets out of
     # `remote_url` (`LMCACHE_REMOTE_PASSWORD`); a password in the URL wins. Never printed.
     remote_password: Optional[str] = None
+    # The status API (`api_server.py`): off by default, port start + worker id, 127.0.0.1 only;
+    # its state-changing endpoints answer 403 unless this token is set and sent.
+    internal_api_server_enabled: bool = False
+    internal_api_server_port_start: int = 6999
+    internal_api_server_token: Optional[str] = None
 
     def __repr__(self) -> str:
-        """The fields, with `remote_url` masked and `remote_password` hidden (config dumps)."""
+        """The fields, with `remote_url` masked and the secrets hidden (config dumps)."""
         shown = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         if self.remote_url is not None:
             shown["remote_url"] = mask_url(self.remote_url)
-        if self.remote_password is not None:
-            shown["remote_password"] = MASK
+        for name in SECRET_FIELDS:
+            if shown[name] is not None:
+                shown[name] = MASK
         return f"{type(self).__name__}({', '.join(f'{k}={v!r}' for k, v in shown.items())})"
 
     def __post_init__(self) -> None:
@@ -421,6 +429,12 @@ class LMCacheEngineConfig:
                 _parse_host_port(value, name, value)
             elif self.enable_p2p:
                 raise ValueError(f"{name}=None: enable_p2p=True needs {name} as host:port")
+        if not 0 < self.internal_api_server_port_start <= 65535:
+            raise ValueError(
+                f"internal_api_server_port_start={self.internal_api_server_port_start!r}: must be in 1..65535"
+            )
+        if self.internal_api_server_token is not None and len(self.internal_api_server_token) < 8:
+            raise ValueError("internal_api_server_token: must be at least 8 characters (value not shown)")
 
     # ----- constructors -------------------------------------------------------------------
 
@@ -449,6 +463,9 @@ class LMCacheEngineConfig:
         blend_separator: str = "[BLEND_SEP]",
         blend_add_special_in_precomp: bool = False,
         remote_password: Optional[str] = None,
+        internal_api_server_enabled: bool = False,
+        internal_api_server_port_start: int = 6999,
+        internal_api_server_token: Optional[str] = None,
         **unknown: Any,
     ) -> "LMCacheEngineConfig":
         """The spec's defaults with some fields replaced; an unknown keyword is a ValueError."""

@@ -23,12 +23,16 @@ class TierStatsSnapshot:
     evicted_chunks: int = 0  # chunks dropped to make room
     evicted_bytes: int = 0
     errors: int = 0  # failed reads/writes and rejected (corrupt, foreign) chunks
+    rejected_chunks: int = 0  # of those errors, chunks whose bytes failed the integrity checks
 
 
 @dataclass(frozen=True)
 class EngineStatsSnapshot:
     """The engine's counters plus one `TierStatsSnapshot` per tier name ("Hot", class names)."""
 
+    retrieve_requests: int = 0  # calls of retrieve()
+    store_requests: int = 0  # calls of store()
+    lookup_requests: int = 0  # calls of lookup()
     retrieve_requested_tokens: int = 0  # tokens retrieve() was asked for (mask True)
     retrieve_hit_tokens: int = 0  # tokens retrieve() loaded
     lookup_requested_tokens: int = 0
@@ -82,6 +86,10 @@ class TierStats:
     def record_error(self) -> None:
         self._add(errors=1)
 
+    def record_rejected(self) -> None:
+        """A chunk whose header, checksum, key or geometry did not match: an integrity miss."""
+        self._add(errors=1, rejected_chunks=1)
+
     def snapshot(self) -> TierStatsSnapshot:
         with self._lock:
             return TierStatsSnapshot(**self._counts)
@@ -108,10 +116,10 @@ class EngineStats:
                 self._counts[name] += delta
 
     def record_retrieve(self, requested: int, hit: int) -> None:
-        self._add(retrieve_requested_tokens=requested, retrieve_hit_tokens=hit)
+        self._add(retrieve_requests=1, retrieve_requested_tokens=requested, retrieve_hit_tokens=hit)
 
     def record_lookup(self, requested: int, hit: int) -> None:
-        self._add(lookup_requested_tokens=requested, lookup_hit_tokens=hit)
+        self._add(lookup_requests=1, lookup_requested_tokens=requested, lookup_hit_tokens=hit)
 
     def record_pin_failure(self, tokens: int) -> None:
         self._add(pin_failed_tokens=tokens)
@@ -124,6 +132,7 @@ class EngineStats:
 
     def record_store(self, requested: int, stored: int, skipped: int, dropped: int) -> None:
         self._add(
+            store_requests=1,
             store_requested_tokens=requested,
             stored_tokens=stored,
             store_skipped_tokens=skipped,

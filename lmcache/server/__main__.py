@@ -16,6 +16,7 @@ from typing import Optional, Sequence, Tuple
 
 from lmcache.logging import init_logger
 from lmcache.server.protocol import DEFAULT_MAX_PAYLOAD_BYTES, HARD_MAX_PAYLOAD_BYTES
+from lmcache.server.metrics import METRICS_HOST, serve_metrics
 from lmcache.server.security import SERVER_TOKEN_ENV, read_token_file
 from lmcache.server.server import LMCacheServer, ServerConfig
 
@@ -55,6 +56,12 @@ def _parse_args(argv: Optional[Sequence[str]]) -> ServerConfig:
     )
     _add_limit_arguments(parser)
     _add_security_arguments(parser)
+    parser.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="serve the server's counters in Prometheus text format on http://127.0.0.1:PORT/metrics",
+    )
     args = parser.parse_args(argv)
     host, port_text = _split_address(parser, args.address)
     port = _parse_port(parser, port_text)
@@ -76,6 +83,7 @@ def _parse_args(argv: Optional[Sequence[str]]) -> ServerConfig:
             idle_timeout_s=args.idle_timeout,
             max_pending_bytes=None if args.max_pending_mb is None else int(args.max_pending_mb * (1 << 20)),
             **_security_options(args),
+            metrics_port=args.metrics_port,
         )
     except ValueError as err:
         parser.error(str(err))
@@ -170,6 +178,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         server = LMCacheServer(config)  # loads the TLS certificate, if any
         server.start()
+        if config.metrics_port is not None:
+            serve_metrics(server, config.metrics_port)
+            logger.info("metrics on http://%s:%d/metrics", METRICS_HOST, config.metrics_port)
     except OSError as err:
         logger.error("%s", err)
         return 1

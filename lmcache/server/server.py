@@ -105,6 +105,8 @@ class ServerConfig:
     tls_key: Optional[str] = None
     # Listen beyond loopback without a token anyway (protected mode off).
     no_auth: bool = False
+    # Serve the counters on http://127.0.0.1:<port>/metrics (`metrics.py`); None = off.
+    metrics_port: Optional[int] = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -129,6 +131,8 @@ class ServerConfig:
                 f"max_pending_bytes ({self.max_pending_bytes}) must be at least max_payload_bytes "
                 f"({self.max_payload_bytes}), or a frame at the limit could never be received"
             )
+        if self.metrics_port is not None and not 0 < self.metrics_port <= 65535:
+            raise ValueError(f"metrics_port must be in 1..65535, got {self.metrics_port}")
         self._check_security()
 
     def _check_security(self) -> None:

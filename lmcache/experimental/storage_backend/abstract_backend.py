@@ -20,6 +20,11 @@ class StorageBackendInterface(ABC):
         """The name `search_range` uses for this tier (the class name unless overridden)."""
         return type(self).__name__
 
+    @property
+    def used_bytes(self) -> Optional[int]:
+        """Bytes the tier holds now (the usage gauge), or None for a tier that cannot tell (remote)."""
+        return None
+
     @abstractmethod
     def contains(self, key: CacheEngineKey) -> bool:
         """Whether `get_blocking(key)` would find the chunk now (stored or still being written)."""

@@ -48,6 +48,10 @@ class LocalCPUBackend(StorageBackendInterface):
         return "Hot"
 
     @property
+    def used_bytes(self) -> int:
+        return self._allocator.used_bytes
+
+    @property
     def memory_allocator(self) -> MemoryAllocatorInterface:
         return self._allocator
 

@@ -165,7 +165,7 @@ class LocalDiskBackend(StorageBackendInterface):
             elif name.endswith(FILE_SUFFIX):
                 scanned = self._scan_file(name, path)
                 if scanned is None:
-                    self._stats.record_error()
+                    self._stats.record_rejected()
                     self._unlink(path)
                 else:
                     found.append(scanned)
@@ -365,7 +365,7 @@ class LocalDiskBackend(StorageBackendInterface):
             self._index.move_to_end(key)
         obj, outcome = self._read_file(entry.path, entry.dtype, entry.shape, entry.fmt, key)
         if outcome is _Read.BAD:
-            self._stats.record_error()
+            self._stats.record_rejected()
             with self._lock:
                 if self._index.get(key) is entry:
                     del self._index[key]

@@ -296,7 +296,7 @@ class RemoteBackend(StorageBackendInterface):
             obj = None
         if obj is None:
             self._counters.add("gets_rejected")
-            self._stats.record_error()
+            self._stats.record_rejected()
         return obj
 
     def _shape_ok(self, obj: MemoryObj) -> bool:

@@ -11,7 +11,7 @@ chunk is served from memory even if every tier has lost it since.
 """
 
 import threading
-from typing import Callable, Iterable, List, Optional, Sequence, Set
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Set
 
 import torch
 
@@ -54,6 +54,11 @@ class StorageManager:
     @property
     def tiers(self) -> List[StorageBackendInterface]:
         return list(self._tiers)
+
+    def usage_bytes(self) -> Dict[str, int]:
+        """Bytes each tier that can tell holds now, by tier name."""
+        usage = ((t.tier_name, t.used_bytes) for t in self._tiers)
+        return {name: used for name, used in usage if used is not None}
 
     def _selected(self, search_range: Optional[Iterable[str]]) -> List[StorageBackendInterface]:
         if search_range is None:

@@ -3,7 +3,8 @@
 Both doors (v0 `vllm_adapter.init_lmcache_engine`, v1 `LMCacheWorkerSide.from_vllm_config`) call
 `open_worker_engine`; it builds the engine's metadata, finds the paged KV layout, creates the
 connector and registers the engine under `ENGINE_NAME` (an engine that exists already is reused),
-then has `close_worker_engine` run when the process exits. vLLM has no shutdown hook for either
+starts its status API when the config asks for it (`api_server.py`), then has
+`close_worker_engine` run when the process exits. vLLM has no shutdown hook for either
 door, and it runs workers in children it starts itself: `multiprocessing.util.Finalize` runs in
 the main process and in those children alike.
 """
@@ -12,8 +13,9 @@ from __future__ import annotations
 
 import multiprocessing.util
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
+from lmcache.experimental.api_server import StatusAPI, start_status_api
 from lmcache.experimental.cache_engine import LMCacheEngine, LMCacheEngineBuilder
 from lmcache.experimental.config import LMCacheEngineConfig
 from lmcache.experimental.kv_layout import KVLayout
@@ -35,6 +37,8 @@ logger = init_logger(__name__)
 # writes) before multiprocessing's own unprioritized finalizers tear down shared state. Whatever
 # must stop before the engine closes (the v1 worker channel) uses a higher one.
 ENGINE_EXIT_PRIORITY = 50
+# This process's status API, when the config enables it; closed with the engine.
+_status_api: Optional[StatusAPI] = None
 
 
 @dataclass(frozen=True)
@@ -59,6 +63,8 @@ def open_worker_engine(vllm_config: "VllmConfig", config: LMCacheEngineConfig, d
         return WorkerEngine(existing, layout, world_size, rank)
     connector = create_gpu_connector(vllm_config, metadata, layout)
     engine = LMCacheEngineBuilder.get_or_create(ENGINE_NAME, config, metadata, connector)
+    global _status_api
+    _status_api = start_status_api(engine, rank)
     multiprocessing.util.Finalize(None, close_worker_engine, args=(door,), exitpriority=ENGINE_EXIT_PRIORITY)
     logger.info(
         "LMCache %s: engine ready (worker %d of %d, layout %s, chunk size %d, KV %s %s)",
@@ -69,6 +75,10 @@ def open_worker_engine(vllm_config: "VllmConfig", config: LMCacheEngineConfig, d
 
 def close_worker_engine(door: str) -> bool:
     """Close this process's engine, waiting for its pending writes; False when there is none."""
+    global _status_api
+    if _status_api is not None:
+        _status_api.close()
+        _status_api = None
     if LMCacheEngineBuilder.get(ENGINE_NAME) is None:
         return False
     LMCacheEngineBuilder.destroy(ENGINE_NAME)

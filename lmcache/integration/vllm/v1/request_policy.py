@@ -48,6 +48,7 @@ class DoorSettings:
     priority_limit: Optional[int]  # requests with a priority above it are not stored
     force_skip_save: bool  # LMCACHE_FORCE_SKIP_SAVE
     kv_role: str  # kv_both / kv_producer / kv_consumer (a consumer never stores)
+    model_name: str  # vLLM's model name (the metrics' `model_name` label)
 
     @classmethod
     def from_vllm(cls, vllm_config: "VllmConfig", config: LMCacheEngineConfig) -> "DoorSettings":
@@ -69,6 +70,7 @@ class DoorSettings:
             priority_limit=config.priority_limit,
             force_skip_save=force_skip_save(),
             kv_role=kv_role,
+            model_name=vllm_config.model_config.model,
         )
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
+from lmcache.experimental.metrics import record_vllm_hit_tokens
 from lmcache.integration.vllm.request_log import RequestCounters, RequestStats, format_request_line
 from lmcache.integration.vllm.v1.request_policy import DoorSettings, RequestPolicy, request_policy
 from lmcache.integration.vllm.v1.request_state import (
@@ -182,6 +183,7 @@ class LMCacheSchedulerSide:
             policy = self._policies.get(req_id)
             reason = "" if policy is None else policy.reason
             logger.info("%s", format_request_line(req_id, stats, counters, reason))
+            record_vllm_hit_tokens(self.settings.model_name, stats.vllm_cached_tokens)
         self._forget(req_id)
         return False, None
 
