@@ -10,7 +10,8 @@ in use - being copied to a connector, waiting for a disk/remote write, or pinned
 import math
 import threading
 from collections import OrderedDict
-from typing import List, Optional, Tuple
+from concurrent.futures import Future
+from typing import Any, List, Optional, Tuple
 
 import torch
 
@@ -100,6 +101,15 @@ class LocalCPUBackend(StorageBackendInterface):
             obj.ref_count_up()
         self._stats.record_read(obj.get_size())
         return obj
+
+    def get_after_prefetch(self, prefetch: Optional["Future[Any]"], key: CacheEngineKey) -> Optional[MemoryObj]:
+        """For a slower tier asked for `key` while its own prefetch of it is in flight: wait for
+        that prefetch and serve the chunk from here, so it is never read twice (None: there was
+        no prefetch, or it brought nothing; the tier then reads the chunk itself)."""
+        if prefetch is None:
+            return None
+        prefetch.result()
+        return self.get_blocking(key)
 
     def remove(self, key: CacheEngineKey) -> bool:
         with self._lock:

@@ -349,12 +349,8 @@ class LocalDiskBackend(StorageBackendInterface):
                 self._stats.record_read(task.obj.get_size())
                 return task.obj
             prefetch = self._prefetch_tasks.get(key)
-        if prefetch is not None:
-            prefetch.result()
-            obj = self._cpu.get_blocking(key)
-            if obj is not None:
-                return obj
-        return self._load_indexed(key)
+        obj = self._cpu.get_after_prefetch(prefetch, key)
+        return obj if obj is not None else self._load_indexed(key)
 
     def _load_indexed(self, key: CacheEngineKey) -> Optional[MemoryObj]:
         """Read `key`'s file; drop it from the index and disk when it turns out to be bad."""

@@ -234,13 +234,8 @@ class RemoteBackend(StorageBackendInterface):
     def get_blocking(self, key: CacheEngineKey) -> Optional[MemoryObj]:
         with self._lock:
             prefetch = self._prefetching.get(key)
-        if prefetch is not None:
-            # The chunk is already on its way into the CPU tier: wait instead of reading it twice.
-            prefetch.result()
-            obj = self._cpu.get_blocking(key)
-            if obj is not None:
-                return obj
-        return self._fetch([key])[0]
+        obj = self._cpu.get_after_prefetch(prefetch, key)
+        return obj if obj is not None else self._fetch([key])[0]
 
     def batched_get_blocking(self, keys: Sequence[CacheEngineKey]) -> List[Optional[MemoryObj]]:
         """`get_blocking` for many chunks in one pipelined round trip; caller owns each result."""
