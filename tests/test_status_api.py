@@ -91,3 +91,11 @@ def test_off_by_default_and_a_short_token_is_refused():
     assert "short" not in str(err.value)
     assert "long-enough" not in repr(config(internal_api_server_token="long-enough-token"))
     assert masked_config(config())["internal_api_server_token"] is None
+
+
+def test_config_endpoint_hides_every_secret():
+    shown = masked_config(config(remote_url="redis://app:pa55word@127.0.0.1:6379", remote_password="other-secret",
+                                 internal_api_server_token="long-enough-token"))
+    assert shown["remote_password"] == "***" and shown["internal_api_server_token"] == "***"
+    assert "pa55word" not in shown["remote_url"] and shown["remote_url"].startswith("redis://app:")
+    assert not any(s in repr(shown) for s in ("pa55word", "other-secret", "long-enough-token"))
