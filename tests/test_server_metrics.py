@@ -7,6 +7,7 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from redis_fixture import LMServerProcess, free_port
+from tier_helpers import wait_for
 
 from lmcache.experimental.remote.lm_connector import LMServerConnector
 from lmcache.server import LMCacheServer, ServerConfig
@@ -29,6 +30,8 @@ def test_counters_follow_the_store():
         assert conn.put("a", b"x" * 100) and conn.put("b", b"y" * 10)
         assert conn.get("a") is not None and conn.get("missing") is None
         conn.close()
+        # The server's thread notices the close a moment later; the page and INFO must agree.
+        assert wait_for(lambda: server.info()["connections"] == 0)
         samples, info = _scrape(http.server_port), server.info()
     finally:
         http.shutdown()

@@ -506,7 +506,7 @@ class LMCacheEngineConfig:
         except ValueError as exc:
             # Name the variables as the user typed them, not only the parsed values.
             culprits = [f"{env_var_name(name)}={shown_value(name, raw)!r}" for name, raw in field_vars.items()
-                        if re.search(rf"\b{name}=", str(exc))]
+                        if re.search(rf"\b{name}\b", str(exc))]
             raise ValueError(f"{exc} (set by {', '.join(culprits)})" if culprits else str(exc)) from exc
 
     @staticmethod

@@ -144,13 +144,14 @@ class _Health:
         with self._lock:
             if self._up:
                 return
-            self._up = True
             self._counters.add("times_recovered")
             logger.warning(
                 "remote tier %s is back after %.1f s: puts and hits resume",
                 self._url,
                 time.monotonic() - self._down_since,
             )
+            # Last, so whoever sees the tier up also finds the line saying so in the log.
+            self._up = True
 
 
 @dataclass
