@@ -104,8 +104,11 @@ def test_cpu_platform_is_vllms_own_choice():
 
 
 def test_wrapper_hooks_the_engine_config_and_asks_for_recompute():
-    (point,) = vllm_compat.wrapper_patch_points()
-    assert (point.owner.__name__, point.name, point.role) == ("EngineArgs", "create_engine_config", "v1_engine_config")
+    points = {(getattr(p.owner, "__name__", ""), p.name, p.role) for p in vllm_compat.wrapper_patch_points()}
+    assert points == {
+        ("EngineArgs", "create_engine_config", "v1_engine_config"),
+        ("vllm.model_executor.models.registry", "_run_in_subprocess", "model_inspection"),
+    }
     config = vllm_compat.wrapper_kv_transfer_config()
     assert (config.kv_connector, config.kv_role, config.kv_load_failure_policy) == (
         "LMCacheConnectorV1", "kv_both", "recompute")
