@@ -26,11 +26,11 @@ import urllib.parse
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import TYPE_CHECKING, Any, Deque, Dict, List, Optional, Tuple
 
-from lmcache.experimental.config import MASK, SECRET_FIELDS, mask_url
 from lmcache.logging import init_logger
 
 if TYPE_CHECKING:
     from lmcache.experimental.cache_engine import LMCacheEngine
+    from lmcache.experimental.config import LMCacheEngineConfig
 
 logger = init_logger(__name__)
 
@@ -57,17 +57,9 @@ class RecentRequestLines(logging.Handler):
         return list(self._lines)
 
 
-def masked_config(config: Any) -> Dict[str, Any]:
-    """The config's fields as JSON values, secrets replaced by `***` and `remote_url` masked."""
-    out: Dict[str, Any] = {}
-    for f in dataclasses.fields(config):
-        value = getattr(config, f.name)
-        if f.name in SECRET_FIELDS and value is not None:
-            value = MASK
-        elif f.name == "remote_url" and value is not None:
-            value = mask_url(value)
-        out[f.name] = value
-    return out
+def masked_config(config: "LMCacheEngineConfig") -> Dict[str, Any]:
+    """The config's fields as JSON values, secrets replaced by `***` and URLs masked."""
+    return config.shown_fields()
 
 
 class StatusAPI:

@@ -114,8 +114,6 @@ class RemoteUrl:
 
 
 MASK = "***"
-# Config fields that hold secrets: never printed (`LMCacheEngineConfig.__repr__`, the status API).
-SECRET_FIELDS: Tuple[str, ...] = ("remote_password", "internal_api_server_token")
 # Schemes whose URL may end in `/N`, a Redis database number (a cluster has only database 0).
 DB_SCHEMES: Tuple[str, ...] = ("redis", "rediss")
 
@@ -383,15 +381,13 @@ class LMCacheEngineConfig:
     internal_api_server_port_start: int = 6999
     internal_api_server_token: Optional[str] = None
 
+    def shown_fields(self) -> Dict[str, Any]:
+        """Every field as logs, dumps and the status API may show it (`shown_value`)."""
+        return {f.name: shown_value(f.name, getattr(self, f.name)) for f in dataclasses.fields(self)}
+
     def __repr__(self) -> str:
-        """The fields, with `remote_url` masked and the secrets hidden (config dumps)."""
-        shown = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        if self.remote_url is not None:
-            shown["remote_url"] = mask_url(self.remote_url)
-        for name in SECRET_FIELDS:
-            if shown[name] is not None:
-                shown[name] = MASK
-        return f"{type(self).__name__}({', '.join(f'{k}={v!r}' for k, v in shown.items())})"
+        """The fields, URLs masked and secrets hidden (config dumps)."""
+        return f"{type(self).__name__}({', '.join(f'{k}={v!r}' for k, v in self.shown_fields().items())})"
 
     def __post_init__(self) -> None:
         """The one place values are parsed and checked; errors name the key and the value."""
