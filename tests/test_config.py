@@ -34,7 +34,9 @@ EXTRA_DEFAULTS = {
     "priority_limit": None, "enable_pd": False, "blend_separator": "[BLEND_SEP]",
     "blend_add_special_in_precomp": False, "remote_password": None,
     "internal_api_server_enabled": False, "internal_api_server_port_start": 6999,
-    "internal_api_server_token": None,
+    "internal_api_server_token": None, "pd_role": None, "pd_buffer_size": 1 << 30,
+    "pd_buffer_device": "cpu", "pd_peer_host": None, "pd_peer_init_port": None,
+    "pd_peer_alloc_port": None, "pd_proxy_host": None, "pd_proxy_port": None, "transfer_channel": None,
 }
 SPEC_FROM_LEGACY = {
     "chunk_size": 256, "backend": "cpu", "remote_url": "lm://localhost:65432", "remote_serde": "naive",
@@ -53,7 +55,9 @@ NON_DEFAULT: Dict[str, Any] = {
     "enable_async_loading": True, "save_unfull_chunk": False, "priority_limit": 3, "enable_pd": True,
     "blend_separator": "<sep>", "blend_add_special_in_precomp": True, "remote_password": "s3cret",
     "internal_api_server_enabled": True, "internal_api_server_port_start": 7100,
-    "internal_api_server_token": "s3cret-token",
+    "internal_api_server_token": "s3cret-token", "pd_role": "sender", "pd_buffer_size": 4096,
+    "pd_buffer_device": "cpu", "pd_peer_host": "127.0.0.2", "pd_peer_init_port": 7300,
+    "pd_peer_alloc_port": 7400, "pd_proxy_host": "127.0.0.3", "pd_proxy_port": 7500, "transfer_channel": "zmq",
 }
 
 
@@ -125,7 +129,24 @@ BAD_VALUES = [
     ("lookup_url", "nohost"), ("distributed_url", "host:99999"),
     ("local_disk", "s3://bucket/dir"), ("local_disk", "file://otherhost/dir"), ("local_disk", 5),
     ("save_unfull_chunk", "sometimes"), ("enable_pd", 0),
+    ("pd_role", "prefiller"), ("pd_buffer_size", 0), ("pd_buffer_size", "big"), ("pd_buffer_device", "cuda"),
+    ("pd_peer_init_port", 70000), ("pd_peer_alloc_port", 0), ("pd_proxy_port", -1), ("transfer_channel", "nixl"),
 ]
+
+
+@pytest.mark.parametrize("missing", ["pd_role", "pd_peer_host", "pd_peer_init_port"])
+def test_enable_pd_needs_role_and_peer(missing: str) -> None:
+    pd = {"enable_pd": True, "pd_role": "receiver", "pd_peer_host": "127.0.0.1", "pd_peer_init_port": 7300}
+    del pd[missing]
+    with pytest.raises(ValueError, match=rf"{missing}=None: enable_pd=True"):
+        LMCacheEngineConfig.from_defaults(**pd)
+
+
+def test_enable_pd_is_no_longer_refused() -> None:
+    config = LMCacheEngineConfig.from_defaults(
+        enable_pd=True, pd_role="sender", pd_peer_host="127.0.0.1", pd_peer_init_port=7300
+    )
+    config.check_supported()
 
 
 @pytest.mark.parametrize("key,value", BAD_VALUES)

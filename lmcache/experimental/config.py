@@ -335,9 +335,13 @@ UNSUPPORTED_WHEN_ON: Mapping[str, str] = MappingProxyType(
         "enable_async_loading": "loads are synchronous within the step that asks for them",
         "enable_blending": "CacheBlend (reusing non-prefix chunks) is not implemented",
         "enable_p2p": "peer-to-peer sharing is not implemented; share through remote_url instead",
-        "enable_pd": "prefill/decode disaggregation is not implemented",
     }
 )
+
+
+# Prefill/decode disaggregation: the roles and the transports `_check_pd` accepts.
+PD_ROLES: Tuple[str, ...] = ("sender", "receiver")
+PD_TRANSFER_CHANNELS: Tuple[Optional[str], ...] = (None, "zmq")
 
 
 def default_legacy_disk_path() -> str:
@@ -380,6 +384,16 @@ class LMCacheEngineConfig:
     internal_api_server_enabled: bool = False
     internal_api_server_port_start: int = 6999
     internal_api_server_token: Optional[str] = None
+    # Prefill/decode disaggregation (`lmcache/experimental/pd/`): checked by `_check_pd`.
+    pd_role: Optional[str] = None  # sender (the prefiller) / receiver (the decoder)
+    pd_buffer_size: int = 1 << 30  # bytes of the receiver's buffer for pushed KV
+    pd_buffer_device: str = "cpu"
+    pd_peer_host: Optional[str] = None  # where the receiver listens (the sender's peer)
+    pd_peer_init_port: Optional[int] = None  # the receiver's port (plus the worker id)
+    pd_peer_alloc_port: Optional[int] = None  # carried in the spec; a push's reply is its allocation
+    pd_proxy_host: Optional[str] = None
+    pd_proxy_port: Optional[int] = None
+    transfer_channel: Optional[str] = None  # None or "zmq" (the one transport here)
 
     def shown_fields(self) -> Dict[str, Any]:
         """Every field as logs, dumps and the status API may show it (`shown_value`)."""
@@ -431,6 +445,32 @@ class LMCacheEngineConfig:
             )
         if self.internal_api_server_token is not None and len(self.internal_api_server_token) < 8:
             raise ValueError("internal_api_server_token: must be at least 8 characters (value not shown)")
+        self._check_pd()
+
+    def _check_pd(self) -> None:
+        """The `pd_*` keys: ports in range always, roles and the peer only when `enable_pd`."""
+        for name in ("pd_peer_init_port", "pd_peer_alloc_port", "pd_proxy_port"):
+            port = getattr(self, name)
+            if port is not None and not 0 < port <= 65535:
+                raise ValueError(f"{name}={port!r}: must be in 1..65535")
+        if self.pd_buffer_size <= 0:
+            raise ValueError(f"pd_buffer_size={self.pd_buffer_size!r}: must be a positive number of bytes")
+        if self.pd_buffer_device != "cpu":
+            raise ValueError(f"pd_buffer_device={self.pd_buffer_device!r}: only 'cpu' is supported (no GPU here)")
+        if self.transfer_channel not in PD_TRANSFER_CHANNELS:
+            raise ValueError(
+                f"transfer_channel={self.transfer_channel!r}: expected one of {PD_TRANSFER_CHANNELS} "
+                "(KV moves over ZeroMQ; NIXL and Mooncake do not run on these CPU machines)"
+            )
+        if self.pd_role is not None and self.pd_role not in PD_ROLES:
+            raise ValueError(f"pd_role={self.pd_role!r}: expected one of {PD_ROLES}")
+        if not self.enable_pd:
+            return
+        if self.pd_role is None:
+            raise ValueError(f"pd_role=None: enable_pd=True needs pd_role, one of {PD_ROLES}")
+        for name in ("pd_peer_host", "pd_peer_init_port"):
+            if getattr(self, name) is None:
+                raise ValueError(f"{name}=None: enable_pd=True needs the receiver's {name}")
 
     # ----- constructors -------------------------------------------------------------------
 
@@ -462,6 +502,15 @@ class LMCacheEngineConfig:
         internal_api_server_enabled: bool = False,
         internal_api_server_port_start: int = 6999,
         internal_api_server_token: Optional[str] = None,
+        pd_role: Optional[str] = None,
+        pd_buffer_size: int = 1 << 30,
+        pd_buffer_device: str = "cpu",
+        pd_peer_host: Optional[str] = None,
+        pd_peer_init_port: Optional[int] = None,
+        pd_peer_alloc_port: Optional[int] = None,
+        pd_proxy_host: Optional[str] = None,
+        pd_proxy_port: Optional[int] = None,
+        transfer_channel: Optional[str] = None,
         **unknown: Any,
     ) -> "LMCacheEngineConfig":
         """The spec's defaults with some fields replaced; an unknown keyword is a ValueError."""
