@@ -2,7 +2,7 @@
 
 `create_storage_manager` is the one place that decides which tiers exist and in which order
 (fastest first): the CPU tier ("Hot", when `local_cpu`), the local disk tier (when
-`local_disk` is set), then remote tiers. Everything else talks to tiers through
+`local_disk` is set), then remote tiers, then a PD decoder's receive buffer. Everything else talks to tiers through
 `StorageBackendInterface` and the `StorageManager`.
 """
 
@@ -63,7 +63,21 @@ def create_storage_backends(
                 password=config.remote_password,
             )
         )
+    if config.enable_pd and config.pd_role == "receiver":
+        tiers.append(_pd_receive_buffer(config, metadata, local_cpu_backend, stats))
     return tiers
+
+
+def _pd_receive_buffer(
+    config: LMCacheEngineConfig, metadata: LMCacheEngineMetadata, cpu: LocalCPUBackend, stats: EngineStats
+) -> StorageBackendInterface:
+    """The decoder's buffer for pushed KV, listening on the peer port plus the worker id."""
+    from lmcache.experimental.pd.receiver import PDReceiveBuffer
+
+    assert config.pd_peer_host is not None and config.pd_peer_init_port is not None  # the config checks it
+    buffer = PDReceiveBuffer(metadata, config.pd_buffer_size, cpu, stats.tier(PDReceiveBuffer.__name__))
+    buffer.listen(config.pd_peer_host, config.pd_peer_init_port + metadata.worker_id)
+    return buffer
 
 
 def create_storage_manager(

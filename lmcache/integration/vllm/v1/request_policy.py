@@ -33,6 +33,8 @@ DISCARD_PARTIAL_CHUNKS_KEY = "discard_partial_chunks"
 # Per-request settings in `SamplingParams.extra_args["kv_transfer_params"]`.
 REQUEST_SKIP_SAVE_KEY = EXTRA_CONFIG_PREFIX + "skip_save"
 KNOWN_REQUEST_KEYS = (REQUEST_SKIP_SAVE_KEY,)
+# With enable_pd, the vLLM role each pd_role runs under.
+PD_KV_ROLES = {"sender": "kv_producer", "receiver": "kv_consumer"}
 
 
 
@@ -49,6 +51,7 @@ class DoorSettings:
     force_skip_save: bool  # LMCACHE_FORCE_SKIP_SAVE
     kv_role: str  # kv_both / kv_producer / kv_consumer (a consumer never stores)
     model_name: str  # vLLM's model name (the metrics' `model_name` label)
+    pd_sender_peer: Optional[str] = None  # PD prefiller: the receiver host it may push to
 
     @classmethod
     def from_vllm(cls, vllm_config: "VllmConfig", config: LMCacheEngineConfig) -> "DoorSettings":
@@ -61,6 +64,11 @@ class DoorSettings:
             raise ValueError(f"{EXTRA_CONFIG_SOURCE}[{DISCARD_PARTIAL_CHUNKS_KEY!r}]={discard!r}: expected a bool")
         kv_transfer = vllm_config.kv_transfer_config
         kv_role = (kv_transfer.kv_role if kv_transfer is not None else None) or "kv_both"
+        if config.enable_pd and config.pd_role is not None and kv_role != PD_KV_ROLES[config.pd_role]:
+            raise ValueError(
+                f"pd_role={config.pd_role!r} needs kv_transfer_config.kv_role={PD_KV_ROLES[config.pd_role]!r}, "
+                f"got {kv_role!r}"
+            )
         return cls(
             chunk_size=config.chunk_size,
             block_size=vllm_config.cache_config.block_size,
@@ -71,6 +79,7 @@ class DoorSettings:
             force_skip_save=force_skip_save(),
             kv_role=kv_role,
             model_name=vllm_config.model_config.model,
+            pd_sender_peer=config.pd_peer_host if config.enable_pd and config.pd_role == "sender" else None,
         )
 
 

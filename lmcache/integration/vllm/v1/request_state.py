@@ -25,6 +25,7 @@ from typing import Optional, Sequence
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
+from lmcache.experimental.pd.disagg_spec import DisaggSpec
 from lmcache.integration.vllm.v1.request_policy import DoorSettings
 
 
@@ -85,6 +86,7 @@ class ReqMeta:
     cache_salt: str
     load_spec: Optional[LoadSpec]
     save_spec: Optional[SaveSpec]
+    disagg_spec: Optional[DisaggSpec] = None  # PD prefiller: push what the save stores, to here
 
 
 @dataclass

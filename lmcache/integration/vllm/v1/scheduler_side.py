@@ -10,6 +10,9 @@ vLLM calls, per step:
 - `request_finished(request, block_ids)`: one log line per request; blocks are freed at once
   because stores finish inside the step (`wait_for_save`).
 
+A PD prefiller (`pd_role: sender`) never looks up; each request's `disagg_spec` rides on its
+store plans to the worker, which pushes what it stores (`pd_requests.py`).
+
 No engine lives here: lookups and the worker's counters go through a `WorkerChannel`.
 
 Each lookup names its request, so the worker's engine pins the prefix it reports until the load
@@ -20,9 +23,11 @@ request that ends without loading is released by the worker's `get_finished`.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from lmcache.experimental.metrics import record_vllm_hit_tokens
+from lmcache.integration.vllm.v1.pd_requests import PDRequests
 from lmcache.integration.vllm.request_log import RequestCounters, RequestStats, format_request_line
 from lmcache.integration.vllm.v1.request_policy import DoorSettings, RequestPolicy, request_policy
 from lmcache.integration.vllm.v1.request_state import (
@@ -65,6 +70,8 @@ class LMCacheSchedulerSide:
         self._stats: dict[str, RequestStats] = {}
         self._load_specs: dict[str, LoadSpec] = {}
         self._trackers: dict[str, RequestTracker] = {}
+        # A PD prefiller's disagg specs (None unless pd_role is sender).
+        self._pd = PDRequests(settings.pd_sender_peer) if settings.pd_sender_peer is not None else None
 
     # ----- before scheduling -------------------------------------------------------------------
 
@@ -78,6 +85,9 @@ class LMCacheSchedulerSide:
         prompt = request.prompt_token_ids
         stats = self._stats[req_id] = RequestStats(len(prompt), num_computed_tokens)
         self._load_specs.pop(req_id, None)
+        if self._pd is not None:
+            self._pd.admit(request)
+            return 0  # a PD prefiller computes every prompt and pushes it; it never loads
         if not policy.use_cache:
             return 0
         num_lookup = len(prompt) - self.settings.skip_last_n_tokens
@@ -165,6 +175,8 @@ class LMCacheSchedulerSide:
         req_meta = make_req_meta(tracker, load_spec, save_spec, self.settings.block_size)
         if save_spec is not None:
             tracker.num_saved_tokens = save_spec.num_tokens
+            if req_meta is not None and self._pd is not None:
+                req_meta = dataclasses.replace(req_meta, disagg_spec=self._pd.step_spec(tracker, save_spec))
         if req_meta is not None:
             meta.requests.append(req_meta)
 
@@ -184,8 +196,9 @@ class LMCacheSchedulerSide:
             reason = "" if policy is None else policy.reason
             logger.info("%s", format_request_line(req_id, stats, counters, reason))
             record_vllm_hit_tokens(self.settings.model_name, stats.vllm_cached_tokens)
+        params = self._pd.finished(request) if self._pd is not None else None
         self._forget(req_id)
-        return False, None
+        return False, params
 
     def _unpin(self, req_id: str) -> None:
         """The worker need not hold this request's lookup any longer."""
@@ -198,10 +211,13 @@ class LMCacheSchedulerSide:
     def _forget(self, req_id: str) -> None:
         for table in (self._requests, self._policies, self._stats, self._load_specs, self._trackers):
             table.pop(req_id, None)
+        if self._pd is not None:
+            self._pd.forget(req_id)
 
     def num_tracked_requests(self) -> int:
         """Requests with scheduler-side state (tests check nothing leaks)."""
-        return len(set(self._requests) | set(self._trackers) | set(self._load_specs) | set(self._stats))
+        pd = 0 if self._pd is None else len(self._pd)
+        return len(set(self._requests) | set(self._trackers) | set(self._load_specs) | set(self._stats)) + pd
 
     def close(self) -> None:
         self._channel.close()

@@ -4,7 +4,8 @@ vLLM calls, per step (inside the forward context):
 - `start_load_kv(metadata, forward_context)`: collect each attention layer's KV cache on first
   use, then for every request with a load, retrieve LMCache's chunks into vLLM's blocks and
   release the request's pins;
-- `wait_for_save(metadata)`: for every request with a store, store the step's new tokens;
+- `wait_for_save(metadata)`: for every request with a store, store the step's new tokens (a PD
+  prefiller then pushes those chunks to the request's decoder, `PDSender`);
 - `get_finished(finished_req_ids)`: nothing is in flight between steps, so `(None, None)`;
   pins of requests that ended before their load are released here;
 - `get_block_ids_with_load_errors()` (vLLM 0.3x): the blocks of this step's loads that LMCache
@@ -39,6 +40,7 @@ import torch
 from lmcache.experimental.cache_engine import LMCacheEngine
 from lmcache.experimental.config import LMCacheEngineConfig
 from lmcache.experimental.kv_layout import KVLayout
+from lmcache.experimental.pd.sender import PDSender
 from lmcache.experimental.token_database import skip_prefix_mask
 from lmcache.integration.vllm.utils import check_kv_caches
 from lmcache.integration.vllm.request_log import RequestCounters
@@ -72,6 +74,8 @@ class LMCacheWorkerSide:
         self._counters: dict[str, RequestCounters] = {}
         self._load_error_blocks: set[int] = set()
         self._server: Optional[WorkerChannelServer] = None
+        # PD prefiller: pushes what each store wrote to the request's decoder.
+        self.pd_sender: Optional[PDSender] = None
 
     @classmethod
     def from_vllm_config(cls, vllm_config: "VllmConfig", config: LMCacheEngineConfig) -> "LMCacheWorkerSide":
@@ -80,6 +84,8 @@ class LMCacheWorkerSide:
         config.check_supported()
         worker = open_worker_engine(vllm_config, config, "v1 worker")
         side = cls(worker.engine, worker.layout, vllm_config.cache_config.block_size)
+        if config.enable_pd and config.pd_role == "sender":
+            side.pd_sender = PDSender(worker.rank)
         backend = vllm_config.parallel_config.distributed_executor_backend
         if worker.rank == 0 and backend not in IN_PROCESS_EXECUTORS:
             side.serve_channel(channel_socket_path(vllm_config))
@@ -211,6 +217,20 @@ class LMCacheWorkerSide:
                     cache_salt=req.cache_salt,
                 )
             self._count(req.req_id, stored=spec.num_tokens - spec.skip_leading_tokens)
+            if req.disagg_spec is not None and self.pd_sender is not None:
+                self._push(req, mask)
+
+    def _push(self, req: ReqMeta, mask: torch.Tensor) -> None:
+        """PD prefiller: send the chunks this store covered to the request's decoder."""
+        spec, save = req.disagg_spec, req.save_spec
+        assert spec is not None and save is not None and self.pd_sender is not None
+        with self._lock:
+            pushed = self.pd_sender.push_stored(
+                self.engine, spec, req.token_ids[: save.num_tokens], mask, req.cache_salt
+            )
+        logger.info("PD: request %s pushed %d tokens to %s (tokens %d..%d%s)", spec.req_id, pushed,
+                    spec.receiver_id, save.skip_leading_tokens, save.num_tokens,
+                    ", last prefill" if spec.is_last_prefill else "")
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[Optional[set[str]], Optional[set[str]]]:
         """Nothing is sent or received asynchronously; drop counters nobody asked for and the pins
@@ -227,3 +247,5 @@ class LMCacheWorkerSide:
         if self._server is not None:
             self._server.close()
             self._server = None
+        if self.pd_sender is not None:
+            self.pd_sender.close()

@@ -1,0 +1,259 @@
+"""The decoder's side of PD: a bounded buffer of pushed chunks, served as a storage tier.
+
+- `PDReceiveBuffer` is a tier (`StorageBackendInterface`, tier name `PDReceiveBuffer`) after the
+  CPU tier: the engine's lookup finds a pushed chunk under the request's own tokens, and
+  `get_blocking` claims it (copied into CPU-tier memory, the buffer's room freed at once).
+  Its memory is one pool of `pd_buffer_size` bytes: a push that does not fit is refused (the
+  decoder then recomputes those tokens). A chunk nobody claims within `ttl_s` is freed.
+- `PushServer` (started by `PDReceiveBuffer.listen`) binds a ZeroMQ ROUTER socket on the configured host and port, reads pushes
+  (`wire.read_push`: size-capped, checksummed) on one thread and answers each one, so a sender
+  knows at once whether its chunk was taken.
+
+Nothing is ever written by the engine's own stores here (`submit_put_task` ignores them): the
+decoder is a `kv_consumer`, and this tier only holds what a prefiller pushed.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+import zmq
+
+from lmcache.config import LMCacheEngineMetadata
+from lmcache.experimental.memory_management import HostMemoryAllocator, MemoryFormat, MemoryObj
+from lmcache.experimental.pd.wire import Push, PushReply, WireError, read_push, reply_frame
+from lmcache.experimental.stats import TierStats
+from lmcache.experimental.storage_backend.abstract_backend import StorageBackendInterface
+from lmcache.experimental.storage_backend.chunk_format import ChunkHeader, copy_into_new
+from lmcache.experimental.storage_backend.local_cpu_backend import LocalCPUBackend
+from lmcache.logging import init_logger
+from lmcache.utils import CacheEngineKey
+
+logger = init_logger(__name__)
+
+# Pushed KV that no lookup claims within this long is freed (its request never reached us).
+UNCLAIMED_TTL_S = 60.0
+# How often the server thread wakes to reap and to notice `close`.
+POLL_MS = 200
+# Headroom over the buffer for a frame's header and metadata (zmq drops bigger messages).
+FRAME_SLACK_BYTES = 64 * 1024
+
+
+@dataclass
+class _Held:
+    obj: MemoryObj
+    req_id: str
+    deadline: float
+
+
+class PDReceiveBuffer(StorageBackendInterface):
+    """Pushed chunks waiting for this decoder's lookup, bounded in bytes and in time."""
+
+    def __init__(
+        self,
+        metadata: LMCacheEngineMetadata,
+        capacity_bytes: int,
+        local_cpu_backend: LocalCPUBackend,
+        stats: Optional[TierStats] = None,
+        ttl_s: float = UNCLAIMED_TTL_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._metadata = metadata
+        self._pool = HostMemoryAllocator(capacity_bytes)
+        self._cpu = local_cpu_backend
+        self._stats = stats if stats is not None else TierStats()
+        self._ttl_s = ttl_s
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._held: "OrderedDict[CacheEngineKey, _Held]" = OrderedDict()  # oldest first
+        self._server: Optional[PushServer] = None
+
+    def listen(self, host: str, port: int) -> None:
+        """Start taking pushes on `tcp://host:port` (stopped by `close`)."""
+        server = PushServer(self, host, port)
+        server.start()
+        self._server = server
+
+    @property
+    def used_bytes(self) -> int:
+        return self._pool.used_bytes
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self._pool.total_bytes
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._held)
+
+    # ----- filled by the server --------------------------------------------------------------
+
+    def accept(self, push: Push) -> Optional[str]:
+        """Keep the pushed chunk; None when taken (or already held), else why it was refused."""
+        header = push.header
+        try:
+            key = CacheEngineKey.from_string(header.key)
+        except ValueError as err:
+            return f"bad key: {err}"
+        problem = self._mismatch(key, header)
+        if problem is not None:
+            return problem
+        self.reap()
+        with self._lock:
+            if key in self._held:
+                return None
+            obj = copy_into_new(header.key, push.payload, self._pool.allocate,
+                                torch.Size(header.shape), header.dtype, header.fmt)
+            if obj is None:
+                self._stats.record_rejected()
+                return (f"receive buffer full ({self._pool.used_bytes} of {self._pool.total_bytes} bytes "
+                        f"used, pd_buffer_size); chunk of {header.payload_len} bytes refused")
+            self._held[key] = _Held(obj, push.req_id, self._clock() + self._ttl_s)
+        self._stats.record_write(header.payload_len)
+        return None
+
+    def _mismatch(self, key: CacheEngineKey, header: ChunkHeader) -> Optional[str]:
+        """Why a chunk cannot be this decoder's KV (another model, worker, geometry), or None."""
+        meta = self._metadata
+        mine = (meta.fmt, meta.model_name, meta.world_size, meta.worker_id)
+        theirs = (key.fmt, key.model_name, key.world_size, key.worker_id)
+        if theirs != mine:
+            return f"key {header.key} is not for this decoder (fmt, model, world size, worker = {mine})"
+        layers, kv, chunk, heads, head_size = meta.kv_shape
+        shape = header.shape
+        if (header.fmt != MemoryFormat.KV_BLOB or header.dtype != meta.kv_dtype or len(shape) != 4
+                or shape[0] != kv or shape[1] != layers or not 0 < shape[2] <= chunk
+                or shape[3] != heads * head_size):
+            return (f"chunk {key.chunk_hash}: {header.fmt.name} {list(shape)} {header.dtype} is not a KV chunk "
+                    f"of this model ([{kv}, {layers}, 1..{chunk}, {heads * head_size}] {meta.kv_dtype})")
+        return None
+
+    def reap(self) -> int:
+        """Free chunks whose deadline passed; how many."""
+        now = self._clock()
+        expired: list[tuple[CacheEngineKey, _Held]] = []
+        with self._lock:
+            for key, held in list(self._held.items()):
+                if held.deadline <= now:
+                    expired.append((key, held))
+                    del self._held[key]
+        for key, held in expired:
+            held.obj.ref_count_down()
+            self._stats.record_eviction(held.obj.get_size())
+        if expired:
+            logger.info("PD receive buffer: freed %d unclaimed chunks (requests %s) after %.0f s",
+                        len(expired), sorted({h.req_id for _, h in expired}), self._ttl_s)
+        return len(expired)
+
+    # ----- the tier interface ------------------------------------------------------------------
+
+    def contains(self, key: CacheEngineKey) -> bool:
+        with self._lock:
+            return key in self._held
+
+    def exists_in_put_tasks(self, key: CacheEngineKey) -> bool:
+        return False
+
+    def submit_put_task(self, key: CacheEngineKey, obj: MemoryObj) -> None:
+        """The engine's own stores do not land here (only pushes do)."""
+
+    def submit_prefetch_task(self, key: CacheEngineKey) -> bool:
+        return False
+
+    def get_blocking(self, key: CacheEngineKey) -> Optional[MemoryObj]:
+        """Claim the chunk: a copy in CPU-tier memory (caller owns it); the buffer's room is freed."""
+        with self._lock:
+            held = self._held.pop(key, None)
+        if held is None:
+            return None
+        try:
+            meta = held.obj.metadata
+            return copy_into_new(key.to_string(), memoryview(held.obj.byte_array).cast("B")[: held.obj.get_size()],
+                                 self._cpu.allocate, meta.shape, meta.dtype, meta.fmt)
+        finally:
+            self._stats.record_read(held.obj.get_size())
+            held.obj.ref_count_down()
+
+    def remove(self, key: CacheEngineKey) -> bool:
+        with self._lock:
+            held = self._held.pop(key, None)
+        if held is None:
+            return False
+        held.obj.ref_count_down()
+        return True
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+        with self._lock:
+            held, self._held = list(self._held.values()), OrderedDict()
+        for entry in held:
+            entry.obj.ref_count_down()
+
+
+class PushServer:
+    """Answers pushes on `tcp://host:port` into a `PDReceiveBuffer`, on one thread."""
+
+    def __init__(self, buffer: PDReceiveBuffer, host: str, port: int) -> None:
+        self._buffer = buffer
+        self.address = f"tcp://{host}:{port}"
+        self._ctx = zmq.Context.instance()
+        self._socket = self._ctx.socket(zmq.ROUTER)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        # A peer sending a bigger message is disconnected by zmq before it is buffered.
+        self._socket.setsockopt(zmq.MAXMSGSIZE, buffer.capacity_bytes + FRAME_SLACK_BYTES)
+        self._socket.setsockopt(zmq.RCVHWM, 64)
+        try:
+            self._socket.bind(self.address)
+        except zmq.ZMQError as err:
+            self._socket.close()
+            raise OSError(f"PD receiver cannot listen on {self.address} (pd_peer_host/pd_peer_init_port): {err}") from err
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, name="lmcache-pd-receiver", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+        logger.info("PD receiver listening on %s (buffer %d bytes)", self.address, self._buffer.capacity_bytes)
+
+    def _serve(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._socket, zmq.POLLIN)
+        try:
+            while not self._stop.is_set():
+                if poller.poll(POLL_MS):
+                    self._answer(self._socket.recv_multipart(copy=False))
+                self._buffer.reap()
+        except zmq.ZMQError as err:
+            if not self._stop.is_set():
+                logger.error("PD receiver on %s stopped: %s", self.address, err)
+        finally:
+            self._socket.close()
+
+    def _answer(self, frames: list) -> None:
+        identity, body = frames[0], [frame.buffer for frame in frames[1:]]
+        seq = 0
+        try:
+            push = read_push(body)
+            seq = push.seq
+            error = self._buffer.accept(push)
+        except WireError as err:
+            error = f"bad push: {err}"
+        except Exception as err:  # a bad push must not stop the receiver
+            logger.exception("PD receiver: push failed")
+            error = f"receiver error: {err}"
+        if error:
+            logger.warning("PD receiver: refused a push: %s", error)
+        self._socket.send_multipart([identity, reply_frame(PushReply(seq, error is None, error or ""))])
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
+        else:
+            self._socket.close()
