@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import multiprocessing.util
 import threading
+import time
 from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence, Union
 
 import torch
@@ -224,13 +225,14 @@ class LMCacheWorkerSide:
         """PD prefiller: send the chunks this store covered to the request's decoder."""
         spec, save = req.disagg_spec, req.save_spec
         assert spec is not None and save is not None and self.pd_sender is not None
+        began = time.perf_counter()
         with self._lock:
             pushed = self.pd_sender.push_stored(
                 self.engine, spec, req.token_ids[: save.num_tokens], mask, req.cache_salt
             )
-        logger.info("PD: request %s pushed %d tokens to %s (tokens %d..%d%s)", spec.req_id, pushed,
-                    spec.receiver_id, save.skip_leading_tokens, save.num_tokens,
-                    ", last prefill" if spec.is_last_prefill else "")
+        logger.info("PD: request %s pushed %d tokens to %s in %.1f ms (tokens %d..%d%s)", spec.req_id, pushed,
+                    spec.receiver_id, (time.perf_counter() - began) * 1000, save.skip_leading_tokens,
+                    save.num_tokens, ", last prefill" if spec.is_last_prefill else "")
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[Optional[set[str]], Optional[set[str]]]:
         """Nothing is sent or received asynchronously; drop counters nobody asked for and the pins
