@@ -50,7 +50,7 @@ def test_pushed_prompt_is_found_and_loaded_bit_exact() -> None:
         assert decoder.lookup(tokens) == N
         assert decoder.lookup(tokens, request_id="q", pin=True) == N  # claimed into CPU memory
         buffer = decoder.storage_manager.tiers[-1]
-        assert isinstance(buffer, PDReceiveBuffer) and len(buffer) == 0 and buffer.used_bytes == 0
+        assert isinstance(buffer, PDReceiveBuffer) and buffer.held_keys() == [] and buffer.used_bytes == 0
         retrieve_and_check(decoder, tokens, source, slots, N)
         decoder.lookup_unpin(["q"])
     finally:
@@ -112,14 +112,14 @@ def test_unclaimed_chunks_are_freed_after_the_timeout() -> None:
         k = key(i, "test/model")
         assert buffer.accept(read_push([bytes(f) for f in push_frames(i, "r", k, obj)])) is None
         clock.now += 10
-    assert len(buffer) == 3 and buffer.used_bytes >= 3 * ENGINE_CHUNK_BYTES
+    assert len(buffer.held_keys()) == 3 and buffer.used_bytes >= 3 * ENGINE_CHUNK_BYTES
     clock.now += 1  # the first push is now 31 s old
     assert buffer.reap() == 1 and not buffer.contains(key(0, "test/model"))
     got = buffer.get_blocking(key(1, "test/model"))
     assert got is not None and bool((got.tensor == 1).all())
     got.ref_count_down()
     clock.now += 100
-    assert buffer.reap() == 1 and len(buffer) == 0 and buffer.used_bytes == 0
+    assert buffer.reap() == 1 and buffer.held_keys() == [] and buffer.used_bytes == 0
     obj.ref_count_down()
     buffer.close()
 
@@ -135,7 +135,7 @@ def test_chunk_of_another_model_or_shape_is_refused() -> None:
     assert other_model is not None and "not for this decoder" in other_model
     bad_shape = buffer.accept(read_push(push_frames(1, "r", key(2, "test/model"), wrong)))
     assert bad_shape is not None and "not a KV chunk" in bad_shape
-    assert len(buffer) == 0
+    assert buffer.held_keys() == []
     obj.ref_count_down()
     wrong.ref_count_down()
     buffer.close()

@@ -65,6 +65,7 @@ class PDReceiveBuffer(StorageBackendInterface):
     ) -> None:
         self._metadata = metadata
         self._pool = HostMemoryAllocator(capacity_bytes)
+        self.capacity = self._pool.total_bytes
         self._cpu = local_cpu_backend
         self._stats = stats if stats is not None else TierStats()
         self._ttl_s = ttl_s
@@ -83,13 +84,10 @@ class PDReceiveBuffer(StorageBackendInterface):
     def used_bytes(self) -> int:
         return self._pool.used_bytes
 
-    @property
-    def capacity_bytes(self) -> int:
-        return self._pool.total_bytes
-
-    def __len__(self) -> int:
+    def held_keys(self) -> list[CacheEngineKey]:
+        """The chunks waiting to be claimed, oldest first."""
         with self._lock:
-            return len(self._held)
+            return list(self._held)
 
     # ----- filled by the server --------------------------------------------------------------
 
@@ -152,18 +150,18 @@ class PDReceiveBuffer(StorageBackendInterface):
 
     # ----- the tier interface ------------------------------------------------------------------
 
-    def contains(self, key: CacheEngineKey) -> bool:
-        with self._lock:
-            return key in self._held
-
-    def exists_in_put_tasks(self, key: CacheEngineKey) -> bool:
-        return False
-
     def submit_put_task(self, key: CacheEngineKey, obj: MemoryObj) -> None:
         """The engine's own stores do not land here (only pushes do)."""
 
+    def exists_in_put_tasks(self, key: CacheEngineKey) -> bool:
+        return False  # nothing is written in the background
+
     def submit_prefetch_task(self, key: CacheEngineKey) -> bool:
-        return False
+        return False  # a claim is a memory copy: nothing to overlap
+
+    def contains(self, key: CacheEngineKey) -> bool:
+        with self._lock:
+            return key in self._held
 
     def get_blocking(self, key: CacheEngineKey) -> Optional[MemoryObj]:
         """Claim the chunk: a copy in CPU-tier memory (caller owns it); the buffer's room is freed."""
@@ -207,7 +205,7 @@ class PushServer:
         self._socket = self._ctx.socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.LINGER, 0)
         # A peer sending a bigger message is disconnected by zmq before it is buffered.
-        self._socket.setsockopt(zmq.MAXMSGSIZE, buffer.capacity_bytes + FRAME_SLACK_BYTES)
+        self._socket.setsockopt(zmq.MAXMSGSIZE, buffer.capacity + FRAME_SLACK_BYTES)
         self._socket.setsockopt(zmq.RCVHWM, 64)
         try:
             self._socket.bind(self.address)
@@ -219,7 +217,7 @@ class PushServer:
 
     def start(self) -> None:
         self._thread.start()
-        logger.info("PD receiver listening on %s (buffer %d bytes)", self.address, self._buffer.capacity_bytes)
+        logger.info("PD receiver listening on %s (buffer %d bytes)", self.address, self._buffer.capacity)
 
     def _serve(self) -> None:
         poller = zmq.Poller()
