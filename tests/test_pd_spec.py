@@ -73,3 +73,43 @@ def test_pd_requests_specs_errors_and_first_token() -> None:
     for req_id in "abc":
         pd.forget(req_id)
     assert len(pd) == 0
+
+
+# ----- the prefiller's scheduler side, driven like vLLM's scheduler ---------------------------------
+
+def test_prefiller_never_looks_up_and_its_stores_carry_the_spec_until_the_last_prefill() -> None:
+    from v1_helpers import RecordingChannel, StepDriver, make_request, make_settings
+
+    from lmcache.integration.vllm.v1.scheduler_side import LMCacheSchedulerSide
+
+    channel = RecordingChannel(hit=lambda tokens, salt: len(tokens))  # a lookup would claim a full hit
+    side = LMCacheSchedulerSide(make_settings(kv_role="kv_producer", pd_sender_peer="127.0.0.1"), channel)
+    driver = StepDriver(side, block_size=16)
+    request = make_request("r", list(range(600)), kv_transfer_params={"disagg_spec": GOOD, "ret_first_tok": True})
+    first = driver.admit(request, num_scheduled=256)
+    assert channel.lookups == [] and driver.returned["r"] == 0
+    (meta,) = first.requests
+    assert meta.save_spec is not None and meta.save_spec.num_tokens == 256
+    assert meta.disagg_spec is not None and not meta.disagg_spec.is_last_prefill and meta.disagg_spec.req_id == "r1"
+    driver.run(request, 256)
+    (last,) = driver.run(request, 88).requests
+    assert last.save_spec is not None and last.save_spec.num_tokens == 600  # the partial chunk goes too
+    assert last.disagg_spec is not None and last.disagg_spec.is_last_prefill
+    assert last.disagg_spec.num_transferred_tokens == 512
+    request.append_output_token_ids(7)
+    assert side.request_finished(request, []) == (False, {"first_tok": 7})
+    assert side.num_tracked_requests() == 0
+
+
+def test_prefiller_with_a_bad_spec_stores_without_pushing_and_reports_the_error() -> None:
+    from v1_helpers import RecordingChannel, StepDriver, make_request, make_settings
+
+    from lmcache.integration.vllm.v1.scheduler_side import LMCacheSchedulerSide
+
+    side = LMCacheSchedulerSide(make_settings(kv_role="kv_producer", pd_sender_peer="127.0.0.1"), RecordingChannel())
+    driver = StepDriver(side, block_size=16)
+    request = make_request("r", list(range(100)), kv_transfer_params={"disagg_spec": {"req_id": "x"}})
+    (meta,) = driver.admit(request, num_scheduled=100).requests
+    assert meta.save_spec is not None and meta.disagg_spec is None
+    done, params = side.request_finished(request, [])
+    assert not done and params is not None and "receiver_host" in params["disagg_error"]

@@ -231,3 +231,19 @@ def test_scheduler_without_a_worker_in_its_uni_process_is_a_clear_error(vllm_con
     assert vllm_config.parallel_config.distributed_executor_backend == "uni"
     with pytest.raises(ChannelError, match="no LMCache worker side was created here"):
         connect_worker_channel(vllm_config)
+
+
+def test_pd_role_must_match_kv_role(clean_env, vllm_config):
+    from lmcache.experimental.config import LMCacheEngineConfig
+
+    sender = LMCacheEngineConfig.from_defaults(remote_url=None, enable_pd=True, pd_role="sender",
+                                               pd_peer_host="127.0.0.1", pd_peer_init_port=7300)
+    with pytest.raises(ValueError, match=r"pd_role='sender' needs kv_transfer_config.kv_role='kv_producer', got 'kv_both'"):
+        DoorSettings.from_vllm(vllm_config, sender)
+    producer = copy.deepcopy(vllm_config)
+    producer.kv_transfer_config.kv_role = "kv_producer"
+    assert DoorSettings.from_vllm(producer, sender).pd_sender_peer == "127.0.0.1"
+    receiver = sender.with_overrides({"pd_role": "receiver"})
+    with pytest.raises(ValueError, match="kv_consumer"):
+        DoorSettings.from_vllm(producer, receiver)
+    assert DoorSettings.from_vllm(producer, receiver.with_overrides({"enable_pd": False})).pd_sender_peer is None
