@@ -115,3 +115,13 @@ def test_config_errors_are_loud(monkeypatch):
     config = types.SimpleNamespace(pipeline_parallel_size=1)
     with pytest.raises(ValueError, match="chunk_size"):
         init_lmcache_engine(None, config, None, vllm_config=types.SimpleNamespace(kv_transfer_config=None))
+
+
+@pytest.mark.vllm
+def test_enable_pd_is_refused_by_the_v0_door(vllm_config, monkeypatch):
+    """PD runs on the v1 connector only; the v0 door says so instead of serving without pushes."""
+    for name, value in {"ENABLE_PD": "True", "PD_ROLE": "sender", "PD_PEER_HOST": "127.0.0.1",
+                        "PD_PEER_INIT_PORT": "7300"}.items():
+        monkeypatch.setenv(f"LMCACHE_{name}", value)
+    with pytest.raises(ValueError, match="enable_pd=True.*v1 connector"):
+        init_lmcache_engine(vllm_config.model_config, vllm_config.parallel_config, vllm_config.cache_config)

@@ -135,6 +135,9 @@ def _open_engine(vllm_config: Any) -> LMCacheEngine:
     config = lmcache_get_config(extra_config_of(vllm_config))
     if config.save_decode_cache:
         warn_once("LMCache v0 door: save_decode_cache is not supported by the v0 engine; only prompts are stored")
+    if config.enable_pd:
+        raise ValueError("enable_pd=True: prefill/decode disaggregation runs on the v1 connector "
+                         "(LMCacheConnectorV1, kv_producer/kv_consumer), not on the v0 engine")
     return open_worker_engine(vllm_config, config, DOOR).engine
 
 
