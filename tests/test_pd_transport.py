@@ -205,3 +205,25 @@ def test_receiver_port_in_use_is_a_clear_error() -> None:
             receiver_engine(port)
     finally:
         first.close()
+
+
+def test_a_frame_bigger_than_a_chunk_is_dropped_and_the_receiver_keeps_serving() -> None:
+    port = free_port()
+    decoder = receiver_engine(port)
+    ctx = zmq.Context.instance()
+    big, good = ctx.socket(zmq.DEALER), ctx.socket(zmq.DEALER)
+    for sock in (big, good):
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RCVTIMEO, 1500)
+        sock.connect(f"tcp://127.0.0.1:{port}")
+    try:
+        frames = _frames()
+        big.send_multipart([frames[0], frames[1], b"\0" * (2 * ENGINE_CHUNK_BYTES + (1 << 17))])
+        with pytest.raises(zmq.Again):
+            big.recv()  # zmq cut that connection: no reply
+        good.send_multipart(frames)
+        assert read_reply(good.recv()).ok
+    finally:
+        big.close()
+        good.close()
+        decoder.close()

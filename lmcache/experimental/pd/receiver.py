@@ -40,8 +40,10 @@ logger = init_logger(__name__)
 UNCLAIMED_TTL_S = 60.0
 # How often the server thread wakes to reap and to notice `close`.
 POLL_MS = 200
-# Headroom over the buffer for a frame's header and metadata (zmq drops bigger messages).
+# Headroom over one chunk's payload for a frame's header and metadata (zmq drops bigger frames).
 FRAME_SLACK_BYTES = 64 * 1024
+# Pushes queued per connected sender (a sender waits for each reply, so it has one in flight).
+QUEUED_PUSHES_PER_PEER = 4
 
 
 @dataclass
@@ -66,6 +68,8 @@ class PDReceiveBuffer(StorageBackendInterface):
         self._metadata = metadata
         self._pool = HostMemoryAllocator(capacity_bytes)
         self.capacity = self._pool.total_bytes
+        layers, kv, chunk, heads, head_size = metadata.kv_shape
+        self.max_chunk_bytes = kv * layers * chunk * heads * head_size * metadata.kv_dtype.itemsize
         self._cpu = local_cpu_backend
         self._stats = stats if stats is not None else TierStats()
         self._ttl_s = ttl_s
@@ -204,9 +208,9 @@ class PushServer:
         self._ctx = zmq.Context.instance()
         self._socket = self._ctx.socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.LINGER, 0)
-        # A peer sending a bigger message is disconnected by zmq before it is buffered.
-        self._socket.setsockopt(zmq.MAXMSGSIZE, buffer.capacity + FRAME_SLACK_BYTES)
-        self._socket.setsockopt(zmq.RCVHWM, 64)
+        # A peer sending a frame bigger than one chunk is disconnected by zmq before it is buffered.
+        self._socket.setsockopt(zmq.MAXMSGSIZE, buffer.max_chunk_bytes + FRAME_SLACK_BYTES)
+        self._socket.setsockopt(zmq.RCVHWM, QUEUED_PUSHES_PER_PEER)
         try:
             self._socket.bind(self.address)
         except zmq.ZMQError as err:
