@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import json
+import re
 import time
 import urllib.request
 
@@ -30,6 +31,7 @@ pytestmark = pytest.mark.vllm
 CHUNK = 128
 PROMPT_TOKENS = 600  # four whole chunks and a partial one
 PREFILL_STEP_TOKENS = 256  # the prefiller's chunked prefill: three steps for the prompt
+PUSH_LINE = re.compile(r"PD: request (pd-\S+) pushed (\d+) tokens to \S+ in ([\d.]+) ms \(tokens (\d+\.\.\d+)(, last prefill)?\)")
 COMMON_ENV = {"LMCACHE_CHUNK_SIZE": str(CHUNK), "LMCACHE_MAX_LOCAL_CPU_SIZE": "0.25"}
 
 
@@ -81,9 +83,12 @@ def test_completion_through_proxy_loads_pushed_kv_and_equals_compute(pd):
     assert line.stats.lmcache_hit_tokens == PROMPT_TOKENS and line.counters.loaded_tokens >= PROMPT_TOKENS - 1, line
     assert line.counters.stored_tokens == 0 and "kv_consumer" in line.reason
     # The prefiller pushed as its chunked prefill went: whole chunks first, the partial one last.
-    pushes = [ln for ln in prefiller.log_text().splitlines() if "PD: request pd-" in ln and " pushed " in ln]
-    assert len(pushes) >= 2 and "last prefill" in pushes[-1], pushes
-    assert sum(int(ln.split(" pushed ")[1].split()[0]) for ln in pushes[-len(pushes):]) >= PROMPT_TOKENS
+    pushes = [m for m in PUSH_LINE.finditer(prefiller.log_text())]
+    mine = [m for m in pushes if m[1] == pushes[-1][1]]  # the latest request's pushes, one per step
+    assert len(mine) == -(-PROMPT_TOKENS // PREFILL_STEP_TOKENS), [m[0] for m in mine]
+    assert sum(int(m[2]) for m in mine) == PROMPT_TOKENS
+    assert mine[-1][4] == f"{PROMPT_TOKENS // PREFILL_STEP_TOKENS * PREFILL_STEP_TOKENS}..{PROMPT_TOKENS}"
+    assert mine[-1][5] and not any(m[5] for m in mine[:-1])  # the partial chunk went with the last step
 
     status, computed = post(f"{decoder.url}/v1/completions", _completion(model, prompt))
     assert status == 200, computed
