@@ -226,10 +226,14 @@ class LMCacheWorkerSide:
         spec, save = req.disagg_spec, req.save_spec
         assert spec is not None and save is not None and self.pd_sender is not None
         began = time.perf_counter()
-        with self._lock:
-            pushed = self.pd_sender.push_stored(
-                self.engine, spec, req.token_ids[: save.num_tokens], mask, req.cache_salt
-            )
+        try:
+            with self._lock:
+                pushed = self.pd_sender.push_stored(
+                    self.engine, spec, req.token_ids[: save.num_tokens], mask, req.cache_salt
+                )
+        except Exception:  # the decoder recomputes what it lacks; the prefill must not fail for it
+            logger.exception("PD: request %s: push failed", spec.req_id)
+            pushed = 0
         logger.info("PD: request %s pushed %d tokens to %s in %.1f ms (tokens %d..%d%s)", spec.req_id, pushed,
                     spec.receiver_id, (time.perf_counter() - began) * 1000, save.skip_leading_tokens,
                     save.num_tokens, ", last prefill" if spec.is_last_prefill else "")
