@@ -11,14 +11,21 @@
   servers keep serving.
 - A proxy whose decoder is down answers 503 within seconds; a proxy whose prefiller is down still
   answers correctly (the decoder computes the prompt itself).
+- A prefiller SIGKILLed while it pushes (its own process, once the decoder's receive buffer took a
+  push of the request, seen through the decoder's status API): the proxy's request still answers,
+  the decoder loads what arrived and computes the rest, its greedy tokens equal computing it all,
+  nothing stays in the buffer, and the decoder keeps serving.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from conftest import random_prompt
@@ -38,9 +45,12 @@ COMMON_ENV = {"LMCACHE_CHUNK_SIZE": str(CHUNK), "LMCACHE_MAX_LOCAL_CPU_SIZE": "0
 @pytest.fixture(scope="module")
 def pd(tiny_model, tmp_path_factory):
     logs = tmp_path_factory.mktemp("pd")
-    init_port = free_port()
+    init_port, status_port = free_port(), free_port()
+    status_env = {"LMCACHE_INTERNAL_API_SERVER_ENABLED": "True",
+                  "LMCACHE_INTERNAL_API_SERVER_PORT_START": str(status_port)}
     decoder = start_vllm("decoder", tiny_model, "kv_consumer",
-                         {**COMMON_ENV, **pd_env("receiver", init_port, 64 << 20), "LMCACHE_LOCAL_CPU": "False"},
+                         {**COMMON_ENV, **pd_env("receiver", init_port, 64 << 20), "LMCACHE_LOCAL_CPU": "False",
+                          **status_env},
                          logs / "decoder.log")
     prefiller = start_vllm("prefiller", tiny_model, "kv_producer", {**COMMON_ENV, **pd_env("sender", init_port)},
                            logs / "prefiller.log",
@@ -52,7 +62,7 @@ def pd(tiny_model, tmp_path_factory):
         for server in servers:
             server.wait_healthy()
         yield {"decoder": decoder, "prefiller": prefiller, "proxy": proxy, "init_port": init_port,
-               "model": tiny_model, "logs": logs}
+               "model": tiny_model, "logs": logs, "decoder_status": f"http://127.0.0.1:{status_port}"}
     finally:
         for server in reversed(servers):
             server.stop()
@@ -178,3 +188,62 @@ def test_prefiller_down_the_decoder_computes_and_answers_the_same(pd):
         assert via_proxy["choices"][0]["text"] == direct["choices"][0]["text"]
     finally:
         proxy.stop()
+
+
+def _receive_buffer(status_url: str) -> tuple[int, int]:
+    """(chunks the decoder's PD receive buffer has taken in all, bytes it holds now): its status API."""
+    with urllib.request.urlopen(f"{status_url}/usage", timeout=5) as resp:
+        usage = json.loads(resp.read())
+    return usage["tiers"].get("PDReceiveBuffer", {}).get("chunks_written", 0), usage["usage_bytes"]["PDReceiveBuffer"]
+
+
+# 32 chunked-prefill steps of one chunk each: a 2000-token prompt took 0.8 s from its first push to
+# its last (load average 7), so a kill right after the first lands well inside this prefill.
+KILLED_PROMPT_TOKENS = 4000
+
+
+def test_prefiller_killed_mid_push_the_decoder_computes_the_rest(pd):
+    decoder, model, logs = pd["decoder"], pd["model"], pd["logs"]
+    # A prefiller of this test's own (the shared one serves the other tests), one chunk per step.
+    prefiller = start_vllm("doomed prefiller", model, "kv_producer",
+                           {**COMMON_ENV, **pd_env("sender", pd["init_port"])}, logs / "prefiller-killed.log",
+                           ["--max-num-batched-tokens", str(CHUNK), "--enable-chunked-prefill"])
+    proxy = start_proxy([prefiller], [(decoder, pd["init_port"])], logs / "proxy-killed-prefiller.log")
+    try:
+        prefiller.wait_healthy()
+        proxy.wait_healthy(60)
+        prompt = random_prompt(KILLED_PROMPT_TOKENS, seed=21)
+        # (Other tests leave pushes for requests that never reached this decoder, freed after 60 s.)
+        taken_before, held_before = _receive_buffer(pd["decoder_status"])
+        before = len(parse_request_lines(decoder.log_text()))
+        with ThreadPoolExecutor(1) as pool:
+            reply = pool.submit(post, f"{proxy.url}/v1/completions", _completion(model, prompt))
+            deadline = time.monotonic() + 300
+            while _receive_buffer(pd["decoder_status"])[0] == taken_before:
+                assert time.monotonic() < deadline and not reply.done(), "the decoder never received a push"
+                time.sleep(0.01)
+            os.killpg(prefiller.proc.pid, signal.SIGKILL)  # the API server and its engine core
+            prefiller.proc.wait(timeout=30)
+            status, via_proxy = reply.result(timeout=300)
+        assert status == 200, via_proxy
+        taken, held = _receive_buffer(pd["decoder_status"])
+        received = taken - taken_before
+        assert 0 < received < -(-KILLED_PROMPT_TOKENS // CHUNK), f"not killed mid-push: {received} chunks arrived"
+        assert "the decoder computes the prompt" in proxy.log_text()
+        line = _lines(decoder, before + 1)[before]
+        assert line.stats.prompt_tokens == KILLED_PROMPT_TOKENS
+        # What arrived is loaded (a prefix of whole chunks), the rest computed; nothing is left behind.
+        assert line.stats.lmcache_hit_tokens == line.counters.loaded_tokens == received * CHUNK, (line, received)
+        assert held <= held_before, f"{held - held_before} bytes of this request left in the receive buffer"
+
+        # The decoder keeps serving, and computing the prompt with nothing pushed gives the same tokens.
+        status, computed = post(f"{decoder.url}/v1/completions", _completion(model, prompt))
+        assert status == 200, computed
+        assert _lines(decoder, before + 2)[before + 1].stats.lmcache_hit_tokens == 0
+        got, want = via_proxy["choices"][0], computed["choices"][0]
+        assert got["text"] == want["text"] and got["logprobs"]["tokens"] == want["logprobs"]["tokens"]
+        diffs = [abs(a - b) for a, b in zip(got["logprobs"]["token_logprobs"], want["logprobs"]["token_logprobs"])]
+        assert len(diffs) == 8 and max(diffs) < 1e-3
+    finally:
+        proxy.stop()
+        prefiller.stop()
