@@ -27,7 +27,7 @@ import math
 import struct
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import BinaryIO, Callable, Mapping, Optional, Sequence, Tuple, Union
+from typing import BinaryIO, Callable, Iterator, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 import xxhash
@@ -98,6 +98,23 @@ def dtype_name(dtype: Optional[torch.dtype]) -> str:
 def payload_checksum(payload: Buffer) -> bytes:
     """XXH3-64 of the payload bytes."""
     return xxhash.xxh3_64_digest(payload)
+
+
+# Bytes copied (or read) and then hashed at a time: a piece just written is still in L2 when the
+# checksum reads it, so checking costs no second trip to memory (docs/design.md, "Where the time
+# goes").
+HASH_PIECE = 1 << 20
+
+
+def hashed_pieces(total: int) -> Iterator[Tuple[int, int]]:
+    """`(start, end)` of the pieces a payload of `total` bytes is moved and hashed in."""
+    for start in range(0, total, HASH_PIECE):
+        yield start, min(total, start + HASH_PIECE)
+
+
+def payload_hasher() -> "xxhash.xxh3_64":
+    """A running XXH3-64: fed a payload's pieces in order, its digest is `payload_checksum`'s."""
+    return xxhash.xxh3_64()
 
 
 def _key_str(key: Union[CacheEngineKey, str]) -> str:
@@ -286,10 +303,7 @@ def decode_into(
             "chunk %s: %d bytes, header announces %d", header.key, view.nbytes, header.size + header.payload_len
         )
         return None
-    payload = view[header.size :]
-    if not verify_payload(header, payload):
-        return None
-    return copy_into_new(header.key, payload, allocate, torch.Size(header.shape), header.dtype, header.fmt)
+    return copy_verified(header, view[header.size :], allocate)
 
 
 def copy_into_new(
@@ -302,14 +316,56 @@ def copy_into_new(
 ) -> Optional[MemoryObj]:
     """A freshly allocated object holding `payload` (None, logged, when memory is full or the
     allocation's size disagrees with the payload's). The caller owns its one reference."""
+    allocated = _allocate_for(key, payload.nbytes, allocate, shape, dtype, fmt)
+    if allocated is None:
+        return None
+    obj, target = allocated
+    target[:] = payload
+    return obj
+
+
+def _allocate_for(
+    key: str,
+    nbytes: int,
+    allocate: Callable[[torch.Size, Optional[torch.dtype], MemoryFormat], Optional[MemoryObj]],
+    shape: torch.Size,
+    dtype: Optional[torch.dtype],
+    fmt: MemoryFormat,
+) -> Optional[Tuple[MemoryObj, memoryview]]:
+    """A new object for an `nbytes` payload and its payload view (None, logged, when memory is
+    full or the allocation's size disagrees)."""
     obj = allocate(shape, dtype, fmt)
     if obj is None:
-        logger.warning("chunk %s: no memory to load %d bytes", key, payload.nbytes)
+        logger.warning("chunk %s: no memory to load %d bytes", key, nbytes)
         return None
     target = memory_obj_payload(obj)
-    if target.nbytes != payload.nbytes:
-        logger.warning("chunk %s: allocated %d bytes for a %d-byte payload", key, target.nbytes, payload.nbytes)
+    if target.nbytes != nbytes:
+        logger.warning("chunk %s: allocated %d bytes for a %d-byte payload", key, target.nbytes, nbytes)
         obj.ref_count_down()
         return None
-    target[:] = payload
+    return obj, target
+
+
+def copy_verified(
+    header: ChunkHeader,
+    payload: memoryview,
+    allocate: Callable[[torch.Size, Optional[torch.dtype], MemoryFormat], Optional[MemoryObj]],
+) -> Optional[MemoryObj]:
+    """`verify_payload` and `copy_into_new` in one pass: each piece is copied into the new object,
+    then hashed there while it is in cache. A checksum mismatch frees the object (None, logged)."""
+    if payload.nbytes != header.payload_len:
+        logger.warning("chunk %s: payload is %d bytes, header says %d", header.key, payload.nbytes, header.payload_len)
+        return None
+    allocated = _allocate_for(header.key, payload.nbytes, allocate, torch.Size(header.shape), header.dtype, header.fmt)
+    if allocated is None:
+        return None
+    obj, target = allocated
+    hasher = payload_hasher()
+    for start, end in hashed_pieces(payload.nbytes):
+        target[start:end] = payload[start:end]
+        hasher.update(target[start:end])
+    if hasher.digest() != header.checksum:
+        logger.warning("chunk %s: payload checksum mismatch", header.key)
+        obj.ref_count_down()
+        return None
     return obj
