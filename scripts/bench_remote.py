@@ -44,6 +44,7 @@ from lmcache.experimental.remote.lm_connector import LMServerConnector  # noqa: 
 from lmcache.experimental.remote.redis_connector import RedisConnector  # noqa: E402
 from lmcache.server.security import client_tls_context  # noqa: E402
 from lmcache.experimental.remote.serde import CacheGenSerde, NaiveSerde  # noqa: E402
+from bench_engine import interleaved, timed  # noqa: E402  (scripts/ is on sys.path when run)
 
 TOKENS = 256
 RAW_BLOCK = 8 << 20
@@ -153,12 +154,6 @@ def best(repeats: int, fn: Callable[[], None]) -> float:
     return min(times)
 
 
-def timed(fn: Callable[[], None]) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
-
-
 def store_rounds(connector, blobs: List[bytes], tag: str) -> Dict[str, Callable[[], float]]:
     """Timed pipelined put and get of `blobs` (for `interleaved`)."""
     keys = [f"bench-{tag}@m@1@0@{i:032x}" for i in range(len(blobs))]
@@ -172,15 +167,6 @@ def store_rounds(connector, blobs: List[bytes], tag: str) -> Dict[str, Callable[
         assert all(g is not None and len(g) == len(b) for g, b in zip(got, blobs))
 
     return {f"{tag} put": lambda: timed(put), f"{tag} get": lambda: timed(get)}
-
-
-def interleaved(rounds: int, contenders: Dict[str, Callable[[], float]]) -> Dict[str, List[float]]:
-    """Seconds of every round of each contender, run in turn round by round."""
-    times: Dict[str, List[float]] = {name: [] for name in contenders}
-    for _ in range(rounds):
-        for name, fn in contenders.items():
-            times[name].append(fn())
-    return times
 
 
 def store_bandwidth(connector, blobs: List[bytes], repeats: int) -> Tuple[float, float]:

@@ -303,7 +303,9 @@ def decode_into(
             "chunk %s: %d bytes, header announces %d", header.key, view.nbytes, header.size + header.payload_len
         )
         return None
-    return copy_verified(header, view[header.size :], allocate)
+    return copy_into_new(
+        header.key, view[header.size :], allocate, torch.Size(header.shape), header.dtype, header.fmt, header.checksum
+    )
 
 
 def copy_into_new(
@@ -313,59 +315,31 @@ def copy_into_new(
     shape: torch.Size,
     dtype: Optional[torch.dtype],
     fmt: MemoryFormat,
+    checksum: Optional[bytes] = None,
 ) -> Optional[MemoryObj]:
     """A freshly allocated object holding `payload` (None, logged, when memory is full or the
-    allocation's size disagrees with the payload's). The caller owns its one reference."""
-    allocated = _allocate_for(key, payload.nbytes, allocate, shape, dtype, fmt)
-    if allocated is None:
-        return None
-    obj, target = allocated
-    target[:] = payload
-    return obj
+    allocation's size disagrees with the payload's). The caller owns its one reference.
 
-
-def _allocate_for(
-    key: str,
-    nbytes: int,
-    allocate: Callable[[torch.Size, Optional[torch.dtype], MemoryFormat], Optional[MemoryObj]],
-    shape: torch.Size,
-    dtype: Optional[torch.dtype],
-    fmt: MemoryFormat,
-) -> Optional[Tuple[MemoryObj, memoryview]]:
-    """A new object for an `nbytes` payload and its payload view (None, logged, when memory is
-    full or the allocation's size disagrees)."""
+    With `checksum`, this is also `verify_payload` in the same pass: each piece is hashed right
+    after it is copied, while it is in cache; a mismatch frees the object (None, logged)."""
     obj = allocate(shape, dtype, fmt)
     if obj is None:
-        logger.warning("chunk %s: no memory to load %d bytes", key, nbytes)
+        logger.warning("chunk %s: no memory to load %d bytes", key, payload.nbytes)
         return None
     target = memory_obj_payload(obj)
-    if target.nbytes != nbytes:
-        logger.warning("chunk %s: allocated %d bytes for a %d-byte payload", key, target.nbytes, nbytes)
+    if target.nbytes != payload.nbytes:
+        logger.warning("chunk %s: allocated %d bytes for a %d-byte payload", key, target.nbytes, payload.nbytes)
         obj.ref_count_down()
         return None
-    return obj, target
-
-
-def copy_verified(
-    header: ChunkHeader,
-    payload: memoryview,
-    allocate: Callable[[torch.Size, Optional[torch.dtype], MemoryFormat], Optional[MemoryObj]],
-) -> Optional[MemoryObj]:
-    """`verify_payload` and `copy_into_new` in one pass: each piece is copied into the new object,
-    then hashed there while it is in cache. A checksum mismatch frees the object (None, logged)."""
-    if payload.nbytes != header.payload_len:
-        logger.warning("chunk %s: payload is %d bytes, header says %d", header.key, payload.nbytes, header.payload_len)
-        return None
-    allocated = _allocate_for(header.key, payload.nbytes, allocate, torch.Size(header.shape), header.dtype, header.fmt)
-    if allocated is None:
-        return None
-    obj, target = allocated
+    if checksum is None:
+        target[:] = payload
+        return obj
     hasher = payload_hasher()
     for start, end in hashed_pieces(payload.nbytes):
         target[start:end] = payload[start:end]
         hasher.update(target[start:end])
-    if hasher.digest() != header.checksum:
-        logger.warning("chunk %s: payload checksum mismatch", header.key)
+    if hasher.digest() != checksum:
+        logger.warning("chunk %s: payload checksum mismatch", key)
         obj.ref_count_down()
         return None
     return obj
