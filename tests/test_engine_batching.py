@@ -1,6 +1,6 @@
 """The engine copies a request's chunks in one connector call (one kernel call): store and a
-CPU-tier retrieve, bit-exact; a pool too small for the whole batch still stores every chunk
-(the batch is flushed early), and a chunk read from a slower tier first has the batch copied."""
+retrieve, bit-exact; a pool too small for the whole batch still stores (and loads) every chunk:
+the batch is copied early."""
 
 from typing import List
 
@@ -64,19 +64,32 @@ def test_a_pool_smaller_than_the_request_still_stores_every_chunk() -> None:
     engine.close()
 
 
-def test_a_chunk_from_a_slower_tier_has_the_batch_before_it_copied(tmp_path) -> None:
+def test_a_retrieve_that_outgrows_the_pool_copies_early_and_reads_again(tmp_path) -> None:
+    """Room for 3 chunks: the batch holds them when the 4th must be read from disk, so the read
+    finds no memory; the engine copies the batch, reads again, and loads everything."""
     geo = geometry()
     cfg = config(local_disk=str(tmp_path), max_local_disk_size=0.01)
-    engine, conn = _engine(geo, cfg, 8 * chunk_bytes(geo))
     n = 4 * CHUNK
     tokens, src_slots, dst_slots = prompt(n, 4), slots_for(geo, n, 1), slots_for(geo, n, 2)
     source, target = make_kvcaches(geo, 1), make_kvcaches(geo, 2)
-    engine.store(tokens, kvcaches=source, slot_mapping=src_slots)
-    disk = next(t for t in engine.storage_manager.tiers if t.tier_name == "LocalDiskBackend")
-    disk.flush()
-    hot = next(t for t in engine.storage_manager.tiers if t.tier_name == "Hot")
-    hot.remove(hot.keys()[-1])  # the last chunk is on disk only
+    writer, _ = _engine(geo, cfg, 8 * chunk_bytes(geo))
+    writer.store(tokens, kvcaches=source, slot_mapping=src_slots)
+    writer.close()  # the chunks are on disk; a new engine starts with an empty CPU tier
+    engine, conn = _engine(geo, cfg, 3 * chunk_bytes(geo) + 1024)
     assert bool(engine.retrieve(tokens, kvcaches=target, slot_mapping=dst_slots).all())
-    assert conn.retrieves == [3, 1]
+    assert sum(conn.retrieves) == 4 and len(conn.retrieves) == 2, conn.retrieves
     check_loaded(geo, source, src_slots, target, dst_slots, n)
+    engine.close()
+
+
+def test_a_miss_ends_the_retrieve_with_one_copy(tmp_path) -> None:
+    geo = geometry()
+    engine, conn = _engine(geo, config(local_disk=str(tmp_path), max_local_disk_size=0.01), 8 * chunk_bytes(geo))
+    n = 4 * CHUNK
+    tokens, src_slots, dst_slots = prompt(n, 5), slots_for(geo, n, 1), slots_for(geo, n, 2)
+    source, target = make_kvcaches(geo, 1), make_kvcaches(geo, 2)
+    engine.store(tokens[: 2 * CHUNK], kvcaches=source, slot_mapping=src_slots)
+    got = engine.retrieve(tokens, kvcaches=target, slot_mapping=dst_slots)
+    assert int(got.sum()) == 2 * CHUNK and conn.retrieves == [2]
+    check_loaded(geo, source, src_slots, target, dst_slots, 2 * CHUNK)
     engine.close()

@@ -5,8 +5,8 @@ Store: tokens -> chunks and keys (token database) -> for each chunk not cached y
 object from the CPU tier's allocator; the connector fills them all in one call (one kernel
 call per request: see docs/design.md, "Where the time goes"), then each goes to every tier.
 Retrieve: chunk by chunk from the fastest tier that has it, stopping at the first missing
-chunk; the connector copies the chunks found in memory into the serving engine's KV cache in
-one call (a chunk read from a slower tier first has the batch before it copied).
+chunk; the connector copies them into the serving engine's KV cache in one call (earlier when
+a tier has a chunk but no memory is left to read it into).
 Lookup: the cached prefix length; a pinned lookup also holds that prefix in CPU memory for a
 request id (see `pins.py`) so the retrieve that follows cannot come back short.
 Each of them updates the `lmcache:` Prometheus metrics (`metrics.py`) from the engine's counters.
@@ -193,10 +193,10 @@ class LMCacheEngine:
                 if i + 1 < len(todo):
                     # Let a slower tier read the next chunk into the CPU tier while this one is read.
                     self.storage_manager.prefetch(todo[i + 1][2])
-                obj = self.storage_manager.get_resident(key)
-                if obj is None:
-                    # A lower tier's read allocates: copy the batch first, so its memory can be
-                    # evicted, and the copy overlaps the prefetch of the next chunk.
+                obj = self.storage_manager.get(key)
+                if obj is None and batch and self.storage_manager.contains(key):
+                    # A tier has the chunk but could not read it into memory the batch holds:
+                    # copy the batch (its chunks become evictable) and read again.
                     flush()
                     obj = self.storage_manager.get(key)
                 if obj is None:
