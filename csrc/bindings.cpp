@@ -83,11 +83,23 @@ int64_t check_cache(const at::Tensor& c, const std::string& name, const at::Tens
   return num_blocks * g.block_size;
 }
 
-// Shared body of the single- and multi-layer entry points. `obj` is [num_kv, L, T, hidden].
-void transfer(const at::Tensor& obj, const std::vector<at::Tensor>& key_caches,
-              const std::vector<at::Tensor>& value_caches, const at::Tensor& slot_mapping,
-              int64_t layout, int64_t block_size, int64_t num_heads, bool to_cache,
-              const char* obj_name, const char* keys_name, const char* values_name) {
+// One checked transfer, ready for a kernel.
+struct Prepared {
+  TransferPlan plan;
+  char* object = nullptr;
+  CachePointers caches;
+  at::Device device = at::kCPU;
+  at::Tensor slots;  // contiguous, on the caches' device
+  bool empty = false;  // no layers or no tokens: nothing to move
+};
+
+// Every check of the single-, multi-layer and batch entry points. `obj` is [num_kv, L, T, hidden].
+Prepared prepare(const at::Tensor& obj, const std::vector<at::Tensor>& key_caches,
+                 const std::vector<at::Tensor>& value_caches, const at::Tensor& slot_mapping,
+                 int64_t layout, int64_t block_size, int64_t num_heads, bool to_cache,
+                 const std::string& obj_name, const char* keys_name, const char* values_name,
+                 const std::string& slots_name) {
+  Prepared out;
   TORCH_CHECK(layout >= 0 && layout < kNumLayouts, "layout must be 0 (FLASH), 1 (CPU_IPEX), ",
               "2 (CPU_PACKED), 3 (MLA) or 4 (CPU_ATTN), got ", layout);
   const bool mla = layout == kLayoutMla;
@@ -126,14 +138,15 @@ void transfer(const at::Tensor& obj, const std::vector<at::Tensor>& key_caches,
                 value_caches.size(), " layers but ", obj_name, " has ", num_layers);
   }
 
-  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong, "slot_mapping must be int64, got ",
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong, slots_name, " must be int64, got ",
               slot_mapping.scalar_type());
   TORCH_CHECK(slot_mapping.dim() == 1 && slot_mapping.numel() == num_tokens,
-              "slot_mapping has shape ", shape_str(slot_mapping.sizes()), " but ", obj_name,
+              slots_name, " has shape ", shape_str(slot_mapping.sizes()), " but ", obj_name,
               " has ", num_tokens, " tokens");
 
   const at::Device device = num_layers > 0 ? key_caches[0].device() : obj.device();
-  CachePointers caches(static_cast<size_t>(num_kv * num_layers));
+  CachePointers& caches = out.caches;
+  caches.resize(static_cast<size_t>(num_kv * num_layers));
   int64_t num_slots = -1;
   for (int kv = 0; kv < num_kv; ++kv) {
     const std::vector<at::Tensor>& list = kv == kKey ? key_caches : value_caches;
@@ -150,31 +163,32 @@ void transfer(const at::Tensor& obj, const std::vector<at::Tensor>& key_caches,
       caches[kv * num_layers + l] = static_cast<char*>(c.data_ptr());
     }
   }
-  if (num_layers == 0 || num_tokens == 0) return;
+  out.device = device;
+  out.empty = num_layers == 0 || num_tokens == 0;
+  if (out.empty) return out;
 
-  TransferPlan plan;
+  TransferPlan& plan = out.plan;
   plan.cache = g;
   plan.object = ObjectGeometry{num_layers, num_tokens, hidden};
   plan.num_kv = num_kv;
   plan.element_size = element_size;
   plan.num_slots = num_slots;
   plan.to_cache = to_cache;
-  char* object = static_cast<char*>(obj.data_ptr());
+  out.object = static_cast<char*>(obj.data_ptr());
 
   if (device.is_cpu()) {
     TORCH_CHECK(obj.device().is_cpu(), obj_name, " is on ", obj.device(),
                 " but the caches are on the CPU");
-    TORCH_CHECK(slot_mapping.device().is_cpu(), "slot_mapping is on ", slot_mapping.device(),
+    TORCH_CHECK(slot_mapping.device().is_cpu(), slots_name, " is on ", slot_mapping.device(),
                 " but the caches are on the CPU");
-    const at::Tensor slots = slot_mapping.contiguous();
-    const int64_t* s = slots.data_ptr<int64_t>();
+    out.slots = slot_mapping.contiguous();
+    const int64_t* s = out.slots.data_ptr<int64_t>();
     for (int64_t t = 0; t < num_tokens; ++t) {
-      TORCH_CHECK(s[t] < num_slots, "slot_mapping[", t, "] = ", s[t],
+      TORCH_CHECK(s[t] < num_slots, slots_name, "[", t, "] = ", s[t],
                   " is beyond the cache (", num_slots, " slots = ", num_slots / block_size,
                   " blocks of ", block_size, ")");
     }
-    kv_transfer_cpu(plan, object, caches, s);
-    return;
+    return out;
   }
 #ifdef LMCACHE_WITH_CUDA
   if (device.is_cuda()) {
@@ -184,15 +198,40 @@ void transfer(const at::Tensor& obj, const std::vector<at::Tensor>& key_caches,
     TORCH_CHECK((obj.device() == device) || (obj.device().is_cpu() && obj.is_pinned()),
                 obj_name, " must be on ", device, " or in pinned host memory, got ",
                 obj.device(), obj.device().is_cpu() ? " (not pinned)" : "");
-    const at::Tensor slots = slot_mapping.to(device, /*non_blocking=*/true).contiguous();
-    kv_transfer_cuda(plan, object, caches, slots);
-    return;
+    out.slots = slot_mapping.to(device, /*non_blocking=*/true).contiguous();
+    return out;
   }
   TORCH_CHECK(false, "caches on ", device, " are not supported (CPU or CUDA only)");
 #else
   TORCH_CHECK(false, "caches are on ", device,
               " but lmcache.c_ops was built without CUDA support (CPU only)");
 #endif
+  return out;
+}
+
+// Runs prepared transfers that share their caches: on the CPU in one parallel loop, on CUDA
+// one launch each.
+void run(const std::vector<Prepared>& prepared) {
+  std::vector<CpuJob> cpu_jobs;
+  for (const Prepared& p : prepared) {
+    if (p.empty) continue;
+    if (p.device.is_cpu()) {
+      cpu_jobs.push_back(CpuJob{p.plan, p.object, p.slots.data_ptr<int64_t>()});
+      continue;
+    }
+#ifdef LMCACHE_WITH_CUDA
+    kv_transfer_cuda(p.plan, p.object, p.caches, p.slots);
+#endif
+  }
+  if (!cpu_jobs.empty()) kv_transfer_cpu(cpu_jobs, prepared.front().caches);
+}
+
+void transfer(const at::Tensor& obj, const std::vector<at::Tensor>& key_caches,
+              const std::vector<at::Tensor>& value_caches, const at::Tensor& slot_mapping,
+              int64_t layout, int64_t block_size, int64_t num_heads, bool to_cache,
+              const char* obj_name, const char* keys_name, const char* values_name) {
+  run({prepare(obj, key_caches, value_caches, slot_mapping, layout, block_size, num_heads,
+               to_cache, obj_name, keys_name, values_name, "slot_mapping")});
 }
 
 void multi_layer_kv_transfer(const at::Tensor& obj, const std::vector<at::Tensor>& key_caches,
@@ -201,6 +240,25 @@ void multi_layer_kv_transfer(const at::Tensor& obj, const std::vector<at::Tensor
                              int64_t block_size, int64_t num_heads, bool to_cache) {
   transfer(obj, key_caches, value_caches, slot_mapping, layout, block_size, num_heads, to_cache,
            "obj", "key_caches", "value_caches");
+}
+
+void multi_layer_kv_transfer_batch(const std::vector<at::Tensor>& objs,
+                                   const std::vector<at::Tensor>& key_caches,
+                                   const std::vector<at::Tensor>& value_caches,
+                                   const std::vector<at::Tensor>& slot_mappings, int64_t layout,
+                                   int64_t block_size, int64_t num_heads, bool to_cache) {
+  TORCH_CHECK(objs.size() == slot_mappings.size(), "objs has ", objs.size(),
+              " objects but slot_mappings has ", slot_mappings.size());
+  std::vector<Prepared> prepared;
+  prepared.reserve(objs.size());
+  // Every object is checked before anything moves: a bad one fails the call with nothing written.
+  for (size_t i = 0; i < objs.size(); ++i) {
+    const std::string idx = "[" + std::to_string(i) + "]";
+    prepared.push_back(prepare(objs[i], key_caches, value_caches, slot_mappings[i], layout,
+                               block_size, num_heads, to_cache, "objs" + idx, "key_caches",
+                               "value_caches", "slot_mappings" + idx));
+  }
+  if (!prepared.empty()) run(prepared);
 }
 
 void single_layer_kv_transfer(const at::Tensor& obj_layer, const at::Tensor& key_cache,
@@ -286,6 +344,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("obj"), py::arg("key_caches"), py::arg("value_caches"), py::arg("slot_mapping"),
         py::arg("layout"), py::arg("block_size"), py::arg("num_heads"), py::arg("to_cache"),
         py::call_guard<py::gil_scoped_release>());
+  m.def("multi_layer_kv_transfer_batch", &lmcache::multi_layer_kv_transfer_batch,
+        "multi_layer_kv_transfer for several objects (a request's chunks) against the same "
+        "caches, slot_mappings[i] for objs[i]: one parallel loop on the CPU. Every argument is "
+        "checked before anything is copied.",
+        py::arg("objs"), py::arg("key_caches"), py::arg("value_caches"),
+        py::arg("slot_mappings"), py::arg("layout"), py::arg("block_size"), py::arg("num_heads"),
+        py::arg("to_cache"), py::call_guard<py::gil_scoped_release>());
   m.def("single_layer_kv_transfer", &lmcache::single_layer_kv_transfer,
         "One layer of multi_layer_kv_transfer: obj_layer is [2, tokens, hidden] "
         "([1, tokens, head_size] for MLA, with value_cache None).",

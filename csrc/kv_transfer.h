@@ -21,10 +21,18 @@ struct TransferPlan {
 // Base pointers of every layer's caches: ptrs[kv * num_layers + layer].
 using CachePointers = std::vector<char*>;
 
-// CPU kernels (csrc/cpu/kv_transfer_cpu.cpp). `slots` has plan.object.num_tokens entries,
-// already checked to be < plan.num_slots; negative entries are skipped.
-void kv_transfer_cpu(const TransferPlan& plan, char* object, const CachePointers& caches,
-                     const int64_t* slots);
+// One object of a CPU transfer: its plan, its bytes and its slots (plan.object.num_tokens
+// entries, already checked to be < plan.num_slots; negative entries are skipped).
+struct CpuJob {
+  TransferPlan plan;
+  char* object;
+  const int64_t* slots;
+};
+
+// CPU kernels (csrc/cpu/kv_transfer_cpu.cpp): every job against the same caches, in ONE
+// parallel loop (waking the thread team once per request instead of once per chunk). The jobs
+// share the cache geometry and element size.
+void kv_transfer_cpu(const std::vector<CpuJob>& jobs, const CachePointers& caches);
 
 // Instruction set the CPU transposes use: "avx512", "avx2" or "base" (see cpu/transpose.h).
 const char* cpu_isa_name();

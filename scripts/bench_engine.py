@@ -1,7 +1,14 @@
 """Engine throughput beside the machine's own bandwidth, measured in one run, printed as ratios.
 
+Every ratio is a median over --rounds rounds in which the measured path and its limit run
+alternately (the machine is shared and noisy: a slow patch hits both alike); `--json` writes
+the rows with every round's time.
+
 - CPU tier: store / retrieve GB/s through `LMCacheEngine` vs `memcpy` (a torch copy of the same
-  number of bytes between two host buffers).
+  number of bytes between two host buffers), for every KV layout the CPU backends use (vLLM 0.9.2's
+  CPU_IPEX and CPU_PACKED, vLLM 0.32's CPU_ATTN, FLASH) and bfloat16 / float32; the slots are
+  vLLM's (whole blocks, in a random block order). The first store into a fresh engine (its pool
+  still being faulted in) is reported apart from the steady state.
 - Disk tier (CPU tier off, so every retrieve reads files): store GB/s until the background writes
   landed vs writing one file of the same size sequentially; retrieve GB/s with the files in the page
   cache (warm) and evicted from it with posix_fadvise (cold) vs reading that file the same ways;
@@ -9,17 +16,20 @@
 - Lookup latency for a 32k-token prompt that is fully cached, and one that misses at once.
 - The XXH3-64 checksum the disk tier computes on every write and read, as its ceiling.
 
-The KV cache is the vLLM CPU backend's (IPEX layout) for a Llama-8B-like geometry by default.
-Usage: OMP_NUM_THREADS=2 .venv/bin/python scripts/bench_engine.py [--tokens 4096] [--reps 3]
+The geometry is Llama-8B-like by default; the disk rows use the CPU_IPEX bfloat16 case.
+Usage: OMP_NUM_THREADS=2 .venv/bin/python scripts/bench_engine.py [--tokens 2048] [--rounds 7]
+       [--json bench/results/engine.json]
 """
 
 import argparse
+import json
 import os
+import platform
 import statistics
 import tempfile
 import time
 from dataclasses import dataclass
-from typing import Callable, List
+from typing import Callable, Dict, List, Optional
 
 import torch
 
@@ -27,13 +37,15 @@ from lmcache.config import LMCacheEngineMetadata
 from lmcache.experimental.cache_engine import LMCacheEngine
 from lmcache.experimental.config import LMCacheEngineConfig
 from lmcache.experimental.gpu_connector import VLLMPagedMemGPUConnectorV2
-from lmcache.experimental.kv_layout import KVLayout
+from lmcache.experimental.kv_layout import KVLayout, layout_shape
 from lmcache.experimental.memory_management import MixedMemoryAllocator
+from lmcache.experimental.memory_management.host_memory import host_buffer
 from lmcache.experimental.storage_backend import GB
 from lmcache.experimental.storage_backend.chunk_format import payload_checksum
 from lmcache.experimental.token_database import ChunkedTokenDatabase
 
 GIB = 1024**3
+CASES = [(KVLayout.CPU_IPEX, 16), (KVLayout.CPU_PACKED, 16), (KVLayout.CPU_ATTN, 32), (KVLayout.FLASH, 16)]
 
 
 @dataclass(frozen=True)
@@ -45,6 +57,7 @@ class Setup:
     chunk_size: int
     tokens: int
     dtype: torch.dtype
+    layout: KVLayout = KVLayout.CPU_IPEX
 
     @property
     def hidden(self) -> int:
@@ -60,28 +73,48 @@ class Setup:
         return -(-self.tokens // self.block_size)
 
 
-def best_of(reps: int, fn: Callable[[], float]) -> float:
-    """The fastest of `reps` timings (seconds): the least disturbed by other work on the box."""
-    return min(fn() for _ in range(reps))
-
-
 def timed(fn: Callable[[], None]) -> float:
     t0 = time.perf_counter()
     fn()
     return time.perf_counter() - t0
 
 
+def interleaved(rounds: int, contenders: Dict[str, Callable[[], float]]) -> Dict[str, List[float]]:
+    """Seconds of every round of each contender, run in turn round by round."""
+    times: Dict[str, List[float]] = {name: [] for name in contenders}
+    for _ in range(rounds):
+        for name, fn in contenders.items():
+            times[name].append(fn())
+    return times
+
+
 def make_caches(s: Setup, seed: int) -> List[torch.Tensor]:
-    """vLLM CPU backend caches: one (2, num_blocks, block_size * heads * head_size) tensor per layer."""
+    """One layer cache per layer as vLLM hands it over: the CPU backend's (2, num_blocks, block
+    elements) for CPU_IPEX / CPU_PACKED, flash's (2, num_blocks, block_size, heads, head_size),
+    vLLM 0.32's (num_blocks, heads, block_size, 2 * head_size) for CPU_ATTN. Twice the blocks the
+    prompt needs, so the used ones are spread as in a busy server."""
     gen = torch.Generator().manual_seed(seed)
-    shape = (2, s.num_blocks, s.block_size * s.hidden)
+    nb = 2 * s.num_blocks
+    if s.layout == KVLayout.CPU_ATTN:
+        shape = layout_shape(s.layout, nb, s.block_size, s.heads, s.head_size, s.dtype)
+    elif s.layout == KVLayout.FLASH:
+        shape = (2, *layout_shape(s.layout, nb, s.block_size, s.heads, s.head_size, s.dtype))
+    else:
+        shape = (2, nb, s.block_size * s.hidden)
     return [torch.randn(shape, generator=gen).to(s.dtype) for _ in range(s.layers)]
+
+
+def vllm_slots(s: Setup, seed: int) -> torch.Tensor:
+    """Slots as vLLM assigns them: whole blocks, the blocks in a random order."""
+    blocks = torch.randperm(2 * s.num_blocks, generator=torch.Generator().manual_seed(seed))[: s.num_blocks]
+    pos = torch.arange(s.tokens)
+    return (blocks[pos // s.block_size] * s.block_size + pos % s.block_size).to(torch.int64)
 
 
 def make_engine(s: Setup, cpu_gb: float, **overrides) -> LMCacheEngine:
     cfg = LMCacheEngineConfig.from_defaults(chunk_size=s.chunk_size, remote_url=None, max_local_cpu_size=cpu_gb, **overrides)
     meta = LMCacheEngineMetadata("bench/model", 1, 0, "vllm", s.dtype, (s.layers, 2, s.chunk_size, s.heads, s.head_size))
-    conn = VLLMPagedMemGPUConnectorV2(s.hidden, s.layers, layout=KVLayout.CPU_IPEX, num_kv_heads=s.heads)
+    conn = VLLMPagedMemGPUConnectorV2(s.hidden, s.layers, layout=s.layout, num_kv_heads=s.heads)
     return LMCacheEngine(cfg, meta, MixedMemoryAllocator(int(cpu_gb * GB)), ChunkedTokenDatabase(cfg, meta), conn)
 
 
@@ -103,169 +136,221 @@ def gbps(nbytes: int, seconds: float) -> float:
     return nbytes / seconds / 1e9
 
 
-def bench_memcpy(src: torch.Tensor, dst: torch.Tensor, reps: int) -> float:
-    return best_of(reps, lambda: timed(lambda: dst.copy_(src)))
+class Memcpy:
+    """The limit: a torch copy of `nbytes` between two host buffers faulted in ahead."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.src = host_buffer(nbytes, prefault=False)
+        self.dst = host_buffer(nbytes, prefault=False)
+        self.src.copy_(torch.randint(0, 256, (nbytes,), dtype=torch.uint8))
+        self.dst.zero_()
+
+    def __call__(self) -> float:
+        return timed(lambda: self.dst.copy_(self.src))
 
 
-def bench_file(path: str, data: torch.Tensor, reps: int) -> tuple:
-    """(write s, warm read s, cold read s) of one sequential file holding `data`'s bytes."""
-    view = memoryview(data.view(torch.uint8).numpy())
-    back = torch.empty_like(data.view(torch.uint8))
-    back_view = memoryview(back.numpy())
-    step = 64 << 20
+class SeqFile:
+    """The disk limit: one file of the same bytes written and read sequentially."""
 
-    def write() -> None:
-        with open(path, "wb") as f:
-            for off in range(0, len(view), step):
-                f.write(view[off : off + step])
+    STEP = 64 << 20
 
-    def read() -> None:
-        with open(path, "rb") as f:
-            got = 0
-            while got < len(back_view):
-                got += f.readinto(back_view[got : got + step])
+    def __init__(self, path: str, data: torch.Tensor) -> None:
+        self.path = path
+        self.view = memoryview(data.view(torch.uint8).numpy())
+        self.back = memoryview(torch.empty_like(data.view(torch.uint8)).numpy())
 
-    write_s = best_of(reps, lambda: timed(write))
-    warm_s = best_of(reps, lambda: timed(read))
+    def write(self) -> float:
+        def run() -> None:
+            with open(self.path, "wb") as f:
+                for off in range(0, len(self.view), self.STEP):
+                    f.write(self.view[off : off + self.STEP])
 
-    def cold() -> float:
-        drop_from_page_cache([path])
-        return timed(read)
+        return timed(run)
 
-    cold_s = best_of(reps, cold)
-    os.unlink(path)
-    return write_s, warm_s, cold_s
+    def read(self, cold: bool = False) -> float:
+        if cold:
+            drop_from_page_cache([self.path])
+
+        def run() -> None:
+            with open(self.path, "rb") as f:
+                got = 0
+                while got < len(self.back):
+                    got += f.readinto(self.back[got : got + self.STEP])
+
+        return timed(run)
+
+
+@dataclass
+class Row:
+    name: str
+    nbytes: int
+    times: List[float]
+    limit: Optional[str] = None  # the row this one is a ratio of
+
+    @property
+    def median_s(self) -> float:
+        return statistics.median(self.times)
+
+
+def cpu_tier_rows(s: Setup, rounds: int, memcpy: Memcpy, seeds) -> List[Row]:
+    """Store and retrieve through the CPU tier beside memcpy, plus the first store (fresh pool)."""
+    n = s.kv_bytes
+    source, target = make_caches(s, 1), make_caches(s, 2)
+    slots = vllm_slots(s, 3)
+    kv, kv_out = dict(kvcaches=source, slot_mapping=slots), dict(kvcaches=target, slot_mapping=slots)
+    engine = make_engine(s, cpu_gb=2.2 * n / GB)  # room for two prompts: every new store evicts
+    first = timed(lambda: engine.store(prompt(s, next(seeds)), **kv))
+    tokens = prompt(s, 7)
+    engine.store(tokens, **kv)
+    assert engine.retrieve(tokens, **kv_out).all()
+    tag = f"{s.layout.name} {str(s.dtype).replace('torch.', '')}"
+    times = interleaved(
+        rounds,
+        {
+            "memcpy": memcpy,
+            "store": lambda: timed(lambda: engine.store(prompt(s, next(seeds)), **kv)),
+            "memcpy2": memcpy,
+            # the stores above evict the oldest prompt: store `tokens` again first (untimed)
+            "retrieve": lambda: (engine.store(tokens, **kv), timed(lambda: engine.retrieve(tokens, **kv_out)))[1],
+        },
+    )
+    blocks = torch.unique(slots // s.block_size)
+    dim = 0 if s.layout == KVLayout.CPU_ATTN else 1
+    for got, want in zip(target, source):  # what came back is what was stored, bit for bit
+        assert torch.equal(got.index_select(dim, blocks).view(torch.uint8), want.index_select(dim, blocks).view(torch.uint8))
+    engine.close()
+    return [
+        Row(f"memcpy ({tag} round)", n, times["memcpy"] + times["memcpy2"]),
+        Row(f"CPU tier store, {tag}", n, times["store"], f"memcpy ({tag} round)"),
+        Row(f"CPU tier retrieve, {tag}", n, times["retrieve"], f"memcpy ({tag} round)"),
+        Row(f"CPU tier first store into a fresh engine, {tag}", n, [first], f"memcpy ({tag} round)"),
+    ]
+def disk_rows(s: Setup, rounds: int, directory: Optional[str], seeds) -> List[Row]:
+    """The disk tier (CPU tier off, so every retrieve reads files) beside one sequential file."""
+    n = s.kv_bytes
+    source, target = make_caches(s, 1), make_caches(s, 2)
+    slots = vllm_slots(s, 3)
+    kv, kv_out = dict(kvcaches=source, slot_mapping=slots), dict(kvcaches=target, slot_mapping=slots)
+    with tempfile.TemporaryDirectory(dir=directory) as tmp:
+        disk_dir = os.path.join(tmp, "tier")
+        engine = make_engine(s, cpu_gb=1.5 * n / GB, local_cpu=False, local_disk=disk_dir, max_local_disk_size=3.5 * n / GB)
+        disk = next(t for t in engine.storage_manager.tiers if t.tier_name == "LocalDiskBackend")
+
+        def store() -> float:
+            p = prompt(s, next(seeds))
+            return timed(lambda: (engine.store(p, **kv), disk.flush()))
+
+        store()  # warm-up: directory created
+        tokens = prompt(s, 7)
+        engine.store(tokens, **kv)
+        disk.flush()
+        flat = torch.randint(0, 256, (n,), dtype=torch.uint8)
+        seq = SeqFile(os.path.join(tmp, "seq.bin"), flat)
+        seq.write()
+
+        def cold() -> float:
+            drop_from_page_cache([os.path.join(disk_dir, f) for f in os.listdir(disk_dir)])
+            return timed(lambda: engine.retrieve(tokens, **kv_out))
+
+        times = interleaved(
+            rounds,
+            {
+                "file write": seq.write,
+                "store": store,
+                "file read": seq.read,
+                "warm": lambda: timed(lambda: engine.retrieve(tokens, **kv_out)),
+                "file read cold": lambda: seq.read(cold=True),
+                "cold": cold,
+            },
+        )
+        assert engine.retrieve(tokens, **kv_out).all()
+        engine.close()
+    return [
+        Row("file write, sequential", n, times["file write"]),
+        Row("disk tier store (until written)", n, times["store"], "file write, sequential"),
+        Row("file read, page cache", n, times["file read"]),
+        Row("disk tier retrieve, page cache", n, times["warm"], "file read, page cache"),
+        Row("file read, cold", n, times["file read cold"]),
+        Row("disk tier retrieve, cold", n, times["cold"], "file read, cold"),
+    ]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tokens", type=int, default=4096)
+    ap.add_argument("--tokens", type=int, default=2048)
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--head-size", type=int, default=128)
     ap.add_argument("--chunk-size", type=int, default=256)
-    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--dtypes", default="bfloat16,float32")
+    ap.add_argument("--layouts", default=",".join(layout.name for layout, _ in CASES))
+    ap.add_argument("--no-disk", action="store_true", help="leave the disk tier rows out")
     ap.add_argument("--dir", default=None, help="directory for the disk tier (default: a temp dir)")
+    ap.add_argument("--json", default=None, help="write the rows (every round's seconds) here")
     args = ap.parse_args()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "2")))
-    s = Setup(args.layers, args.heads, args.head_size, 16, args.chunk_size, args.tokens, torch.bfloat16)
-    n = s.kv_bytes
-    print(
-        f"geometry: {s.layers} layers x {s.heads} kv heads x {s.head_size}, bf16, chunk {s.chunk_size}, "
-        f"{s.tokens} tokens = {n / GIB:.2f} GiB of KV; torch threads {torch.get_num_threads()}"
-    )
-    source, target = make_caches(s, 1), make_caches(s, 2)
-    slots = torch.randperm(s.num_blocks * s.block_size, generator=torch.Generator().manual_seed(3))[: s.tokens]
-    kv = dict(kvcaches=source, slot_mapping=slots)
-    kv_out = dict(kvcaches=target, slot_mapping=slots)
+    seeds = iter(range(100, 10**6))
+    rows: List[Row] = []
+    block_sizes = dict(CASES)
+    for layout_name in args.layouts.split(","):
+        layout = KVLayout[layout_name]
+        for dtype_name in args.dtypes.split(","):
+            s = Setup(args.layers, args.heads, args.head_size, block_sizes[layout], args.chunk_size, args.tokens,
+                      getattr(torch, dtype_name), layout)
+            print(f"{layout.name} {dtype_name}: {s.layers} layers x {s.heads} kv heads x {s.head_size}, block "
+                  f"{s.block_size}, chunk {s.chunk_size}, {s.tokens} tokens = {s.kv_bytes / GIB:.2f} GiB", flush=True)
+            rows += cpu_tier_rows(s, args.rounds, Memcpy(s.kv_bytes), seeds)
+    base = Setup(args.layers, args.heads, args.head_size, 16, args.chunk_size, args.tokens, torch.bfloat16)
+    checksum_src = memoryview(torch.randint(0, 256, (base.kv_bytes,), dtype=torch.uint8).numpy())
+    step = base.chunk_size * base.kv_bytes // base.tokens
+    memcpy = Memcpy(base.kv_bytes)
+    times = interleaved(args.rounds, {
+        "memcpy": memcpy,
+        "xxh3": lambda: timed(lambda: [payload_checksum(checksum_src[o : o + step]) for o in range(0, base.kv_bytes, step)]),
+    })
+    rows += [Row("memcpy (checksum round)", base.kv_bytes, times["memcpy"]),
+             Row("XXH3-64 checksum, one thread", base.kv_bytes, times["xxh3"], "memcpy (checksum round)")]
+    if not args.no_disk:
+        rows += disk_rows(base, args.rounds, args.dir, seeds)
 
-    flat_src = torch.empty(n, dtype=torch.uint8)
-    flat_src.copy_(torch.randint(0, 256, (n,), dtype=torch.uint8))
-    flat_dst = torch.empty_like(flat_src)
-    memcpy_s = bench_memcpy(flat_src, flat_dst, args.reps)
-    del flat_dst
-    # The disk tier checksums every chunk it writes and reads (chunk_format): its own bound.
-    src_view = memoryview(flat_src.numpy())
-    step = s.chunk_size * n // s.tokens
-    checksum_s = best_of(
-        args.reps, lambda: timed(lambda: [payload_checksum(src_view[o : o + step]) for o in range(0, n, step)])
-    )
+    by_name = {row.name: row for row in rows}
+    width = max(len(row.name) for row in rows)
+    print(f"{'':{width}} {'GB/s':>8}  ratio to its limit (medians of {args.rounds} interleaved rounds)")
+    out = []
+    for row in rows:
+        rate = gbps(row.nbytes, row.median_s)
+        ratio = None if row.limit is None else by_name[row.limit].median_s / row.median_s
+        print(f"{row.name:{width}} {rate:8.2f}  {'' if ratio is None else f'{ratio:.2f}'}")
+        out.append({"name": row.name, "bytes": row.nbytes, "seconds": row.times, "gbps": rate, "limit": row.limit,
+                    "ratio": ratio})
+    lookup_line(args.chunk_size)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({
+                "bench": "engine", "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                "machine": f"{platform.node()}: {os.cpu_count()} CPUs, shared with other developers' jobs",
+                "torch_threads": torch.get_num_threads(),
+                "method": f"median of {args.rounds} rounds; each path and its limit run alternately in every round",
+                "rows": out,
+            }, f, indent=1)
+        print(f"wrote {args.json}")
 
-    # ---- CPU tier: room for two prompts, so every store of a new prompt evicts the oldest
-    cpu_engine = make_engine(s, cpu_gb=2.2 * n / GB)
-    seeds = iter(range(100, 100 + 10 * args.reps))
-    cpu_engine.store(prompt(s, next(seeds)), **kv)  # warm-up: first touch of the host buffer
-    cpu_store_s = best_of(args.reps, lambda: timed(lambda: cpu_engine.store(prompt(s, next(seeds)), **kv)))
-    tokens = prompt(s, 7)
-    cpu_engine.store(tokens, **kv)
-    cpu_retrieve_s = best_of(args.reps, lambda: timed(lambda: cpu_engine.retrieve(tokens, **kv_out)))
-    assert cpu_engine.retrieve(tokens, **kv_out).all()
-    cpu_engine.close()
-    del cpu_engine
 
-    # ---- disk tier (CPU tier off): every retrieve reads the files
-    with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
-        disk_dir = os.path.join(tmp, "tier")
-        disk_engine = make_engine(
-            s, cpu_gb=1.5 * n / GB, local_cpu=False, local_disk=disk_dir, max_local_disk_size=3.5 * n / GB
-        )
-        disk = next(t for t in disk_engine.storage_manager.tiers if t.tier_name == "LocalDiskBackend")
-        queue_times: List[float] = []
-
-        def disk_store() -> float:
-            p = prompt(s, next(seeds))
-            t0 = time.perf_counter()
-            disk_engine.store(p, **kv)
-            queue_times.append(time.perf_counter() - t0)
-            disk.flush()
-            return time.perf_counter() - t0
-
-        disk_store()  # warm-up: first touch of the host buffer, directory created
-        disk_store_s = best_of(args.reps, disk_store)
-        disk_engine.store(tokens, **kv)
-        disk.flush()
-        files = [os.path.join(disk_dir, f) for f in os.listdir(disk_dir)]
-        disk_warm_s = best_of(args.reps, lambda: timed(lambda: disk_engine.retrieve(tokens, **kv_out)))
-
-        def disk_cold() -> float:
-            drop_from_page_cache(files)
-            return timed(lambda: disk_engine.retrieve(tokens, **kv_out))
-
-        disk_cold_s = best_of(args.reps, disk_cold)
-        assert disk_engine.retrieve(tokens, **kv_out).all()
-        disk_engine.close()
-
-        # The usual disk hit: CPU tier on but without the chunks (evicted, or a new process), so
-        # retrieve reads ahead one chunk on the disk tier's thread and promotes every chunk.
-        both = make_engine(s, cpu_gb=1.5 * n / GB, local_disk=disk_dir, max_local_disk_size=3.5 * n / GB)
-        hot = next(t for t in both.storage_manager.tiers if t.tier_name == "Hot")
-        both.retrieve(tokens, **kv_out)  # warm-up: first touch of the host buffer
-
-        def disk_into_empty_cpu_tier() -> float:
-            for k in hot.keys():
-                hot.remove(k)
-            return timed(lambda: both.retrieve(tokens, **kv_out))
-
-        disk_fresh_s = best_of(args.reps, disk_into_empty_cpu_tier)
-        both.close()
-        file_write_s, file_warm_s, file_cold_s = bench_file(os.path.join(tmp, "seq.bin"), flat_src, args.reps)
-
-    # ---- lookup of a 32k-token prompt (geometry does not matter: a tiny one keeps memory low)
-    tiny = Setup(1, 1, 16, 16, s.chunk_size, 32768, torch.bfloat16)
-    lk_engine = make_engine(tiny, cpu_gb=4 * tiny.kv_bytes / GB)
-    tiny_slots = torch.arange(tiny.tokens)
+def lookup_line(chunk_size: int) -> None:
+    """Lookup latency of a 32k-token prompt (a tiny geometry keeps memory low)."""
+    tiny = Setup(1, 1, 16, 16, chunk_size, 32768, torch.bfloat16)
+    engine = make_engine(tiny, cpu_gb=4 * tiny.kv_bytes / GB)
     long_prompt = prompt(tiny, 11)
-    lk_engine.store(long_prompt, kvcaches=make_caches(tiny, 4), slot_mapping=tiny_slots)
-    assert lk_engine.lookup(long_prompt) == tiny.tokens
+    engine.store(long_prompt, kvcaches=make_caches(tiny, 4), slot_mapping=torch.arange(tiny.tokens))
+    assert engine.lookup(long_prompt) == tiny.tokens
     miss_prompt = prompt(tiny, 12)
     lookups = 20
-    hit_s = best_of(args.reps, lambda: timed(lambda: [lk_engine.lookup(long_prompt) for _ in range(lookups)])) / lookups
-    miss_s = best_of(args.reps, lambda: timed(lambda: [lk_engine.lookup(miss_prompt) for _ in range(lookups)])) / lookups
-    lk_engine.close()
-
-    rows = [
-        ("memcpy (torch copy_)", gbps(n, memcpy_s), None),
-        ("CPU tier store", gbps(n, cpu_store_s), memcpy_s / cpu_store_s),
-        ("CPU tier retrieve", gbps(n, cpu_retrieve_s), memcpy_s / cpu_retrieve_s),
-        ("XXH3-64 checksum, one thread", gbps(n, checksum_s), memcpy_s / checksum_s),
-        ("file write, sequential", gbps(n, file_write_s), None),
-        ("disk tier store (until written)", gbps(n, disk_store_s), file_write_s / disk_store_s),
-        ("file read, page cache", gbps(n, file_warm_s), None),
-        ("disk tier retrieve, page cache", gbps(n, disk_warm_s), file_warm_s / disk_warm_s),
-        ("disk tier retrieve, page cache, into an empty CPU tier", gbps(n, disk_fresh_s), file_warm_s / disk_fresh_s),
-        ("file read, cold", gbps(n, file_cold_s), None),
-        ("disk tier retrieve, cold", gbps(n, disk_cold_s), file_cold_s / disk_cold_s),
-    ]
-    width = max(len(name) for name, _, _ in rows)
-    print(f"{'':{width}} {'GB/s':>8}  ratio to the machine")
-    for name, rate, ratio in rows:
-        print(f"{name:{width}} {rate:8.2f}  {'' if ratio is None else f'{ratio:.2f}'}")
-    queued = gbps(n, min(queue_times))
-    print(f"disk tier store, serving thread only: {queued:.2f} GB/s (writes continue in the background)")
-    print(
-        f"lookup, {tiny.tokens} tokens ({tiny.tokens // s.chunk_size} chunks): all cached {hit_s * 1e3:.3f} ms, "
-        f"first chunk missing {miss_s * 1e3:.3f} ms"
-    )
+    hit_s = min(timed(lambda: [engine.lookup(long_prompt) for _ in range(lookups)]) for _ in range(3)) / lookups
+    miss_s = min(timed(lambda: [engine.lookup(miss_prompt) for _ in range(lookups)]) for _ in range(3)) / lookups
+    engine.close()
+    print(f"lookup, {tiny.tokens} tokens ({tiny.tokens // chunk_size} chunks): all cached {hit_s * 1e3:.3f} ms, "
+          f"first chunk missing {miss_s * 1e3:.3f} ms")
 
 
 if __name__ == "__main__":

@@ -12,13 +12,17 @@ Prints, for 256-token chunks of the given geometry:
 - `naive` vs `cachegen`: bytes on the wire per chunk, encode time, and end-to-end get time
   (fetch from `lm://` + check + decode into a memory object) per chunk.
 The KV is synthetic (Gaussian with per-channel scales, as real K has outlier channels); the
-tiny model's real KV compression is measured in tests/test_remote_serde.py. Best of
-`--repeats` runs is reported: the machine is shared and noisy.
+tiny model's real KV compression is measured in tests/test_remote_serde.py. The machine is
+shared and noisy: raw loopback, `lm://` and Redis run in turn in each of `--rounds` rounds and
+the ratios are of medians (`--json` keeps every round); the token/TLS and serde rows are best of
+`--repeats`.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import statistics
 import multiprocessing as mp
 import os
 import shutil
@@ -28,7 +32,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -40,6 +44,7 @@ from lmcache.experimental.remote.lm_connector import LMServerConnector  # noqa: 
 from lmcache.experimental.remote.redis_connector import RedisConnector  # noqa: E402
 from lmcache.server.security import client_tls_context  # noqa: E402
 from lmcache.experimental.remote.serde import CacheGenSerde, NaiveSerde  # noqa: E402
+from bench_engine import interleaved, timed  # noqa: E402  (scripts/ is on sys.path when run)
 
 TOKENS = 256
 RAW_BLOCK = 8 << 20
@@ -71,6 +76,7 @@ def _raw_peer(port: int, total: int, ready) -> None:
     ready.set()
     conn, _ = listener.accept()
     buf = memoryview(bytearray(RAW_BLOCK))
+    block = memoryview(bytes(RAW_BLOCK))  # slices of a memoryview: no copy per send
     while True:
         got = 0
         while got < total:
@@ -79,44 +85,51 @@ def _raw_peer(port: int, total: int, ready) -> None:
                 return
             got += n
         conn.sendall(b"k")
-        block = bytes(RAW_BLOCK)
         sent = 0
         while sent < total:
             conn.sendall(block[: min(RAW_BLOCK, total - sent)])
             sent += RAW_BLOCK
 
 
-def raw_bandwidth(total: int, repeats: int) -> Tuple[float, float]:
-    """Best (upload, download) GB/s of one loopback TCP connection to another process."""
-    port = _free_port()
-    ctx = mp.get_context("spawn")
-    ready = ctx.Event()
-    peer = ctx.Process(target=_raw_peer, args=(port, total, ready), daemon=True)
-    peer.start()
-    if not ready.wait(timeout=60):
-        raise RuntimeError("raw socket peer did not start")
-    sock = socket.create_connection(("127.0.0.1", port))
-    block = bytes(RAW_BLOCK)
-    buf = memoryview(bytearray(RAW_BLOCK))
-    up = down = 0.0
-    for _ in range(repeats):
+class RawLoopback:
+    """The limit: one loopback TCP connection to another process, `total` bytes each way."""
+
+    def __init__(self, total: int) -> None:
+        self.total = total
+        port = _free_port()
+        ready = mp.get_context("spawn").Event()
+        self.peer = mp.get_context("spawn").Process(target=_raw_peer, args=(port, total, ready), daemon=True)
+        self.peer.start()
+        if not ready.wait(timeout=60):
+            raise RuntimeError("raw socket peer did not start")
+        self.sock = socket.create_connection(("127.0.0.1", port))
+        self.block = memoryview(bytes(RAW_BLOCK))
+        self.buf = memoryview(bytearray(RAW_BLOCK))
+        self._down_s = 0.0
+
+    def up(self) -> float:
+        """Seconds to send `total` bytes (and, untimed, to read them back for `down`)."""
         start = time.perf_counter()
         sent = 0
-        while sent < total:
-            sock.sendall(block[: min(RAW_BLOCK, total - sent)])
+        while sent < self.total:
+            self.sock.sendall(self.block[: min(RAW_BLOCK, self.total - sent)])
             sent += RAW_BLOCK
-        assert sock.recv(1) == b"k"
+        assert self.sock.recv(1) == b"k"
         mid = time.perf_counter()
         got = 0
-        while got < total:
-            got += sock.recv_into(buf, min(len(buf), total - got))
-        end = time.perf_counter()
-        up = max(up, total / (mid - start) / 1e9)
-        down = max(down, total / (end - mid) / 1e9)
-    sock.close()
-    peer.terminate()
-    peer.join()
-    return up, down
+        while got < self.total:
+            got += self.sock.recv_into(self.buf, min(len(self.buf), self.total - got))
+        self._down_s = time.perf_counter() - mid
+        return mid - start
+
+    def down(self) -> float:
+        """Seconds the last `up` round took to receive `total` bytes."""
+        return self._down_s
+
+    def close(self) -> None:
+        self.sock.close()
+        self.peer.terminate()
+        self.peer.join()
 
 
 def make_chunks(n: int, shape: Tuple[int, ...], dtype: torch.dtype, alloc: HostMemoryAllocator) -> List[MemoryObj]:
@@ -141,10 +154,9 @@ def best(repeats: int, fn: Callable[[], None]) -> float:
     return min(times)
 
 
-def store_bandwidth(connector, blobs: List[bytes], repeats: int) -> Tuple[float, float]:
-    """Best (put, get) GB/s of pipelined batches of `blobs`."""
-    keys = [f"bench@m@1@0@{i:032x}" for i in range(len(blobs))]
-    total = sum(len(b) for b in blobs)
+def store_rounds(connector, blobs: List[bytes], tag: str) -> Dict[str, Callable[[], float]]:
+    """Timed pipelined put and get of `blobs` (for `interleaved`)."""
+    keys = [f"bench-{tag}@m@1@0@{i:032x}" for i in range(len(blobs))]
     items = list(zip(keys, blobs))
 
     def put() -> None:
@@ -154,8 +166,15 @@ def store_bandwidth(connector, blobs: List[bytes], repeats: int) -> Tuple[float,
         got = connector.batched_get(keys)
         assert all(g is not None and len(g) == len(b) for g, b in zip(got, blobs))
 
-    put_s = best(repeats, put)
-    get_s = best(repeats, get)
+    return {f"{tag} put": lambda: timed(put), f"{tag} get": lambda: timed(get)}
+
+
+def store_bandwidth(connector, blobs: List[bytes], repeats: int) -> Tuple[float, float]:
+    """Best (put, get) GB/s of pipelined batches of `blobs`."""
+    total = sum(len(b) for b in blobs)
+    fns = store_rounds(connector, blobs, "best")
+    put_s = best(repeats, lambda: fns["best put"]())
+    get_s = best(repeats, lambda: fns["best get"]())
     return total / put_s / 1e9, total / get_s / 1e9
 
 
@@ -247,6 +266,9 @@ def main() -> None:
     parser.add_argument("--dtype", choices=["float16", "bfloat16", "float32"], default="float16")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--no-secure", action="store_true", help="skip the token and TLS rows")
+    parser.add_argument("--rounds", type=int, default=7, help="interleaved rounds of raw loopback and each store")
+    parser.add_argument("--no-serde", action="store_true", help="skip the naive-vs-cachegen rows")
+    parser.add_argument("--json", default=None, help="write the interleaved rows (every round's seconds) here")
     args = parser.parse_args()
 
     dtype = getattr(torch, args.dtype)
@@ -259,31 +281,49 @@ def main() -> None:
     print(f"chunk: {TOKENS} tokens, shape {list(shape)} {args.dtype} = {chunk_bytes / 2**20:.1f} MiB; "
           f"{args.chunks} chunks per batch ({total / 2**20:.0f} MiB); best of {args.repeats}")
 
-    raw_up, raw_down = raw_bandwidth(total, args.repeats)
-    print(f"raw loopback TCP:  upload {raw_up:6.2f} GB/s   download {raw_down:6.2f} GB/s")
-
+    raw = RawLoopback(total)
     lm_proc, lm_port = start_lm_server(max_gb=max(1.0, total * 3 / 1e9))
     tmp = tempfile.mkdtemp(prefix="bench-redis-")
     redis_started = start_redis(tmp)
     try:
         lm = LMServerConnector("127.0.0.1", lm_port, timeout=120)
-        put, get = store_bandwidth(lm, naive_blobs, args.repeats)
-        print(f"lm:// (naive):     put    {put:6.2f} GB/s ({put / raw_up:5.1%} of raw)   "
-              f"get      {get:6.2f} GB/s ({get / raw_down:5.1%} of raw)")
-        if not args.no_secure:
-            secure_rows(naive_blobs, (put, get), max(1.0, total * 3 / 1e9), args.repeats, tmp)
+        contenders: Dict[str, Callable[[], float]] = {"raw up": raw.up, "raw down": raw.down}
+        contenders.update(store_rounds(lm, naive_blobs, "lm://"))
+        rc = None
         if redis_started is not None:
             rc = RedisConnector([("127.0.0.1", redis_started[1])], timeout=120)
-            put, get = store_bandwidth(rc, naive_blobs, args.repeats)
-            print(f"redis:// (naive):  put    {put:6.2f} GB/s ({put / raw_up:5.1%} of raw)   "
-                  f"get      {get:6.2f} GB/s ({get / raw_down:5.1%} of raw)")
+            contenders.update(store_rounds(rc, naive_blobs, "redis://"))
+        times = interleaved(args.rounds, contenders)
+        raw.close()
+        med = {name: statistics.median(t) for name, t in times.items()}
+        rows = []
+        for name in times:
+            limit = None if name.startswith("raw") else ("raw up" if name.endswith("put") else "raw down")
+            ratio = None if limit is None else med[limit] / med[name]
+            rows.append({"name": name, "bytes": total, "seconds": times[name], "gbps": total / med[name] / 1e9,
+                         "limit": limit, "ratio": ratio})
+            print(f"{name:14s} {total / med[name] / 1e9:6.2f} GB/s" + ("" if ratio is None else f"  {ratio:5.2f} of {limit}"))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({
+                    "bench": "remote", "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                    "machine": f"{os.cpu_count()} CPUs, shared with other developers' jobs",
+                    "chunk_bytes": chunk_bytes, "chunks_per_batch": args.chunks,
+                    "method": f"median of {args.rounds} rounds; raw loopback and every store run alternately in every round",
+                    "rows": rows,
+                }, f, indent=1)
+            print(f"wrote {args.json}")
+        put, get = total / med["lm:// put"] / 1e9, total / med["lm:// get"] / 1e9
+        if not args.no_secure:
+            secure_rows(naive_blobs, (put, get), max(1.0, total * 3 / 1e9), args.repeats, tmp)
+        if rc is not None:
             rc.close()
 
-        rows = {}
-        for serde in (NaiveSerde(), CacheGenSerde()):
-            rows[serde.name] = serde_costs(serde, chunks, lm, alloc, args.repeats)
-        n_bytes, n_enc, n_get = rows["naive"]
-        for name, (wire, enc, get_s) in rows.items():
+        serde_rows = {}
+        for serde in () if args.no_serde else (NaiveSerde(), CacheGenSerde()):
+            serde_rows[serde.name] = serde_costs(serde, chunks, lm, alloc, args.repeats)
+        n_bytes, n_enc, n_get = serde_rows.get("naive", (1, 1, 1))
+        for name, (wire, enc, get_s) in serde_rows.items():
             print(f"{name:9s} over lm://: {wire / 2**20:7.2f} MiB/chunk on the wire ({n_bytes / wire:4.2f}x less than naive), "
                   f"encode {enc * 1e3:7.1f} ms/chunk, end-to-end get {get_s * 1e3:7.1f} ms/chunk "
                   f"({get_s / n_get:4.2f}x naive)")

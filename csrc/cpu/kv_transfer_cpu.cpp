@@ -1,7 +1,8 @@
 // CPU kernels: paged KV cache <-> contiguous object, all layers in one parallel loop.
 //
 // The tokens are cut into runs of consecutive slots inside one block. A work item is one
-// (layer, run, kv); items are spread over torch's intra-op threads. Addresses come from
+// (object, layer, run, kv); the items of every object of a call are spread over torch's
+// intra-op threads in one parallel loop. Addresses come from
 // kv_layout.h; what moves per item depends on the layout:
 //   FLASH / MLA   a run of n tokens is n whole rows in both cache and object: one memcpy
 //   CPU_IPEX      head_size elements per (token, head)
@@ -10,6 +11,7 @@
 //   CPU_ATTN      K: a transpose of elements per head (tokens as columns); V: as CPU_IPEX
 #include <ATen/Parallel.h>
 
+#include <cstdint>
 #include <cstring>
 #include <vector>
 
@@ -67,6 +69,44 @@ inline void copy_bytes(void* dst, const void* src, int64_t n) {
   if (i < n) std::memcpy(d + i, s + i, static_cast<size_t>(n - i));
 }
 
+// The same copy with non-temporal stores where `dst` is 16-byte aligned: a chunk's bytes are
+// far more than the caches hold, and a plain store first reads the destination line
+// (read-for-ownership), a third memory transfer per byte that a large memcpy avoids the same
+// way. Lines of a run written this way are complete, so the write-combining buffers flush whole
+// lines. The stores are ordered by the sfence at the end of each thread's share (`transfer`).
+inline void stream_bytes(void* dst, const void* src, int64_t n) {
+#ifdef LMC_X86
+  char* d = static_cast<char*>(dst);
+  const char* s = static_cast<const char*>(src);
+  if ((reinterpret_cast<uintptr_t>(d) & 15) == 0) {
+    int64_t i = 0;
+    for (; i + 64 <= n; i += 64) {
+      const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i));
+      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i + 16));
+      const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i + 32));
+      const __m128i e = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i + 48));
+      _mm_stream_si128(reinterpret_cast<__m128i*>(d + i), a);
+      _mm_stream_si128(reinterpret_cast<__m128i*>(d + i + 16), b);
+      _mm_stream_si128(reinterpret_cast<__m128i*>(d + i + 32), c);
+      _mm_stream_si128(reinterpret_cast<__m128i*>(d + i + 48), e);
+    }
+    for (; i + 16 <= n; i += 16) {
+      _mm_stream_si128(reinterpret_cast<__m128i*>(d + i),
+                       _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i)));
+    }
+    if (i < n) std::memcpy(d + i, s + i, static_cast<size_t>(n - i));
+    return;
+  }
+#endif
+  copy_bytes(dst, src, n);
+}
+
+inline void stream_fence() {
+#ifdef LMC_X86
+  _mm_sfence();
+#endif
+}
+
 // A transposed run (CPU_PACKED K and V, CPU_ATTN K) moves units U (16-byte key groups, or
 // single elements): the cache block holds [unit index][token] (tokens adjacent, units
 // `unit_stride` apart), the object [token][unit index] (rows `hidden` elements apart). In
@@ -112,24 +152,29 @@ void copy_run(const TransferPlan& p, int kv, char* cache, char* obj, const Run& 
 
   if (run_elems == hidden) {  // FLASH, MLA: n tokens are n whole rows on both sides
     char* cr = cache + cache_offset(g, kv, run.slot, 0, 0) * ES;
-    const size_t bytes = static_cast<size_t>(run.count * hidden) * ES;
-    if (p.to_cache) std::memcpy(cr, o, bytes);
-    else std::memcpy(o, cr, bytes);
+    const int64_t bytes = run.count * hidden * ES;
+    if (p.to_cache) stream_bytes(cr, o, bytes);
+    else stream_bytes(o, cr, bytes);
     return;
   }
   if (run_elems == g.head_size) {  // CPU_IPEX, CPU_ATTN V: one head_size row per (token, head)
     // Read the source in address order (that is what the prefetchers reward): for a store the
-    // cache (head-major), for a retrieve the object (token-major).
-    const int64_t token_stride = cache_token_stride(g, kv);
+    // cache (head-major), for a retrieve the object (token-major). Addresses step by strides
+    // computed once per run: a division per row cost as much as the row's copy.
+    char* c0 = cache + cache_offset(g, kv, run.slot, 0, 0) * ES;
+    const int64_t token_step = cache_token_stride(g, kv) * ES;
+    const int64_t head_step =
+        g.num_heads > 1 ? (cache_offset(g, kv, run.slot, 1, 0) - cache_offset(g, kv, run.slot, 0, 0)) * ES : 0;
     const int64_t bytes = run_elems * ES;
-    for (int64_t a = 0; a < (p.to_cache ? run.count : g.num_heads); ++a) {
-      for (int64_t b = 0; b < (p.to_cache ? g.num_heads : run.count); ++b) {
-        const int64_t j = p.to_cache ? a : b, h = p.to_cache ? b : a;
-        char* cj = cache + (cache_offset(g, kv, run.slot, h, 0) + j * token_stride) * ES;
-        char* oj = o + (j * hidden + h * g.head_size) * ES;
-        if (p.to_cache) copy_bytes(cj, oj, bytes);
-        else copy_bytes(oj, cj, bytes);
-      }
+    const int64_t row = hidden * ES;
+    if (p.to_cache) {
+      for (int64_t j = 0; j < run.count; ++j)
+        for (int64_t h = 0; h < g.num_heads; ++h)
+          stream_bytes(c0 + h * head_step + j * token_step, o + j * row + h * bytes, bytes);
+    } else {
+      for (int64_t h = 0; h < g.num_heads; ++h)
+        for (int64_t j = 0; j < run.count; ++j)
+          stream_bytes(o + j * row + h * bytes, c0 + h * head_step + j * token_step, bytes);
     }
     return;
   }
@@ -137,39 +182,56 @@ void copy_run(const TransferPlan& p, int kv, char* cache, char* obj, const Run& 
   transpose_run<typename Bytes<ES>::T, ES>(p, kv, cache, obj, run);  // CPU_PACKED V, CPU_ATTN K
 }
 
+// One job's runs and where its items begin in the batch's item numbering.
+struct JobRuns {
+  const CpuJob* job;
+  std::vector<Run> runs;
+  int64_t first_item;
+};
+
 template <int ES>
-void transfer(const TransferPlan& p, char* object, const CachePointers& caches,
-              const std::vector<Run>& runs) {
-  const int64_t num_layers = p.object.num_layers;
-  const int64_t num_runs = static_cast<int64_t>(runs.size());
-  const int64_t items = p.num_kv * num_layers * num_runs;
+void transfer(const std::vector<JobRuns>& jobs, int64_t items, const CachePointers& caches) {
   // One item is at most a block of one layer's K or V (tens of KiB): a few per grain. K and V
   // alternate in item order, so every thread's contiguous share mixes them equally (their
   // costs differ, e.g. CPU_PACKED's V is a transpose).
   at::parallel_for(0, items, 4, [&](int64_t begin, int64_t end) {
+    size_t j = 0;
+    while (j + 1 < jobs.size() && jobs[j + 1].first_item <= begin) ++j;
     for (int64_t it = begin; it < end; ++it) {
-      const int kv = static_cast<int>(it % p.num_kv);
-      const int64_t rest = it / p.num_kv;  // layer * num_runs + run
+      while (j + 1 < jobs.size() && jobs[j + 1].first_item <= it) ++j;
+      const TransferPlan& p = jobs[j].job->plan;
+      const int64_t num_layers = p.object.num_layers;
+      const int64_t num_runs = static_cast<int64_t>(jobs[j].runs.size());
+      const int64_t local = it - jobs[j].first_item;
+      const int kv = static_cast<int>(local % p.num_kv);
+      const int64_t rest = local / p.num_kv;  // layer * num_runs + run
       const int64_t layer = rest / num_runs;
-      const Run& run = runs[rest - layer * num_runs];
-      char* obj = object + object_offset(p.object, kv, layer, 0, 0) * ES;
+      const Run& run = jobs[j].runs[rest - layer * num_runs];
+      char* obj = jobs[j].job->object + object_offset(p.object, kv, layer, 0, 0) * ES;
       copy_run<ES>(p, kv, caches[kv * num_layers + layer], obj, run);
     }
+    stream_fence();
   });
 }
 
 }  // namespace
 
-void kv_transfer_cpu(const TransferPlan& plan, char* object, const CachePointers& caches,
-                     const int64_t* slots) {
-  const std::vector<Run> runs =
-      make_runs(slots, plan.object.num_tokens, plan.cache.block_size);
-  if (runs.empty()) return;
-  switch (plan.element_size) {
-    case 1: return transfer<1>(plan, object, caches, runs);
-    case 2: return transfer<2>(plan, object, caches, runs);
-    case 4: return transfer<4>(plan, object, caches, runs);
-    case 8: return transfer<8>(plan, object, caches, runs);
+void kv_transfer_cpu(const std::vector<CpuJob>& jobs, const CachePointers& caches) {
+  std::vector<JobRuns> planned;
+  int64_t items = 0;
+  for (const CpuJob& job : jobs) {
+    std::vector<Run> runs = make_runs(job.slots, job.plan.object.num_tokens, job.plan.cache.block_size);
+    if (runs.empty()) continue;
+    const int64_t n = job.plan.num_kv * job.plan.object.num_layers * static_cast<int64_t>(runs.size());
+    planned.push_back(JobRuns{&job, std::move(runs), items});
+    items += n;
+  }
+  if (planned.empty()) return;
+  switch (planned.front().job->plan.element_size) {
+    case 1: return transfer<1>(planned, items, caches);
+    case 2: return transfer<2>(planned, items, caches);
+    case 4: return transfer<4>(planned, items, caches);
+    case 8: return transfer<8>(planned, items, caches);
     default: break;  // the bindings only admit the sizes above
   }
 }

@@ -2,9 +2,11 @@
 per name, per process).
 
 Store: tokens -> chunks and keys (token database) -> for each chunk not cached yet, a memory
-object from the CPU tier's allocator, filled by the connector, handed to every tier.
-Retrieve: chunk by chunk from the fastest tier that has it, into the serving engine's KV cache
-by the connector, stopping at the first missing chunk.
+object from the CPU tier's allocator; the connector fills them all in one call (one kernel
+call per request: see docs/design.md, "Where the time goes"), then each goes to every tier.
+Retrieve: chunk by chunk from the fastest tier that has it, stopping at the first missing
+chunk; the connector copies them into the serving engine's KV cache in one call (earlier when
+a tier has a chunk but no memory is left to read it into).
 Lookup: the cached prefix length; a pinned lookup also holds that prefix in CPU memory for a
 request id (see `pins.py`) so the retrieve that follows cannot come back short.
 Each of them updates the `lmcache:` Prometheus metrics (`metrics.py`) from the engine's counters.
@@ -91,31 +93,52 @@ class LMCacheEngine:
             return
         stored = skipped = dropped = 0
         full = False
-        for start, end, key in chunks:
-            n = end - start
-            if full:
-                dropped += n
-                continue
-            if self.storage_manager.contains(key):
-                skipped += n
-                continue
-            shape = self.gpu_connector.get_shape(n)
-            obj = self.storage_manager.allocate(shape, self.metadata.kv_dtype, MemoryFormat.KV_BLOB)
-            if obj is None:
-                logger.warning(
-                    "memory full: not storing tokens [%d, %d) of %d (chunk %s and later)",
-                    start, len(tokens), len(tokens), key.chunk_hash,
-                )
-                full = True
-                dropped += n
-                continue
+        batch: List[Tuple[int, int, CacheEngineKey, MemoryObj]] = []
+
+        def flush() -> None:
+            """Copy the batch in one connector call, then hand each chunk to the tiers."""
+            nonlocal stored, dropped
             try:
-                self.gpu_connector.from_gpu(obj, start, end, **kwargs)
-                if self.storage_manager.put(key, obj) > 0:
-                    stored += n
-                else:
-                    dropped += n
+                if batch:
+                    self.gpu_connector.batched_from_gpu(
+                        [b[3] for b in batch], [b[0] for b in batch], [b[1] for b in batch], **kwargs
+                    )
+                for start, end, key, obj in batch:
+                    if self.storage_manager.put(key, obj) > 0:
+                        stored += end - start
+                    else:
+                        dropped += end - start
             finally:
+                for *_, obj in batch:
+                    obj.ref_count_down()
+                batch.clear()
+
+        try:
+            for start, end, key in chunks:
+                n = end - start
+                if full:
+                    dropped += n
+                    continue
+                if self.storage_manager.contains(key):
+                    skipped += n
+                    continue
+                shape = self.gpu_connector.get_shape(n)
+                obj = self.storage_manager.allocate(shape, self.metadata.kv_dtype, MemoryFormat.KV_BLOB)
+                if obj is None and batch:
+                    flush()  # the batch held the memory; once stored, its chunks can be evicted
+                    obj = self.storage_manager.allocate(shape, self.metadata.kv_dtype, MemoryFormat.KV_BLOB)
+                if obj is None:
+                    logger.warning(
+                        "memory full: not storing tokens [%d, %d) of %d (chunk %s and later)",
+                        start, len(tokens), len(tokens), key.chunk_hash,
+                    )
+                    full = True
+                    dropped += n
+                    continue
+                batch.append((start, end, key, obj))
+            flush()
+        finally:
+            for *_, obj in batch:
                 obj.ref_count_down()
         self._stats.record_store(requested, stored, skipped, dropped)
         self._metrics.observe_store(time.perf_counter() - started)
@@ -147,14 +170,37 @@ class LMCacheEngine:
             chunks = iter(())
         hit = 0
         todo = list(chunks)
-        for i, (start, end, key) in enumerate(todo):
-            if i + 1 < len(todo):
-                # Let a slower tier read the next chunk into the CPU tier while this one is copied.
-                self.storage_manager.prefetch(todo[i + 1][2])
-            obj = self.storage_manager.get(key)
-            if obj is None:
-                break
+        batch: List[Tuple[int, int, MemoryObj]] = []
+
+        def flush() -> None:
+            """Copy the batch into the KV cache in one connector call and release it."""
+            nonlocal hit
             try:
+                if batch:
+                    self.gpu_connector.batched_to_gpu(
+                        [b[2] for b in batch], [b[0] for b in batch], [b[1] for b in batch], **kwargs
+                    )
+                for start, end, _ in batch:
+                    ret_mask[start:end] = True
+                    hit += end - start
+            finally:
+                for *_, obj in batch:
+                    obj.ref_count_down()
+                batch.clear()
+
+        try:
+            for i, (start, end, key) in enumerate(todo):
+                if i + 1 < len(todo):
+                    # Let a slower tier read the next chunk into the CPU tier while this one is read.
+                    self.storage_manager.prefetch(todo[i + 1][2])
+                obj = self.storage_manager.get(key)
+                if obj is None and batch and self.storage_manager.contains(key):
+                    # A tier has the chunk but could not read it into memory the batch holds:
+                    # copy the batch (its chunks become evictable) and read again.
+                    flush()
+                    obj = self.storage_manager.get(key)
+                if obj is None:
+                    break
                 expected = self.gpu_connector.get_shape(end - start)
                 meta = obj.metadata
                 if meta.shape != expected or meta.dtype != self.metadata.kv_dtype:
@@ -162,13 +208,14 @@ class LMCacheEngine:
                         "chunk %s has shape %s %s, expected %s %s: treating it as a miss",
                         key.chunk_hash, list(meta.shape), meta.dtype, list(expected), self.metadata.kv_dtype,
                     )
+                    obj.ref_count_down()
                     self.storage_manager.remove(key)
                     break
-                self.gpu_connector.to_gpu(obj, start, end, **kwargs)
-            finally:
+                batch.append((start, end, obj))
+            flush()
+        finally:
+            for *_, obj in batch:
                 obj.ref_count_down()
-            ret_mask[start:end] = True
-            hit += end - start
         self._stats.record_retrieve(requested, hit)
         self._metrics.observe_retrieve(time.perf_counter() - started)
         self.publish_metrics()

@@ -46,6 +46,20 @@ class GPUConnectorInterface(ABC):
     def get_shape(self, num_tokens: int) -> torch.Size:
         """The memory object shape that holds `num_tokens` tokens."""
 
+    def batched_from_gpu(
+        self, memory_objs: Sequence[MemoryObj], starts: Sequence[int], ends: Sequence[int], **kwargs: Any
+    ) -> None:
+        """`from_gpu` for a request's chunks; connectors that copy them in one call override it."""
+        for obj, start, end in zip(memory_objs, starts, ends, strict=True):
+            self.from_gpu(obj, start, end, **kwargs)
+
+    def batched_to_gpu(
+        self, memory_objs: Sequence[MemoryObj], starts: Sequence[int], ends: Sequence[int], **kwargs: Any
+    ) -> None:
+        """`to_gpu` for a request's chunks; connectors that copy them in one call override it."""
+        for obj, start, end in zip(memory_objs, starts, ends, strict=True):
+            self.to_gpu(obj, start, end, **kwargs)
+
 
 @dataclass(frozen=True)
 class PagedGeometry:
@@ -272,19 +286,29 @@ class VLLMPagedMemGPUConnector(_KVBlobConnector):
 
     # ---- copies ---------------------------------------------------------------------------
 
-    def _transfer(self, memory_obj: MemoryObj, start: int, end: int, kwargs: dict, to_cache: bool) -> None:
-        _check_start_end(start, end)
+    def _caches(self, kwargs: dict) -> Tuple[PagedGeometry, List[torch.Tensor], List[torch.Tensor]]:
         kvcaches = _kvcaches(kwargs)
         self._check_layers(kvcaches)
         geo = self.geometry(kvcaches)
         keys, values = split_kv_caches(kvcaches, geo.layout)
-        device = keys[0].device
+        return geo, keys, values
+
+    def _chunk(
+        self, memory_obj: MemoryObj, start: int, end: int, kwargs: dict, to_cache: bool, device: torch.device
+    ) -> Tuple[torch.Tensor, torch.Tensor]:
+        """The chunk's object tensor and slots, checked."""
+        _check_start_end(start, end)
         slots = _chunk_slots(kwargs, start, end, device)
         if not to_cache and bool((slots < 0).any()):
             raise ValueError(
                 f"slot_mapping[{start}:{end}] contains -1: tokens vLLM did not compute cannot be stored"
             )
-        blob = _blob_tensor(memory_obj, self.get_shape(end - start), storing=not to_cache)
+        return _blob_tensor(memory_obj, self.get_shape(end - start), storing=not to_cache), slots
+
+    def _transfer(self, memory_obj: MemoryObj, start: int, end: int, kwargs: dict, to_cache: bool) -> None:
+        geo, keys, values = self._caches(kwargs)
+        device = keys[0].device
+        blob, slots = self._chunk(memory_obj, start, end, kwargs, to_cache, device)
         staging = self._staging(blob, device)
         if staging is not None and to_cache:
             staging.copy_(blob, non_blocking=True)
@@ -299,6 +323,30 @@ class VLLMPagedMemGPUConnector(_KVBlobConnector):
         """A device buffer to run the kernel on, or None to work on the object directly."""
         return None
 
+    def _stages(self) -> bool:
+        """Whether copies go through `_staging`'s buffer (one chunk at a time)."""
+        return False
+
+    def _batch(
+        self, memory_objs: Sequence[MemoryObj], starts: Sequence[int], ends: Sequence[int], kwargs: dict, to_cache: bool
+    ) -> None:
+        """Every chunk in one kernel call (one parallel loop on the CPU), unless staged."""
+        if len(memory_objs) != len(starts) or len(starts) != len(ends):
+            raise ValueError(f"{len(memory_objs)} memory objects for {len(starts)} starts and {len(ends)} ends")
+        if not memory_objs:
+            return
+        geo, keys, values = self._caches(kwargs)
+        device = keys[0].device
+        chunks = [self._chunk(o, s, e, kwargs, to_cache, device) for o, s, e in zip(memory_objs, starts, ends)]
+        if self._stages():
+            for obj, start, end in zip(memory_objs, starts, ends):
+                self._transfer(obj, start, end, kwargs, to_cache)
+            return
+        c_ops.multi_layer_kv_transfer_batch(
+            [blob for blob, _ in chunks], keys, values, [slots for _, slots in chunks],
+            int(geo.layout), geo.block_size, geo.num_heads, to_cache,
+        )
+
     def from_gpu(self, memory_obj: MemoryObj, start: int, end: int, **kwargs: Any) -> None:
         """Store tokens `[start, end)` of 'kvcaches' (slots from 'slot_mapping') into `memory_obj`."""
         self._transfer(memory_obj, start, end, kwargs, to_cache=False)
@@ -306,6 +354,18 @@ class VLLMPagedMemGPUConnector(_KVBlobConnector):
     def to_gpu(self, memory_obj: MemoryObj, start: int, end: int, **kwargs: Any) -> None:
         """Write `memory_obj` into the slots 'slot_mapping' gives tokens `[start, end)` in 'kvcaches'."""
         self._transfer(memory_obj, start, end, kwargs, to_cache=True)
+
+    def batched_from_gpu(
+        self, memory_objs: Sequence[MemoryObj], starts: Sequence[int], ends: Sequence[int], **kwargs: Any
+    ) -> None:
+        """`from_gpu` of a request's chunks in one kernel call."""
+        self._batch(memory_objs, starts, ends, kwargs, to_cache=False)
+
+    def batched_to_gpu(
+        self, memory_objs: Sequence[MemoryObj], starts: Sequence[int], ends: Sequence[int], **kwargs: Any
+    ) -> None:
+        """`to_gpu` of a request's chunks in one kernel call."""
+        self._batch(memory_objs, starts, ends, kwargs, to_cache=True)
 
 
 class VLLMPagedMemGPUConnectorV2(VLLMPagedMemGPUConnector):
@@ -347,6 +407,9 @@ class VLLMPagedMemGPUConnectorV2(VLLMPagedMemGPUConnector):
             return
         with self._buffer_lock:
             super()._transfer(memory_obj, start, end, kwargs, to_cache)
+
+    def _stages(self) -> bool:
+        return self.use_gpu
 
     def _staging(self, blob: torch.Tensor, device: torch.device) -> Optional[torch.Tensor]:
         if not self.use_gpu:

@@ -20,6 +20,7 @@ from typing import Optional, Union
 
 import torch
 
+from lmcache.experimental.memory_management.host_memory import host_buffer
 from lmcache.experimental.memory_management.objects import (
     BytesBufferMemoryObj,
     MemoryFormat,
@@ -234,24 +235,27 @@ def _check_size(size: int, who: str) -> int:
 
 
 class HostMemoryAllocator(_PooledAllocator):
-    """Allocates from one preallocated buffer of plain host memory."""
+    """Allocates from one preallocated buffer of host memory (huge pages, faulted in ahead:
+    `host_memory.host_buffer`)."""
 
     def __init__(self, size: int) -> None:
-        super().__init__(torch.empty(_check_size(size, "HostMemoryAllocator"), dtype=torch.uint8))
+        super().__init__(host_buffer(_check_size(size, "HostMemoryAllocator")))
 
 
 class PinMemoryAllocator(_PooledAllocator):
     """Allocates from one preallocated host buffer, page-locked where CUDA exists.
 
     Pinned memory makes device copies asynchronous and fast; without a GPU there is
-    nothing to pin for, so the buffer is plain host memory.
+    nothing to pin for, so the buffer is host memory as `HostMemoryAllocator` has it.
     """
 
     def __init__(self, size: int) -> None:
         self.pinned = torch.cuda.is_available()
-        buf = torch.empty(
-            _check_size(size, "PinMemoryAllocator"), dtype=torch.uint8, pin_memory=self.pinned
-        )
+        _check_size(size, "PinMemoryAllocator")
+        if self.pinned:
+            buf = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+        else:
+            buf = host_buffer(size)
         super().__init__(buf)
         logger.debug("PinMemoryAllocator: %d bytes, pinned=%s", size, self.pinned)
 

@@ -28,7 +28,9 @@ import threading
 from typing import Any, Optional, Sequence, Tuple
 
 import redis
+from redis._parsers.encoders import Encoder
 from redis.backoff import NoBackoff
+from redis.connection import PythonRespSerializer
 from redis.cluster import ClusterNode, RedisCluster
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import OutOfMemoryError, RedisClusterException, RedisError, ResponseError
@@ -47,6 +49,18 @@ DEFAULT_PROTO_MAX_BULK_LEN = 512 * 1024 * 1024
 MIN_PROTO_MAX_BULK_LEN = 1024 * 1024
 # Log one OOM (or too-long) line per this many refused puts, so the log is not flooded.
 _OOM_LOG_EVERY = 100
+
+# Values longer than this go to the socket as they are, never copied into the command buffer.
+_BUFFER_CUTOFF = 6000
+
+
+def _zero_copy_packer() -> PythonRespSerializer:
+    """redis-py's pure-Python command packer, which sends a large value as its own buffer. With
+    hiredis installed redis-py would pick hiredis's packer, which copies every value twice (into
+    `bytes`, then into the packed command): that halved put bandwidth. Replies still go through
+    hiredis's parser, the part where C pays."""
+    return PythonRespSerializer(_BUFFER_CUTOFF, Encoder("utf-8", "strict", False).encode)
+
 
 # What redis-py raises when the server is gone or slow (cluster errors include "no node").
 _UNAVAILABLE = (RedisConnectionError, RedisTimeoutError, RedisClusterException, OSError)
@@ -256,6 +270,7 @@ class RedisConnector(RemoteConnector):
             socket_connect_timeout=self._lookup_timeout,
             retry=Retry(NoBackoff(), 0),
             db=self._db or 0,
+            command_packer=_zero_copy_packer(),
             **self._credentials,
             **self._tls_options,
         )

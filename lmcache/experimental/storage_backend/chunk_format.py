@@ -27,7 +27,7 @@ import math
 import struct
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import BinaryIO, Callable, Mapping, Optional, Sequence, Tuple, Union
+from typing import BinaryIO, Callable, Iterator, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 import xxhash
@@ -98,6 +98,23 @@ def dtype_name(dtype: Optional[torch.dtype]) -> str:
 def payload_checksum(payload: Buffer) -> bytes:
     """XXH3-64 of the payload bytes."""
     return xxhash.xxh3_64_digest(payload)
+
+
+# Bytes copied (or read) and then hashed at a time: a piece just written is still in L2 when the
+# checksum reads it, so checking costs no second trip to memory (docs/design.md, "Where the time
+# goes").
+HASH_PIECE = 1 << 20
+
+
+def hashed_pieces(total: int) -> Iterator[Tuple[int, int]]:
+    """`(start, end)` of the pieces a payload of `total` bytes is moved and hashed in."""
+    for start in range(0, total, HASH_PIECE):
+        yield start, min(total, start + HASH_PIECE)
+
+
+def payload_hasher() -> "xxhash.xxh3_64":
+    """A running XXH3-64: fed a payload's pieces in order, its digest is `payload_checksum`'s."""
+    return xxhash.xxh3_64()
 
 
 def _key_str(key: Union[CacheEngineKey, str]) -> str:
@@ -286,10 +303,9 @@ def decode_into(
             "chunk %s: %d bytes, header announces %d", header.key, view.nbytes, header.size + header.payload_len
         )
         return None
-    payload = view[header.size :]
-    if not verify_payload(header, payload):
-        return None
-    return copy_into_new(header.key, payload, allocate, torch.Size(header.shape), header.dtype, header.fmt)
+    return copy_into_new(
+        header.key, view[header.size :], allocate, torch.Size(header.shape), header.dtype, header.fmt, header.checksum
+    )
 
 
 def copy_into_new(
@@ -299,9 +315,13 @@ def copy_into_new(
     shape: torch.Size,
     dtype: Optional[torch.dtype],
     fmt: MemoryFormat,
+    checksum: Optional[bytes] = None,
 ) -> Optional[MemoryObj]:
     """A freshly allocated object holding `payload` (None, logged, when memory is full or the
-    allocation's size disagrees with the payload's). The caller owns its one reference."""
+    allocation's size disagrees with the payload's). The caller owns its one reference.
+
+    With `checksum`, this is also `verify_payload` in the same pass: each piece is hashed right
+    after it is copied, while it is in cache; a mismatch frees the object (None, logged)."""
     obj = allocate(shape, dtype, fmt)
     if obj is None:
         logger.warning("chunk %s: no memory to load %d bytes", key, payload.nbytes)
@@ -311,5 +331,15 @@ def copy_into_new(
         logger.warning("chunk %s: allocated %d bytes for a %d-byte payload", key, target.nbytes, payload.nbytes)
         obj.ref_count_down()
         return None
-    target[:] = payload
+    if checksum is None:
+        target[:] = payload
+        return obj
+    hasher = payload_hasher()
+    for start, end in hashed_pieces(payload.nbytes):
+        target[start:end] = payload[start:end]
+        hasher.update(target[start:end])
+    if hasher.digest() != checksum:
+        logger.warning("chunk %s: payload checksum mismatch", key)
+        obj.ref_count_down()
+        return None
     return obj

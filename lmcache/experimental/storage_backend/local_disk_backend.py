@@ -394,14 +394,19 @@ class LocalDiskBackend(StorageBackendInterface):
                     logger.info("disk tier: no memory to load %s", path)
                     return None, _Read.NO_MEMORY
                 payload = chunk_format.memory_obj_payload(obj)
+                hasher = chunk_format.payload_hasher()
                 got = 0
-                while got < payload.nbytes:
-                    n = f.readinto(payload[got:])
-                    if not n:
+                for start, end in chunk_format.hashed_pieces(payload.nbytes):
+                    while got < end:  # hash each piece right after reading it, while it is in cache
+                        n = f.readinto(payload[got:end])
+                        if not n:
+                            break
+                        got += n
+                    if got < end:
                         break
-                    got += n
+                    hasher.update(payload[start:end])
                 intact = got == header.payload_len and not f.read(1)
-            if intact and chunk_format.verify_payload(header, payload):
+            if intact and hasher.digest() == header.checksum:
                 return obj, _Read.OK
             logger.warning("disk tier: %s is truncated or corrupted", path)
             outcome = _Read.BAD
