@@ -216,11 +216,11 @@ def test_request_config_reads_only_lmcache_keys(caplog):
 # ----- start-up refusals --------------------------------------------------------------------------
 
 
-def test_layerwise_mode_is_refused_at_worker_start(clean_env, vllm_config):
+def test_an_unbuilt_switch_is_refused_at_worker_start(clean_env, vllm_config):
     from lmcache.integration.vllm.v1.worker_side import LMCacheWorkerSide
 
-    config = utils.lmcache_get_config({"lmcache.use_layerwise": True})
-    with pytest.raises(ValueError, match="use_layerwise=True"):
+    config = utils.lmcache_get_config({"lmcache.enable_p2p": True})
+    with pytest.raises(ValueError, match="enable_p2p=True"):
         LMCacheWorkerSide.from_vllm_config(vllm_config, config)
 
 
