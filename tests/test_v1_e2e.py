@@ -234,3 +234,24 @@ def test_bad_extra_config_key_fails_engine_start(tiny_model):
     assert proc.returncode != 0
     assert "RESULT " not in log
     assert "unknown config key 'chunk_sise'" in log, log[-3000:]
+
+
+def test_layerwise_matches_cache_off_and_a_whole_chunk_reader_hits_its_entries(tiny_model, baseline, tmp_path):
+    # use_layerwise: loads are waited on per layer (wait_for_layer_load) and stores copied out per
+    # layer (save_kv_layer) on the copy thread; the disk entries are whole chunks, so a second
+    # process on the synchronous path loads them.
+    disk = {**LMCACHE_ENV, "LMCACHE_LOCAL_DISK": str(tmp_path / "disk"), "LMCACHE_MAX_LOCAL_DISK_SIZE": "1"}
+    prompts = [P_LONG, P_SHARED_A, P_SHARED_B, [P_CHUNKED, P_OTHER]]
+    layerwise = connector_kwargs(prefix_caching=False, extra={"lmcache.use_layerwise": True})
+    writer = run(tiny_model, prompts, layerwise, disk, rounds=2)
+    assert_same_as_baseline(writer, prompts, baseline)
+    lines = hits(writer.lines)
+    assert lines[:3] == [(1500, 0, 0, 0, 1500), (1424, 0, 0, 0, 1424), (1424, 0, 1024, 1024, 400)]
+    assert sorted(lines[3:5]) == [(1100, 0, 0, 0, 1100), (3000, 0, 0, 0, 3000)]
+    assert lines[5:8] == [(1500, 0, 1500, 1500, 0), (1424, 0, 1424, 1424, 0), (1424, 0, 1424, 1424, 0)]
+    assert sorted(lines[8:]) == [(1100, 0, 1100, 1100, 0), (3000, 0, 3000, 3000, 0)]
+    assert_no_pins_left(writer)
+
+    reader = run(tiny_model, [P_LONG, P_CHUNKED], connector_kwargs(prefix_caching=False, role="kv_consumer"), disk)
+    assert_same_as_baseline(reader, [P_LONG, P_CHUNKED], baseline)
+    assert hits(reader.lines) == [(1500, 0, 1500, 1500, 0), (3000, 0, 3000, 3000, 0)]

@@ -25,11 +25,12 @@ LAYERS, HEADS, HEAD_SIZE, BLOCK, NUM_BLOCKS, CHUNK = 2, 2, 16, 16, 256, 256
 PROMPT = [(7 * i + 3) % 1000 + 4 for i in range(600)]  # 2 whole chunks and a partial one
 
 
-@pytest.fixture
-def setup():
+def make_setup(**config_fields):
     """A worker side on a fresh engine, its scheduler side, and random KV caches."""
     name = f"test-v1-worker-{uuid.uuid4().hex[:8]}"
-    config = LMCacheEngineConfig.from_defaults(chunk_size=CHUNK, remote_url=None, max_local_cpu_size=0.05)
+    config = LMCacheEngineConfig.from_defaults(
+        chunk_size=CHUNK, remote_url=None, max_local_cpu_size=0.05, **config_fields
+    )
     metadata = LMCacheEngineMetadata(
         "tiny", 1, 0, "vllm", torch.float32, (LAYERS, 2, CHUNK, HEADS, HEAD_SIZE)
     )
@@ -45,7 +46,18 @@ def setup():
     driver = StepDriver(side, BLOCK)
     driver.next_block = 0
     yield worker, side, driver, caches
+    worker.close()
     LMCacheEngineBuilder.destroy(name)
+
+
+@pytest.fixture
+def setup():
+    yield from make_setup()
+
+
+@pytest.fixture
+def layerwise_setup():
+    yield from make_setup(use_layerwise=True)
 
 
 def token_kv(caches, slots):
@@ -251,3 +263,62 @@ def test_kv_caches_that_contradict_the_metadata_are_refused(setup):
         worker.register_kv_caches(caches[:1])
     with pytest.raises(ValueError, match="layer 0 has shape"):
         worker.register_kv_caches([c.view(2, NUM_BLOCKS * 2, -1) for c in caches])
+
+
+# ----- use_layerwise: the same plans, moved layer by layer on the copy thread -------------------
+
+
+def test_layerwise_saves_per_layer_and_loads_layer_i_by_the_ith_wait(layerwise_setup):
+    worker, side, driver, caches = layerwise_setup
+    meta = driver.admit(make_request("a", PROMPT), len(PROMPT))
+    worker.start_load_kv(meta, None)  # nothing to load
+    for _ in range(LAYERS):
+        worker.wait_for_layer_load()
+        worker.save_kv_layer(meta)
+    worker.wait_for_save(meta)
+    assert worker.pop_request_counters("a").stored_tokens == 600
+    assert worker.engine.stats().stored_tokens == 600
+    expected = token_kv(caches, driver.slots("a", 600))
+
+    meta = driver.admit(make_request("b", PROMPT), len(PROMPT))
+    slots_b = driver.slots("b", 600)
+    before = token_kv(caches, slots_b)
+    assert live_pins(worker) == 3
+    worker.start_load_kv(meta, None)
+    for layer in range(LAYERS):
+        worker.wait_for_layer_load()
+        now = token_kv(caches, slots_b)
+        assert torch.equal(now[: layer + 1], expected[: layer + 1])  # waited-for layers are in
+    worker.wait_for_save(meta)
+    assert torch.equal(token_kv(caches, slots_b), expected) and not torch.equal(before, expected)
+    assert worker.pop_request_counters("b").loaded_tokens == 600
+    assert live_pins(worker) == 0  # released once the load settled
+    assert worker.get_block_ids_with_load_errors() == set()
+
+
+def test_layerwise_load_failing_part_way_reports_every_promised_block(layerwise_setup, caplog, monkeypatch):
+    from lmcache.experimental.layerwise import LayerCopier
+
+    worker, side, driver, caches = layerwise_setup
+    meta = driver.admit(make_request("a", PROMPT), len(PROMPT))
+    for _ in range(LAYERS):
+        worker.save_kv_layer(meta)
+    worker.wait_for_save(meta)
+    meta = driver.admit(make_request("b", PROMPT), len(PROMPT))
+    real_copy = LayerCopier.copy_layer
+
+    def copy_layer(self, layer):
+        if layer == 1:  # layer 0 is written, layer 1 never is
+            raise RuntimeError("copy failed")
+        real_copy(self, layer)
+
+    monkeypatch.setattr(LayerCopier, "copy_layer", copy_layer)
+    with caplog.at_level(logging.ERROR, logger="lmcache"):
+        worker.start_load_kv(meta, None)
+        for _ in range(LAYERS):
+            worker.wait_for_layer_load()
+        worker.wait_for_save(meta)
+    assert worker.get_block_ids_with_load_errors() == {s // BLOCK for s in driver.slots("b", 600)}
+    assert worker.pop_request_counters("b").loaded_tokens == 0
+    assert "layer-wise load failed" in caplog.text
+    assert live_pins(worker) == 0

@@ -106,14 +106,14 @@ class LMCacheConnectorV1Impl:
         self._worker("start_load_kv").start_load_kv(step_connector_metadata(self._parent), forward_context)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        """Loads finish in `start_load_kv` (whole chunks, all layers at once)."""
-        return None
+        """Layer-wise: the next layer's load is in; otherwise loads finished in `start_load_kv`."""
+        self._worker("wait_for_layer_load").wait_for_layer_load()
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: "torch.Tensor", attn_metadata: "AttentionMetadata", **kwargs: Any
     ) -> None:
-        """Stores happen in `wait_for_save`, once every layer holds the step's KV."""
-        return None
+        """Layer-wise: copy out the layer just computed; otherwise stores happen in `wait_for_save`."""
+        self._worker("save_kv_layer").save_kv_layer(step_connector_metadata(self._parent))
 
     def wait_for_save(self) -> None:
         self._worker("wait_for_save").wait_for_save(step_connector_metadata(self._parent))

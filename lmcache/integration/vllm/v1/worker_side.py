@@ -39,10 +39,11 @@ import torch
 from lmcache.experimental.cache_engine import LMCacheEngine
 from lmcache.experimental.config import LMCacheEngineConfig
 from lmcache.experimental.kv_layout import KVLayout
-from lmcache.experimental.token_database import skip_prefix_mask
 from lmcache.integration.vllm.utils import check_kv_caches
 from lmcache.integration.vllm.request_log import RequestCounters
+from lmcache.integration.vllm.v1.layerwise_worker import LayerwiseWorker
 from lmcache.integration.vllm.v1.request_state import LMCacheConnectorMetadata, ReqMeta
+from lmcache.integration.vllm.v1.transfer_arguments import load_arguments, store_arguments
 from lmcache.integration.vllm.v1.worker_channel import WorkerChannelServer, channel_socket_path
 from lmcache.integration.vllm.vllm_compat import attention_kv_caches, kv_caches_in_layer_order
 from lmcache.integration.vllm.worker_engine import ENGINE_EXIT_PRIORITY, open_worker_engine
@@ -72,6 +73,13 @@ class LMCacheWorkerSide:
         self._counters: dict[str, RequestCounters] = {}
         self._load_error_blocks: set[int] = set()
         self._server: Optional[WorkerChannelServer] = None
+        # `use_layerwise`: loads and stores layer by layer on a copy thread (`layerwise_worker.py`).
+        self.layerwise: Optional[LayerwiseWorker] = LayerwiseWorker(self) if engine.config.use_layerwise else None
+
+    @property
+    def engine_lock(self) -> threading.Lock:
+        """Held around every engine call of this side (model-runner, channel and copy threads)."""
+        return self._lock
 
     @classmethod
     def from_vllm_config(cls, vllm_config: "VllmConfig", config: LMCacheEngineConfig) -> "LMCacheWorkerSide":
@@ -146,6 +154,9 @@ class LMCacheWorkerSide:
         loads = [req for req in metadata.requests if req.load_spec is not None]
         if not loads:
             return
+        if self.layerwise is not None:
+            self.layerwise.start_loads(loads, self._ensure_kv_caches(forward_context))  # unpins when done
+            return
         try:
             kv_caches = self._ensure_kv_caches(forward_context)
             for req in loads:
@@ -155,20 +166,22 @@ class LMCacheWorkerSide:
             self.unpin([req.req_id for req in loads])
 
     def _load(self, req: ReqMeta, kv_caches: list[torch.Tensor]) -> None:
+        tokens, mask, slots = load_arguments(req, self.chunk_size)
+        got: Optional[torch.Tensor] = None
+        try:
+            with self._lock:
+                got = self.engine.retrieve(tokens, mask, kvcaches=kv_caches, slot_mapping=slots, cache_salt=req.cache_salt)
+        except Exception:  # a cache tier must not fail serving: the tokens count as not loaded
+            logger.exception("request %s: LMCache load failed", req.req_id)
+        self.settle_load(req, slots, got)
+
+    def settle_load(self, req: ReqMeta, slots: torch.Tensor, got: Optional[torch.Tensor]) -> None:
+        """Count what a load wrote (`got`: its token mask, None when it failed) and report the
+        promised blocks it did not fill as load errors."""
         spec = req.load_spec
         assert spec is not None
         num_tokens, vllm_cached = spec.lmcache_cached_tokens, spec.vllm_cached_tokens
-        mask = skip_prefix_mask(num_tokens, vllm_cached, self.chunk_size)
-        # NOTE: vLLM's own cached blocks may be shared with running requests: never write them.
-        slots = req.slot_mapping[:num_tokens].clone()
-        slots[:vllm_cached] = -1
-        try:
-            with self._lock:
-                got = self.engine.retrieve(
-                    req.token_ids[:num_tokens], mask, kvcaches=kv_caches, slot_mapping=slots, cache_salt=req.cache_salt
-                )
-        except Exception:  # a cache tier must not fail serving: the tokens count as not loaded
-            logger.exception("request %s: LMCache load failed", req.req_id)
+        if got is None:
             got = torch.zeros(num_tokens, dtype=torch.bool)
         loaded = int(got[vllm_cached:num_tokens].sum())
         self._count(req.req_id, loaded=loaded)
@@ -184,6 +197,21 @@ class LMCacheWorkerSide:
                 req.req_id, expected, loaded,
             )
 
+    def wait_for_layer_load(self) -> None:
+        """Layer-wise: block until the next layer of this step's loads is in vLLM's cache."""
+        if self.layerwise is not None:
+            self.layerwise.wait_layer_loaded()
+
+    def save_kv_layer(self, metadata: Any) -> None:
+        """Layer-wise: copy the layer vLLM just computed out for this step's stores."""
+        if self.layerwise is None or not isinstance(metadata, LMCacheConnectorMetadata):
+            return
+
+        def saves() -> list[ReqMeta]:
+            return [req for req in metadata.requests if req.save_spec is not None]
+
+        self.layerwise.save_layer(saves, self._ensure_kv_caches(None))
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         """The vLLM blocks that loads since the last call promised but did not fill."""
         with self._lock:
@@ -191,7 +219,12 @@ class LMCacheWorkerSide:
         return blocks
 
     def wait_for_save(self, metadata: Any) -> None:
-        """Store every request's planned tokens (after the forward pass wrote their KV)."""
+        """Store every request's planned tokens (after the forward pass wrote their KV); layer-wise,
+        wait for the layers' copies and puts."""
+        if self.layerwise is not None:
+            self.layerwise.finish_loads()
+            self.layerwise.finish_saves()
+            return
         if not isinstance(metadata, LMCacheConnectorMetadata):
             return
         saves = [req for req in metadata.requests if req.save_spec is not None]
@@ -199,18 +232,16 @@ class LMCacheWorkerSide:
             return
         kv_caches = self._ensure_kv_caches(None)
         for req in saves:
-            spec = req.save_spec
-            assert spec is not None
-            mask = skip_prefix_mask(spec.num_tokens, spec.skip_leading_tokens, self.chunk_size)
+            tokens, mask, slots = store_arguments(req, self.chunk_size)
             with self._lock:
-                self.engine.store(
-                    req.token_ids[: spec.num_tokens],
-                    mask,
-                    kvcaches=kv_caches,
-                    slot_mapping=req.slot_mapping[: spec.num_tokens],
-                    cache_salt=req.cache_salt,
-                )
-            self._count(req.req_id, stored=spec.num_tokens - spec.skip_leading_tokens)
+                self.engine.store(tokens, mask, kvcaches=kv_caches, slot_mapping=slots, cache_salt=req.cache_salt)
+            self.count_store(req)
+
+    def count_store(self, req: ReqMeta) -> None:
+        """Count a request's planned store as done."""
+        spec = req.save_spec
+        assert spec is not None
+        self._count(req.req_id, stored=spec.num_tokens - spec.skip_leading_tokens)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[Optional[set[str]], Optional[set[str]]]:
         """Nothing is sent or received asynchronously; drop counters nobody asked for and the pins
@@ -227,3 +258,5 @@ class LMCacheWorkerSide:
         if self._server is not None:
             self._server.close()
             self._server = None
+        if self.layerwise is not None:
+            self.layerwise.close()
