@@ -96,3 +96,21 @@ def test_wrapper_serve_hits_over_http():
     assert re.search(r"second \(repeat\) .* LMCache hit tokens 1000/1000", out), out
     assert "same completion text both times: True" in out
     assert "server stopped cleanly (exit code 0)" in out
+
+
+def test_layerwise_loads_and_stores_per_layer(tiny_model, baseline):
+    """use_layerwise on vLLM 0.32: its attention calls wait_for_layer_load / save_kv_layer around
+    each layer (kv_transfer_utils.maybe_transfer_kv_layer); tokens and hits as the whole-chunk path."""
+    prompts = [P_LONG, P_SHARED_A, P_SHARED_B]
+    kwargs = connector_kwargs(prefix_caching=False, extra={"lmcache.use_layerwise": True})
+    result = run(tiny_model, prompts, kwargs, ENV, rounds=2)
+    assert_same_as_baseline(result, prompts, baseline)
+    assert hits(result.lines) == [
+        (1500, 0, 0, 0, 1500),
+        (1424, 0, 0, 0, 1424),
+        (1424, 0, 1024, 1024, 400),
+        (1500, 0, 1500, 1500, 0),
+        (1424, 0, 1424, 1424, 0),
+        (1424, 0, 1424, 1424, 0),
+    ]
+    assert_no_pins_left(result)
