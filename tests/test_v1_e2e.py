@@ -255,3 +255,28 @@ def test_layerwise_matches_cache_off_and_a_whole_chunk_reader_hits_its_entries(t
     reader = run(tiny_model, [P_LONG, P_CHUNKED], connector_kwargs(prefix_caching=False, role="kv_consumer"), disk)
     assert_same_as_baseline(reader, [P_LONG, P_CHUNKED], baseline)
     assert hits(reader.lines) == [(1500, 0, 1500, 1500, 0), (3000, 0, 3000, 3000, 0)]
+
+
+ASYNC_DONE_RE = re.compile(r"request \S+: background load done, (\d+) leading tokens ready of (\d+) promised")
+
+
+def test_async_loading_from_disk_and_a_chunk_unreadable_after_the_lookup_is_recomputed(tiny_model, baseline, tmp_path):
+    # A writer fills the disk tier; a second process (through lmcache_vllm, whose patched shell
+    # passes the "load in the background" answer to vLLM) finds the prefixes on disk only, so
+    # each request waits in WAITING_FOR_REMOTE_KVS while the worker reads and copies it.
+    disk = {**LMCACHE_ENV, "LMCACHE_LOCAL_DISK": str(tmp_path / "disk"), "LMCACHE_MAX_LOCAL_DISK_SIZE": "1"}
+    writer = run(tiny_model, [P_SHARED_A, P_LONG], connector_kwargs(prefix_caching=False), disk)
+    assert hits(writer.lines) == [(1424, 0, 0, 0, 1424), (1500, 0, 0, 0, 1500)]
+    files = sorted((tmp_path / "disk").iterdir(), key=lambda f: f.stat().st_mtime_ns)
+    assert len(files) == 12  # 6 chunks each, written in order
+    with open(files[6 + 2], "r+b") as f:  # P_LONG's third chunk: its payload no longer matches
+        f.seek(-64, os.SEEK_END)
+        f.write(bytes(64))
+
+    kwargs = connector_kwargs(prefix_caching=False, extra={"lmcache.enable_async_loading": True})
+    prompts = [P_LONG, P_SHARED_A]
+    reader = run(tiny_model, prompts, kwargs, disk, vllm_module="lmcache_vllm.vllm")
+    assert_same_as_baseline(reader, prompts, baseline)  # the unreadable chunk's tokens were computed
+    assert hits(reader.lines) == [(1500, 0, 1500, 512, 0), (1424, 0, 1424, 1424, 0)]
+    assert sorted(ASYNC_DONE_RE.findall(reader.log)) == [("1424", "1424"), ("512", "1500")]
+    assert_no_pins_left(reader)

@@ -4,6 +4,7 @@ stored from, and loaded into, paged KV caches in vLLM's CPU layout, slot by slot
 from __future__ import annotations
 
 import logging
+import time
 import uuid
 
 import pytest
@@ -19,7 +20,7 @@ from lmcache.integration.vllm.v1.scheduler_side import LMCacheSchedulerSide
 from lmcache.integration.vllm.v1.worker_channel import InProcessChannel
 from lmcache.integration.vllm.v1.worker_side import LMCacheWorkerSide
 
-from v1_helpers import StepDriver, make_request, make_settings
+from v1_helpers import StepDriver, make_request, make_settings, scheduler_output
 
 LAYERS, HEADS, HEAD_SIZE, BLOCK, NUM_BLOCKS, CHUNK = 2, 2, 16, 16, 256, 256
 PROMPT = [(7 * i + 3) % 1000 + 4 for i in range(600)]  # 2 whole chunks and a partial one
@@ -42,7 +43,8 @@ def make_setup(**config_fields):
     gen = torch.Generator().manual_seed(0)
     caches = [torch.randn(2, NUM_BLOCKS, BLOCK * HEADS * HEAD_SIZE, generator=gen) for _ in range(LAYERS)]
     worker.register_kv_caches(caches)
-    side = LMCacheSchedulerSide(make_settings(chunk_size=CHUNK, block_size=BLOCK), InProcessChannel(worker))
+    settings = make_settings(chunk_size=CHUNK, block_size=BLOCK, async_loading=config.enable_async_loading)
+    side = LMCacheSchedulerSide(settings, InProcessChannel(worker))
     driver = StepDriver(side, BLOCK)
     driver.next_block = 0
     yield worker, side, driver, caches
@@ -322,3 +324,101 @@ def test_layerwise_load_failing_part_way_reports_every_promised_block(layerwise_
     assert worker.pop_request_counters("b").loaded_tokens == 0
     assert "layer-wise load failed" in caplog.text
     assert live_pins(worker) == 0
+
+
+# ----- enable_async_loading: a prefix only on disk loads in the background -------------------
+
+
+@pytest.fixture
+def async_setup(tmp_path):
+    yield from make_setup(enable_async_loading=True, local_disk=str(tmp_path), max_local_disk_size=0.1)
+
+
+def only_on_disk(worker, prompt):
+    """Let the disk writes land, then drop the prompt's chunks from CPU memory."""
+    manager = worker.engine.storage_manager
+    manager.tiers[1].flush()
+    for _, _, key in worker.engine.token_database.process_tokens(prompt):
+        manager.tiers[0].remove(key)
+
+
+def wait_finished(worker, finished=frozenset(), which=1):
+    """Call get_finished as vLLM does every step until it reports something."""
+    for _ in range(500):
+        reported = worker.get_finished(set(finished))[which]
+        if reported:
+            return reported
+        finished = ()
+        time.sleep(0.01)
+    raise AssertionError("the background load never finished")
+
+
+def park(side, driver, request):
+    """What vLLM's scheduler does for an async answer: allocate, hand over the blocks, park."""
+    external, is_async = side.match_tokens(request, 0)
+    driver._alloc(request.request_id, external)
+    side.update_state_after_alloc(request, external, [list(driver.blocks[request.request_id])])
+    return external, is_async, side.build_connector_meta(scheduler_output())
+
+
+def test_async_load_of_a_disk_prefix_runs_in_the_background_and_is_reported(async_setup):
+    worker, side, driver, caches = async_setup
+    worker.wait_for_save(driver.admit(make_request("a", PROMPT), len(PROMPT)))
+    expected = token_kv(caches, driver.slots("a", 600))
+    only_on_disk(worker, PROMPT)
+
+    request = make_request("b", PROMPT)
+    external, is_async, meta = park(side, driver, request)
+    assert (external, is_async) == (599, True)
+    assert live_pins(worker) == 0  # nothing pinned by the lookup: the background load pins
+    (req,) = meta.requests
+    assert req.load_spec.is_async and req.slot_mapping.tolist() == driver.slots("b", 600)
+    worker.start_load_kv(meta, None)  # returns at once
+    assert wait_finished(worker) == {"b"}
+    assert torch.equal(token_kv(caches, driver.slots("b", 600)), expected)
+    assert side.async_loaded_tokens("b") == 600
+    assert side.async_loaded_tokens("b") is None  # popped
+    assert live_pins(worker) == 0
+
+
+def test_async_answer_only_for_slow_tiers_and_once_per_request(async_setup):
+    worker, side, driver, caches = async_setup
+    worker.wait_for_save(driver.admit(make_request("a", PROMPT), len(PROMPT)))
+    assert side.match_tokens(make_request("m", PROMPT), 0) == (599, False)  # all in CPU memory: as before
+    assert live_pins(worker) == 3
+    side.update_state_after_alloc(make_request("m", PROMPT), 0)
+    assert live_pins(worker) == 0
+    only_on_disk(worker, PROMPT)
+    request = make_request("s", PROMPT)
+    assert park(side, driver, request)[:2] == (599, True)
+    assert side.match_tokens(request, 0)[1] is False  # asked again (a load fell short): synchronous
+
+
+def test_a_chunk_unreadable_after_the_lookup_is_reported_short(async_setup):
+    worker, side, driver, caches = async_setup
+    worker.wait_for_save(driver.admit(make_request("a", PROMPT), len(PROMPT)))
+    only_on_disk(worker, PROMPT)
+    request = make_request("b", PROMPT)
+    _, _, meta = park(side, driver, request)
+    keys = [key for _, _, key in worker.engine.token_database.process_tokens(PROMPT)]
+    worker.engine.storage_manager.tiers[1].remove(keys[1])  # gone between lookup and read
+    worker.start_load_kv(meta, None)
+    assert wait_finished(worker) == {"b"}
+    assert side.async_loaded_tokens("b") == 256
+    slots = driver.slots("b", 600)
+    assert worker.get_block_ids_with_load_errors() == {s // BLOCK for s in slots[256:]}
+
+
+def test_a_request_ending_while_it_loads_keeps_its_blocks_until_the_load_is_done(async_setup):
+    worker, side, driver, caches = async_setup
+    worker.wait_for_save(driver.admit(make_request("a", PROMPT), len(PROMPT)))
+    only_on_disk(worker, PROMPT)
+    request = make_request("b", PROMPT)
+    _, _, meta = park(side, driver, request)
+    worker.start_load_kv(meta, None)
+    assert side.request_finished(request, []) == (True, None)  # aborted while waiting
+    meta = side.build_connector_meta(scheduler_output(finished={"b"}))
+    assert meta.release_after_load == ["b"]
+    worker.start_load_kv(meta, None)
+    assert wait_finished(worker, {"b"}, which=0) == {"b"}
+    assert worker.get_finished(set())[0] is None  # reported once

@@ -330,7 +330,6 @@ def prefixed_overrides(extra: Mapping[str, Any], prefix: str = EXTRA_CONFIG_PREF
 # Turning one on is refused when an engine is built (see `check_supported`), never silently ignored.
 UNSUPPORTED_WHEN_ON: Mapping[str, str] = MappingProxyType(
     {
-        "enable_async_loading": "loads are synchronous within the step that asks for them",
         "enable_blending": "CacheBlend (reusing non-prefix chunks) is not implemented",
         "enable_p2p": "peer-to-peer sharing is not implemented; share through remote_url instead",
         "enable_pd": "prefill/decode disaggregation is not implemented",

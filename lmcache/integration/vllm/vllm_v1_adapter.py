@@ -138,8 +138,18 @@ class LMCacheConnectorV1Impl:
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> int:
         return self._scheduler("get_num_new_matched_tokens").get_num_new_matched_tokens(request, num_computed_tokens)
 
-    def update_state_after_alloc(self, request: "Request", num_external_tokens: int) -> None:
-        self._scheduler("update_state_after_alloc").update_state_after_alloc(request, num_external_tokens)
+    def match_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
+        """`(tokens, load in the background)`: what the wrapper's patched shell answers vLLM."""
+        return self._scheduler("match_tokens").match_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(
+        self, request: "Request", num_external_tokens: int, block_ids: Optional[Sequence[Sequence[int]]] = None
+    ) -> None:
+        self._scheduler("update_state_after_alloc").update_state_after_alloc(request, num_external_tokens, block_ids)
+
+    def async_loaded_tokens(self, req_id: str) -> Optional[int]:
+        """Leading tokens a finished background load left in the request's blocks (None: unknown)."""
+        return self._scheduler("async_loaded_tokens").async_loaded_tokens(req_id)
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> LMCacheConnectorMetadata:
         return self._scheduler("build_connector_meta").build_connector_meta(scheduler_output)

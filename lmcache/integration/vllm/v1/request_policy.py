@@ -49,6 +49,7 @@ class DoorSettings:
     force_skip_save: bool  # LMCACHE_FORCE_SKIP_SAVE
     kv_role: str  # kv_both / kv_producer / kv_consumer (a consumer never stores)
     model_name: str  # vLLM's model name (the metrics' `model_name` label)
+    async_loading: bool = False  # enable_async_loading: slow-tier hits load in the background
 
     @classmethod
     def from_vllm(cls, vllm_config: "VllmConfig", config: LMCacheEngineConfig) -> "DoorSettings":
@@ -71,6 +72,7 @@ class DoorSettings:
             force_skip_save=force_skip_save(),
             kv_role=kv_role,
             model_name=vllm_config.model_config.model,
+            async_loading=config.enable_async_loading,
         )
 
 

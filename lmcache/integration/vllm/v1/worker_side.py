@@ -41,6 +41,7 @@ from lmcache.experimental.config import LMCacheEngineConfig
 from lmcache.experimental.kv_layout import KVLayout
 from lmcache.integration.vllm.utils import check_kv_caches
 from lmcache.integration.vllm.request_log import RequestCounters
+from lmcache.integration.vllm.v1.async_loader import AsyncLoader
 from lmcache.integration.vllm.v1.layerwise_worker import LayerwiseWorker
 from lmcache.integration.vllm.v1.request_state import LMCacheConnectorMetadata, ReqMeta
 from lmcache.integration.vllm.v1.transfer_arguments import load_arguments, store_arguments
@@ -75,6 +76,8 @@ class LMCacheWorkerSide:
         self._server: Optional[WorkerChannelServer] = None
         # `use_layerwise`: loads and stores layer by layer on a copy thread (`layerwise_worker.py`).
         self.layerwise: Optional[LayerwiseWorker] = LayerwiseWorker(self) if engine.config.use_layerwise else None
+        # `enable_async_loading`: slow-tier prefixes load in the background (`async_loader.py`).
+        self.async_loader: Optional[AsyncLoader] = AsyncLoader(self) if engine.config.enable_async_loading else None
 
     @property
     def engine_lock(self) -> threading.Lock:
@@ -111,6 +114,29 @@ class LMCacheWorkerSide:
             if request_id:
                 return self.engine.lookup(tokens, cache_salt=cache_salt, request_id=request_id, pin=True)
             return self.engine.lookup(tokens, cache_salt=cache_salt)
+
+    def lookup_async(self, token_ids: Sequence[int], cache_salt: str, request_id: str) -> tuple[int, bool]:
+        """`(hit, needs a slow tier)`: the prefix already in CPU memory is pinned for the request as
+        `lookup` pins; when a slower tier continues it, nothing is pinned (the background load
+        pins as it reads) and the whole hit is reported."""
+        tokens = torch.tensor(list(token_ids), dtype=torch.long)
+        with self._lock:
+            in_memory = self.engine.lookup(tokens, ["Hot"], cache_salt=cache_salt, request_id=request_id, pin=True)
+            total = in_memory
+            for end, key in self.engine.token_database.prefix_keys(tokens, cache_salt=cache_salt):
+                if end <= in_memory:
+                    continue
+                if not self.engine.storage_manager.contains(key):
+                    break
+                total = end
+        if total > in_memory:
+            self.unpin([request_id])
+            return total, True
+        return in_memory, False
+
+    def pop_async_loaded(self, req_id: str) -> Optional[int]:
+        """Leading tokens a finished background load left in the request's blocks (None: none)."""
+        return None if self.async_loader is None else self.async_loader.pop_loaded(req_id)
 
     def unpin(self, request_ids: Sequence[str]) -> None:
         """Release the pins of these requests' lookups (ids without pins are ignored)."""
@@ -151,9 +177,20 @@ class LMCacheWorkerSide:
         """Retrieve every request's promised tokens into vLLM's blocks (before the forward pass)."""
         if not isinstance(metadata, LMCacheConnectorMetadata):
             return
+        if metadata.release_after_load and self.async_loader is not None:
+            self.async_loader.release_when_done(metadata.release_after_load)
         loads = [req for req in metadata.requests if req.load_spec is not None]
         if not loads:
             return
+        background = [req for req in loads if req.load_spec is not None and req.load_spec.is_async]
+        if background:
+            assert self.async_loader is not None, "a background load without enable_async_loading"
+            kv_caches = self._ensure_kv_caches(forward_context)
+            for req in background:
+                self.async_loader.submit(req, kv_caches)
+            loads = [req for req in loads if req not in background]
+            if not loads:
+                return
         if self.layerwise is not None:
             self.layerwise.start_loads(loads, self._ensure_kv_caches(forward_context))  # unpins when done
             return
@@ -244,14 +281,18 @@ class LMCacheWorkerSide:
         self._count(req.req_id, stored=spec.num_tokens - spec.skip_leading_tokens)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[Optional[set[str]], Optional[set[str]]]:
-        """Nothing is sent or received asynchronously; drop counters nobody asked for and the pins
-        of requests that ended (aborted, or finished) before their load."""
+        """`(ended requests no background load writes into any more, background loads that ended)`;
+        drop counters nobody asked for and the pins of
+        requests that ended (aborted, or finished) before their load."""
         if finished_req_ids:
             self.unpin(list(finished_req_ids))
         with self._lock:
             for req_id in finished_req_ids:
                 self._counters.pop(req_id, None)
-        return None, None
+        if self.async_loader is None:
+            return None, None
+        self.async_loader.forget(finished_req_ids)
+        return self.async_loader.pop_released() or None, self.async_loader.pop_finished() or None
 
     def close(self) -> None:
         """Stop serving the channel (the engine is closed at process exit, it may be shared)."""
@@ -260,3 +301,5 @@ class LMCacheWorkerSide:
             self._server = None
         if self.layerwise is not None:
             self.layerwise.close()
+        if self.async_loader is not None:
+            self.async_loader.close()
