@@ -126,6 +126,7 @@ def test_chunked_prefill_stores_each_chunk_once(setup):
         metas.append(driver.run(request, min(200, len(PROMPT) - request.num_computed_tokens)))
     for meta in metas:
         worker.wait_for_save(meta)
+    worker.saver.flush()  # the stores ran after their steps
     stats = worker.engine.stats()
     assert stats.stored_tokens == 600 and stats.store_skipped_tokens == 0
     assert worker.lookup(PROMPT, "") == 600
@@ -336,6 +337,7 @@ def async_setup(tmp_path):
 
 def only_on_disk(worker, prompt):
     """Let the disk writes land, then drop the prompt's chunks from CPU memory."""
+    worker.saver.flush()  # the store ran after its step
     manager = worker.engine.storage_manager
     manager.tiers[1].flush()
     for _, _, key in worker.engine.token_database.process_tokens(prompt):
@@ -422,3 +424,43 @@ def test_a_request_ending_while_it_loads_keeps_its_blocks_until_the_load_is_done
     worker.start_load_kv(meta, None)
     assert wait_finished(worker, {"b"}, which=0) == {"b"}
     assert worker.get_finished(set())[0] is None  # reported once
+
+
+# ----- off-step saving ---------------------------------------------------------------------------
+
+
+def test_stores_run_after_the_step_and_finish_before_vllms_cache_is_written_again(setup, monkeypatch):
+    import threading
+
+    worker, side, driver, caches = setup
+    real_store = worker.engine.store
+    started, release, where = threading.Event(), threading.Event(), []
+
+    def slow_store(*args, **kwargs):
+        where.append(threading.current_thread().name)
+        started.set()
+        release.wait(5)
+        return real_store(*args, **kwargs)
+
+    monkeypatch.setattr(worker.engine, "store", slow_store)
+    meta = driver.admit(make_request("a", PROMPT), len(PROMPT))
+    worker.wait_for_save(meta)  # returns while the store is still held
+    assert started.wait(5) and where[0].startswith("lmcache-v1-save")
+    assert not release.is_set()
+    expected = token_kv(caches, driver.slots("a", 600))
+
+    barrier_passed = threading.Event()
+
+    def next_step():
+        worker.start_load_kv(LMCacheConnectorMetadata(), None)
+        barrier_passed.set()
+
+    t = threading.Thread(target=next_step)
+    t.start()
+    assert not barrier_passed.wait(0.3)  # the next step waits for the copy out of vLLM's blocks
+    release.set()
+    t.join(5)
+    assert barrier_passed.is_set() and worker.engine.stats().stored_tokens == 600
+    assert worker.pop_request_counters("a").stored_tokens == 600
+    assert worker.lookup(PROMPT, "") == 600
+    assert torch.equal(token_kv(caches, driver.slots("a", 600)), expected)

@@ -41,6 +41,7 @@ from lmcache.experimental.config import LMCacheEngineConfig
 from lmcache.experimental.kv_layout import KVLayout
 from lmcache.integration.vllm.utils import check_kv_caches
 from lmcache.integration.vllm.request_log import RequestCounters
+from lmcache.integration.vllm.off_step_saver import OffStepSaver
 from lmcache.integration.vllm.v1.async_loader import AsyncLoader
 from lmcache.integration.vllm.v1.layerwise_worker import LayerwiseWorker
 from lmcache.integration.vllm.v1.request_state import LMCacheConnectorMetadata, ReqMeta
@@ -78,6 +79,10 @@ class LMCacheWorkerSide:
         self.layerwise: Optional[LayerwiseWorker] = LayerwiseWorker(self) if engine.config.use_layerwise else None
         # `enable_async_loading`: slow-tier prefixes load in the background (`async_loader.py`).
         self.async_loader: Optional[AsyncLoader] = AsyncLoader(self) if engine.config.enable_async_loading else None
+        # Whole-chunk stores run after the step; flushed before vLLM's cache is written again,
+        # and at exit before the engine closes.
+        self.saver = OffStepSaver("v1")
+        multiprocessing.util.Finalize(self, self.saver.close, exitpriority=ENGINE_EXIT_PRIORITY + 1)
 
     @property
     def engine_lock(self) -> threading.Lock:
@@ -110,6 +115,7 @@ class LMCacheWorkerSide:
         """How many leading tokens of `token_ids` LMCache holds under `cache_salt`; with a
         `request_id`, that prefix is pinned for the request's load."""
         tokens = torch.tensor(list(token_ids), dtype=torch.long)
+        self.saver.flush()  # what the last step stored is found
         with self._lock:
             if request_id:
                 return self.engine.lookup(tokens, cache_salt=cache_salt, request_id=request_id, pin=True)
@@ -120,6 +126,7 @@ class LMCacheWorkerSide:
         `lookup` pins; when a slower tier continues it, nothing is pinned (the background load
         pins as it reads) and the whole hit is reported."""
         tokens = torch.tensor(list(token_ids), dtype=torch.long)
+        self.saver.flush()
         with self._lock:
             in_memory = self.engine.lookup(tokens, ["Hot"], cache_salt=cache_salt, request_id=request_id, pin=True)
             total = in_memory
@@ -174,7 +181,9 @@ class LMCacheWorkerSide:
         self._kv_caches = caches
 
     def start_load_kv(self, metadata: Any, forward_context: Optional["ForwardContext"]) -> None:
-        """Retrieve every request's promised tokens into vLLM's blocks (before the forward pass)."""
+        """Retrieve every request's promised tokens into vLLM's blocks (before the forward pass);
+        first, the last step's stores finish copying out of blocks vLLM may since have reused."""
+        self.saver.flush()
         if not isinstance(metadata, LMCacheConnectorMetadata):
             return
         if metadata.release_after_load and self.async_loader is not None:
@@ -268,11 +277,16 @@ class LMCacheWorkerSide:
         if not saves:
             return
         kv_caches = self._ensure_kv_caches(None)
-        for req in saves:
-            tokens, mask, slots = store_arguments(req, self.chunk_size)
-            with self._lock:
-                self.engine.store(tokens, mask, kvcaches=kv_caches, slot_mapping=slots, cache_salt=req.cache_salt)
+        jobs = [(req, store_arguments(req, self.chunk_size)) for req in saves]
+
+        def store() -> None:
+            for req, (tokens, mask, slots) in jobs:
+                with self._lock:
+                    self.engine.store(tokens, mask, kvcaches=kv_caches, slot_mapping=slots, cache_salt=req.cache_salt)
+
+        for req in saves:  # before the store takes the lock
             self.count_store(req)
+        self.saver.submit(store, ", ".join(req.req_id for req in saves))
 
     def count_store(self, req: ReqMeta) -> None:
         """Count a request's planned store as done."""
@@ -303,3 +317,4 @@ class LMCacheWorkerSide:
             self.layerwise.close()
         if self.async_loader is not None:
             self.async_loader.close()
+        self.saver.close()
