@@ -464,3 +464,57 @@ def test_stores_run_after_the_step_and_finish_before_vllms_cache_is_written_agai
     assert worker.pop_request_counters("a").stored_tokens == 600
     assert worker.lookup(PROMPT, "") == 600
     assert torch.equal(token_kv(caches, driver.slots("a", 600)), expected)
+
+
+def test_layerwise_and_async_together(tmp_path):
+    """One step: a disk-only prefix loads in the background while a CPU-tier hit loads layer by layer."""
+    gen = make_setup(use_layerwise=True, enable_async_loading=True, local_disk=str(tmp_path), max_local_disk_size=0.1)
+    worker, side, driver, caches = next(gen)
+    other = [t + 1 for t in PROMPT]
+    meta = driver.admit(make_request("a", PROMPT), len(PROMPT))
+    for _ in range(LAYERS):
+        worker.save_kv_layer(meta)
+    worker.wait_for_save(meta)
+    meta = driver.admit(make_request("o", other), len(other))
+    for _ in range(LAYERS):
+        worker.save_kv_layer(meta)
+    worker.wait_for_save(meta)
+    expected = token_kv(caches, driver.slots("a", 600))
+    expected_other = token_kv(caches, driver.slots("o", 600))
+    only_on_disk(worker, PROMPT)  # "a"'s prompt is on disk only, "o"'s still in CPU memory
+
+    slow = make_request("s", PROMPT)
+    assert side.match_tokens(slow, 0) == (599, True)
+    driver._alloc("s", 599)
+    side.update_state_after_alloc(slow, 599, [list(driver.blocks["s"])])
+    fast = make_request("f", other)
+    assert side.match_tokens(fast, 0) == (599, False)
+    driver._alloc("f", 600)
+    side.update_state_after_alloc(fast, 599)
+    from vllm.v1.core.sched.output import NewRequestData
+
+    fast.num_computed_tokens = 599
+    data = NewRequestData.from_request(fast, (list(driver.blocks["f"]),))
+    meta = side.build_connector_meta(scheduler_output([data], num_scheduled={"f": 1}))
+    assert sorted((r.req_id, r.load_spec.is_async) for r in meta.requests) == [("f", False), ("s", True)]
+    worker.start_load_kv(meta, None)
+    for _ in range(LAYERS):
+        worker.wait_for_layer_load()
+    worker.wait_for_save(meta)
+    assert torch.equal(token_kv(caches, driver.slots("f", 600)), expected_other)
+    assert wait_finished(worker) == {"s"}
+    assert torch.equal(token_kv(caches, driver.slots("s", 600)), expected)
+    assert live_pins(worker) == 0
+    next(gen, None)
+
+
+def test_vllms_plain_shell_keeps_the_synchronous_path_and_says_so_once(async_setup, caplog):
+    worker, side, driver, caches = async_setup
+    worker.wait_for_save(driver.admit(make_request("a", PROMPT), len(PROMPT)))
+    only_on_disk(worker, PROMPT)
+    with caplog.at_level(logging.WARNING, logger="lmcache"):
+        # vLLM's own LMCacheConnectorV1 asks for the int answer: the disk prefix is pinned now.
+        assert side.get_num_new_matched_tokens(make_request("b", PROMPT), 0) == 599
+        assert live_pins(worker) == 3
+        side.get_num_new_matched_tokens(make_request("c", PROMPT), 0)
+    assert caplog.text.count("run vLLM through lmcache_vllm for background loads") == 1
