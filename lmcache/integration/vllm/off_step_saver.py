@@ -16,6 +16,7 @@ so a prompt stored by the last step is found by the next one.
 
 from __future__ import annotations
 
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable
 
@@ -30,6 +31,7 @@ class OffStepSaver:
     def __init__(self, name: str) -> None:
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"lmcache-{name}-save")
         self._pending: list[Future] = []
+        self._lock = threading.Lock()  # submit (model thread) and flush (also channel threads)
 
     def submit(self, store: Callable[[], None], what: str) -> None:
         """Run `store` on the saver thread; an exception is logged (a cache tier never fails serving)."""
@@ -40,11 +42,13 @@ class OffStepSaver:
             except Exception:
                 logger.exception("LMCache off-step store failed (%s): not stored", what)
 
-        self._pending.append(self._thread.submit(run))
+        with self._lock:
+            self._pending.append(self._thread.submit(run))
 
     def flush(self) -> None:
         """Wait until every submitted store finished copying out of vLLM's blocks."""
-        pending, self._pending = self._pending, []
+        with self._lock:
+            pending, self._pending = self._pending, []
         for future in pending:
             future.result()
 
