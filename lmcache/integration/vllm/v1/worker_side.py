@@ -197,7 +197,7 @@ class LMCacheWorkerSide:
             kv_caches = self._ensure_kv_caches(forward_context)
             for req in background:
                 self.async_loader.submit(req, kv_caches)
-            loads = [req for req in loads if req not in background]
+            loads = [req for req in loads if req.load_spec is not None and not req.load_spec.is_async]
             if not loads:
                 return
         if self.layerwise is not None:
