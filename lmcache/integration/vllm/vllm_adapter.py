@@ -155,6 +155,9 @@ def _open_engine(vllm_config: Any) -> LMCacheEngine:
     config = lmcache_get_config(extra_config_of(vllm_config))
     if config.save_decode_cache:
         warn_once("LMCache v0 door: save_decode_cache is not supported by the v0 engine; only prompts are stored")
+    for switch in ("use_layerwise", "enable_async_loading"):
+        if getattr(config, switch):
+            warn_once(f"LMCache v0 door: {switch} applies to the v1 door; the v0 door loads whole chunks in the step")
     return open_worker_engine(vllm_config, config, DOOR).engine
 
 
