@@ -16,6 +16,7 @@ so a prompt stored by the last step is found by the next one.
 
 from __future__ import annotations
 
+import concurrent.futures
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable
@@ -49,8 +50,7 @@ class OffStepSaver:
         """Wait until every submitted store finished copying out of vLLM's blocks."""
         with self._lock:
             pending, self._pending = self._pending, []
-        for future in pending:
-            future.result()
+        concurrent.futures.wait(pending)  # `run` catches every exception: nothing to re-raise
 
     def close(self) -> None:
         self.flush()
