@@ -16,6 +16,11 @@
   on vLLM 0.32, which has only the v1 engine, the engine-config build): when the user gave no KV
   transfer config, ours becomes `LMCacheConnectorV1` (vLLM's built-in shell around
   `lmcache.integration.vllm.vllm_v1_adapter`). A user's own setting is left alone.
+- vLLM's `LMCacheConnectorV1` shell, for `enable_async_loading`: its lookup answer carries our
+  "load in the background" flag (the shell always says "not async") and our side gets the
+  blocks vLLM allocated; on vLLM 0.9.2 the scheduler's "remote KV arrived" step takes a load that
+  fell short as the tokens that arrived (`vllm_compat.finish_short_remote_load`). Connectors
+  other than ours go through vLLM's own code.
 
 vLLM runs engines and workers in processes it starts with `spawn`, where patches made here do
 not exist. `mark_environment()` records the intent in an environment variable those processes
@@ -171,12 +176,72 @@ def wrap_create_engine_config(original: Callable[..., Any]) -> Callable[..., Any
     return create_engine_config
 
 
+def _our_impl(shell: Any) -> Any:
+    """The `LMCacheConnectorV1Impl` inside vLLM's shell, or None (another connector)."""
+    from lmcache.integration.vllm.vllm_compat import connector_impl_of
+    from lmcache.integration.vllm.vllm_v1_adapter import LMCacheConnectorV1Impl
+
+    impl = connector_impl_of(shell)
+    return impl if isinstance(impl, LMCacheConnectorV1Impl) else None
+
+
+def wrap_async_match(original: Callable[..., Any]) -> Callable[..., Any]:
+    """The shell's lookup answer with our async flag instead of a constant False."""
+
+    @functools.wraps(original)
+    def get_num_new_matched_tokens(self: Any, request: Any, num_computed_tokens: int) -> Any:
+        impl = _our_impl(self)
+        if impl is None:
+            return original(self, request, num_computed_tokens)
+        return impl.match_tokens(request, num_computed_tokens)
+
+    setattr(get_num_new_matched_tokens, _WRAPPED_MARK, True)
+    return get_num_new_matched_tokens
+
+
+def wrap_async_alloc(original: Callable[..., Any]) -> Callable[..., Any]:
+    """The shell's allocation callback, handing our side the allocated blocks too."""
+
+    @functools.wraps(original)
+    def update_state_after_alloc(self: Any, request: Any, blocks: Any, num_external_tokens: int) -> Any:
+        from lmcache.integration.vllm.vllm_compat import kv_cache_block_ids
+
+        impl = _our_impl(self)
+        if impl is None:
+            return original(self, request, blocks, num_external_tokens)
+        return impl.update_state_after_alloc(request, num_external_tokens, kv_cache_block_ids(blocks))
+
+    setattr(update_state_after_alloc, _WRAPPED_MARK, True)
+    return update_state_after_alloc
+
+
+def wrap_remote_kv_ready(original: Callable[..., Any]) -> Callable[..., Any]:
+    """vLLM 0.9.2's scheduler taking a finished background load at the tokens that arrived."""
+
+    @functools.wraps(original)
+    def _update_waiting_for_remote_kv(self: Any, request: Any) -> Any:
+        from lmcache.integration.vllm.vllm_compat import finish_short_remote_load
+
+        impl = _our_impl(self.connector) if self.connector is not None else None
+        if impl is not None and request.request_id in self.finished_recving_kv_req_ids:
+            loaded = impl.async_loaded_tokens(request.request_id)
+            if loaded is not None and finish_short_remote_load(self, request, loaded):
+                return True
+        return original(self, request)
+
+    setattr(_update_waiting_for_remote_kv, _WRAPPED_MARK, True)
+    return _update_waiting_for_remote_kv
+
+
 _WRAPPERS: dict[str, Callable[[Callable[..., Any]], Callable[..., Any]]] = {
     "v0_execute_model": wrap_execute_model,
     "v1_default_args": wrap_set_default_args_v1,
     "v0_load_model": wrap_load_model,
     "model_inspection": wrap_run_in_subprocess,
     "v1_engine_config": wrap_create_engine_config,
+    "v1_async_match": wrap_async_match,
+    "v1_async_alloc": wrap_async_alloc,
+    "v1_async_ready": wrap_remote_kv_ready,
 }
 
 

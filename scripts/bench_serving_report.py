@@ -174,6 +174,10 @@ def targets(r: Mapping[str, Mapping[str, Optional[float]]]) -> list[dict]:
         tput = vals["unique_throughput"]
         # vLLM/ours <= 1/0.95 is "our throughput within 5% of vLLM alone" (being faster also passes).
         row("unique: vLLM throughput / ours", kind, tput, "<=", round(1 / 0.95, 4))
+    if "lmcache-cpu" in r and "lmcache-cpu-layerwise" in r:
+        # Both over the same floor: layer-wise hit TTFT / whole-chunk hit TTFT, side by side in one run.
+        row("repeat: layer-wise hit TTFT / without", "lmcache-cpu-layerwise",
+            _div(r["lmcache-cpu-layerwise"]["hit_over_limit"], r["lmcache-cpu"]["hit_over_limit"]), "<=", 1.0)
     return rows
 
 

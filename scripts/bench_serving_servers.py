@@ -30,17 +30,22 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Optional, Sequence
 from urllib.error import URLError
 from urllib.request import urlopen
 
 VLLM_KIND = "vllm"
-OUR_KINDS = ("lmcache-cpu", "lmcache-disk", "lmcache-remote")
+# Our kinds with a v1 door mode on top of one tier (issue 12): kind -> (tier kind, settings).
+MODE_KINDS = {
+    "lmcache-cpu-layerwise": ("lmcache-cpu", {"LMCACHE_USE_LAYERWISE": "True"}),
+    "lmcache-disk-async": ("lmcache-disk", {"LMCACHE_ENABLE_ASYNC_LOADING": "True"}),
+}
+OUR_KINDS = ("lmcache-cpu", "lmcache-disk", "lmcache-remote", *MODE_KINDS)
 ALL_KINDS = (VLLM_KIND, *OUR_KINDS)
 # Kinds whose cache outlives the vLLM process, so the restart workload means something for them.
-PERSISTENT_KINDS = ("lmcache-disk", "lmcache-remote")
+PERSISTENT_KINDS = ("lmcache-disk", "lmcache-remote", "lmcache-disk-async")
 
 VLLM_ENTRY = ["-m", "vllm.entrypoints.openai.api_server"]
 WRAPPER_ENTRY = ["-m", "lmcache_vllm.script", "serve"]
@@ -125,6 +130,11 @@ def tier_env(kind: str, settings: ServerSettings, remote_port: Optional[int]) ->
     """The `LMCACHE_*` variables that put our cache in exactly one tier."""
     if kind == VLLM_KIND:
         return {}
+    if kind in MODE_KINDS:
+        tier, mode = MODE_KINDS[kind]
+        # A disk of its own: the plain disk kind's chunks must not become this kind's hits.
+        own = replace(settings, disk_dir=f"{settings.disk_dir}/{kind}")
+        return {**tier_env(tier, own, remote_port), **mode}
     # Every one of our servers gets the same host memory: the CPU tier keeps chunks in it, the
     # others only stage chunks there on their way to disk or to the lm:// server.
     env = {

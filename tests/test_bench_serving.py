@@ -214,3 +214,15 @@ def test_quick_run_on_a_real_server_writes_sane_json_and_png(tmp_path):
             assert run["exit_code"] is not None and run["ready_s"] > 0
             cpu = run["cpu_while_measured"]
             assert cpu["our_cpu_s"] > 0 and 0.0 <= cpu["foreign_share"] <= 1.0
+
+
+def test_mode_kinds_add_their_switch_to_their_tier_and_keep_a_disk_of_their_own():
+    from bench_serving_servers import ServerSettings, tier_env
+
+    settings = ServerSettings(model="m", max_model_len=1024, block_size=16, num_kv_blocks=8, chunk_size=256,
+                              cpu_tier_gb=1, disk_tier_gb=1, remote_tier_gb=1, disk_dir="/d")
+    layerwise = tier_env("lmcache-cpu-layerwise", settings, None)
+    assert layerwise == {**tier_env("lmcache-cpu", settings, None), "LMCACHE_USE_LAYERWISE": "True"}
+    disk, disk_async = tier_env("lmcache-disk", settings, None), tier_env("lmcache-disk-async", settings, None)
+    assert disk_async["LMCACHE_ENABLE_ASYNC_LOADING"] == "True"
+    assert disk_async["LMCACHE_LOCAL_DISK"] == "file:///d/lmcache-disk-async" != disk["LMCACHE_LOCAL_DISK"]

@@ -149,6 +149,13 @@ def test_enable_pd_is_no_longer_refused() -> None:
     config.check_supported()
 
 
+def test_pd_sender_refuses_layerwise_naming_it() -> None:
+    pd = {"enable_pd": True, "pd_peer_host": "127.0.0.1", "pd_peer_init_port": 7300}
+    with pytest.raises(ValueError, match=r"use_layerwise=True: a PD sender"):
+        LMCacheEngineConfig.from_defaults(pd_role="sender", use_layerwise=True, **pd)
+    LMCacheEngineConfig.from_defaults(pd_role="receiver", use_layerwise=True, **pd).check_supported()
+
+
 @pytest.mark.parametrize("key,value", BAD_VALUES)
 def test_bad_value_is_refused_naming_key_and_value(key: str, value: Any) -> None:
     overrides = {key: value}

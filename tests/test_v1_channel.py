@@ -52,6 +52,12 @@ class Endpoint:
     def pop_request_counters(self, req_id):
         return self.counters.pop(req_id, None) or RequestCounters()
 
+    def lookup_async(self, token_ids, cache_salt, request_id):
+        return self.lookup(token_ids, cache_salt, request_id), cache_salt == "slow"
+
+    def pop_async_loaded(self, req_id):
+        return {"loaded": 512, "none": 0}.get(req_id)
+
 
 @pytest.fixture
 def served():
@@ -203,3 +209,15 @@ def test_socket_path_names_the_instance(monkeypatch):
     config.kv_transfer_config = None
     with pytest.raises(ChannelError, match="engine_id"):
         channel_socket_path(config)
+
+
+def test_socket_channel_carries_async_lookups_and_load_results(served):
+    endpoint, server, path = served
+    client = SocketChannel(path, connect_timeout=5)
+    try:
+        assert client.lookup_async([2, 2, 3], "slow", "r7") == (2, True)
+        assert client.lookup_async([2, 3], "", "r8") == (1, False)
+        assert endpoint.request_ids == ["r7", "r8"]
+        assert [client.pop_async_loaded(r) for r in ("loaded", "none", "unknown")] == [512, 0, None]
+    finally:
+        client.close()

@@ -216,11 +216,12 @@ def test_request_config_reads_only_lmcache_keys(caplog):
 # ----- start-up refusals --------------------------------------------------------------------------
 
 
-def test_layerwise_mode_is_refused_at_worker_start(clean_env, vllm_config):
+def test_an_unbuilt_switch_is_refused_at_worker_start(clean_env, vllm_config):
     from lmcache.integration.vllm.v1.worker_side import LMCacheWorkerSide
 
-    config = utils.lmcache_get_config({"lmcache.use_layerwise": True})
-    with pytest.raises(ValueError, match="use_layerwise=True"):
+    config = utils.lmcache_get_config({"lmcache.enable_p2p": True, "lmcache.lookup_url": "localhost:8100",
+                                     "lmcache.distributed_url": "localhost:8200"})
+    with pytest.raises(ValueError, match="enable_p2p=True"):
         LMCacheWorkerSide.from_vllm_config(vllm_config, config)
 
 

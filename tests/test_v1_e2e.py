@@ -234,3 +234,49 @@ def test_bad_extra_config_key_fails_engine_start(tiny_model):
     assert proc.returncode != 0
     assert "RESULT " not in log
     assert "unknown config key 'chunk_sise'" in log, log[-3000:]
+
+
+def test_layerwise_matches_cache_off_and_a_whole_chunk_reader_hits_its_entries(tiny_model, baseline, tmp_path):
+    # use_layerwise: loads are waited on per layer (wait_for_layer_load) and stores copied out per
+    # layer (save_kv_layer) on the copy thread; the disk entries are whole chunks, so a second
+    # process on the synchronous path loads them.
+    disk = {**LMCACHE_ENV, "LMCACHE_LOCAL_DISK": str(tmp_path / "disk"), "LMCACHE_MAX_LOCAL_DISK_SIZE": "1"}
+    prompts = [P_LONG, P_SHARED_A, P_SHARED_B, [P_CHUNKED, P_OTHER]]
+    layerwise = connector_kwargs(prefix_caching=False, extra={"lmcache.use_layerwise": True})
+    writer = run(tiny_model, prompts, layerwise, disk, rounds=2)
+    assert_same_as_baseline(writer, prompts, baseline)
+    lines = hits(writer.lines)
+    assert lines[:3] == [(1500, 0, 0, 0, 1500), (1424, 0, 0, 0, 1424), (1424, 0, 1024, 1024, 400)]
+    assert sorted(lines[3:5]) == [(1100, 0, 0, 0, 1100), (3000, 0, 0, 0, 3000)]
+    assert lines[5:8] == [(1500, 0, 1500, 1500, 0), (1424, 0, 1424, 1424, 0), (1424, 0, 1424, 1424, 0)]
+    assert sorted(lines[8:]) == [(1100, 0, 1100, 1100, 0), (3000, 0, 3000, 3000, 0)]
+    assert_no_pins_left(writer)
+
+    reader = run(tiny_model, [P_LONG, P_CHUNKED], connector_kwargs(prefix_caching=False, role="kv_consumer"), disk)
+    assert_same_as_baseline(reader, [P_LONG, P_CHUNKED], baseline)
+    assert hits(reader.lines) == [(1500, 0, 1500, 1500, 0), (3000, 0, 3000, 3000, 0)]
+
+
+ASYNC_DONE_RE = re.compile(r"request \S+: background load done, (\d+) leading tokens ready of (\d+) promised")
+
+
+def test_async_loading_from_disk_and_a_chunk_unreadable_after_the_lookup_is_recomputed(tiny_model, baseline, tmp_path):
+    # A writer fills the disk tier; a second process (through lmcache_vllm, whose patched shell
+    # passes the "load in the background" answer to vLLM) finds the prefixes on disk only, so
+    # each request waits in WAITING_FOR_REMOTE_KVS while the worker reads and copies it.
+    disk = {**LMCACHE_ENV, "LMCACHE_LOCAL_DISK": str(tmp_path / "disk"), "LMCACHE_MAX_LOCAL_DISK_SIZE": "1"}
+    writer = run(tiny_model, [P_SHARED_A, P_LONG], connector_kwargs(prefix_caching=False), disk)
+    assert hits(writer.lines) == [(1424, 0, 0, 0, 1424), (1500, 0, 0, 0, 1500)]
+    files = sorted((tmp_path / "disk").iterdir(), key=lambda f: f.stat().st_mtime_ns)
+    assert len(files) == 12  # 6 chunks each, written in order
+    with open(files[6 + 2], "r+b") as f:  # P_LONG's third chunk: its payload no longer matches
+        f.seek(-64, os.SEEK_END)
+        f.write(bytes(64))
+
+    kwargs = connector_kwargs(prefix_caching=False, extra={"lmcache.enable_async_loading": True})
+    prompts = [P_LONG, P_SHARED_A]
+    reader = run(tiny_model, prompts, kwargs, disk, vllm_module="lmcache_vllm.vllm")
+    assert_same_as_baseline(reader, prompts, baseline)  # the unreadable chunk's tokens were computed
+    assert hits(reader.lines) == [(1500, 0, 1500, 512, 0), (1424, 0, 1424, 1424, 0)]
+    assert sorted(ASYNC_DONE_RE.findall(reader.log)) == [("1424", "1424"), ("512", "1500")]
+    assert_no_pins_left(reader)

@@ -4,6 +4,7 @@ stored from, and loaded into, paged KV caches in vLLM's CPU layout, slot by slot
 from __future__ import annotations
 
 import logging
+import time
 import uuid
 
 import pytest
@@ -19,17 +20,18 @@ from lmcache.integration.vllm.v1.scheduler_side import LMCacheSchedulerSide
 from lmcache.integration.vllm.v1.worker_channel import InProcessChannel
 from lmcache.integration.vllm.v1.worker_side import LMCacheWorkerSide
 
-from v1_helpers import StepDriver, make_request, make_settings
+from v1_helpers import StepDriver, make_request, make_settings, scheduler_output
 
 LAYERS, HEADS, HEAD_SIZE, BLOCK, NUM_BLOCKS, CHUNK = 2, 2, 16, 16, 256, 256
 PROMPT = [(7 * i + 3) % 1000 + 4 for i in range(600)]  # 2 whole chunks and a partial one
 
 
-@pytest.fixture
-def setup():
+def make_setup(**config_fields):
     """A worker side on a fresh engine, its scheduler side, and random KV caches."""
     name = f"test-v1-worker-{uuid.uuid4().hex[:8]}"
-    config = LMCacheEngineConfig.from_defaults(chunk_size=CHUNK, remote_url=None, max_local_cpu_size=0.05)
+    config = LMCacheEngineConfig.from_defaults(
+        chunk_size=CHUNK, remote_url=None, max_local_cpu_size=0.05, **config_fields
+    )
     metadata = LMCacheEngineMetadata(
         "tiny", 1, 0, "vllm", torch.float32, (LAYERS, 2, CHUNK, HEADS, HEAD_SIZE)
     )
@@ -41,11 +43,23 @@ def setup():
     gen = torch.Generator().manual_seed(0)
     caches = [torch.randn(2, NUM_BLOCKS, BLOCK * HEADS * HEAD_SIZE, generator=gen) for _ in range(LAYERS)]
     worker.register_kv_caches(caches)
-    side = LMCacheSchedulerSide(make_settings(chunk_size=CHUNK, block_size=BLOCK), InProcessChannel(worker))
+    settings = make_settings(chunk_size=CHUNK, block_size=BLOCK, async_loading=config.enable_async_loading)
+    side = LMCacheSchedulerSide(settings, InProcessChannel(worker))
     driver = StepDriver(side, BLOCK)
     driver.next_block = 0
     yield worker, side, driver, caches
+    worker.close()
     LMCacheEngineBuilder.destroy(name)
+
+
+@pytest.fixture
+def setup():
+    yield from make_setup()
+
+
+@pytest.fixture
+def layerwise_setup():
+    yield from make_setup(use_layerwise=True)
 
 
 def token_kv(caches, slots):
@@ -112,6 +126,7 @@ def test_chunked_prefill_stores_each_chunk_once(setup):
         metas.append(driver.run(request, min(200, len(PROMPT) - request.num_computed_tokens)))
     for meta in metas:
         worker.wait_for_save(meta)
+    worker.saver.flush()  # the stores ran after their steps
     stats = worker.engine.stats()
     assert stats.stored_tokens == 600 and stats.store_skipped_tokens == 0
     assert worker.lookup(PROMPT, "") == 600
@@ -251,3 +266,255 @@ def test_kv_caches_that_contradict_the_metadata_are_refused(setup):
         worker.register_kv_caches(caches[:1])
     with pytest.raises(ValueError, match="layer 0 has shape"):
         worker.register_kv_caches([c.view(2, NUM_BLOCKS * 2, -1) for c in caches])
+
+
+# ----- use_layerwise: the same plans, moved layer by layer on the copy thread -------------------
+
+
+def test_layerwise_saves_per_layer_and_loads_layer_i_by_the_ith_wait(layerwise_setup):
+    worker, side, driver, caches = layerwise_setup
+    meta = driver.admit(make_request("a", PROMPT), len(PROMPT))
+    worker.start_load_kv(meta, None)  # nothing to load
+    for _ in range(LAYERS):
+        worker.wait_for_layer_load()
+        worker.save_kv_layer(meta)
+    worker.wait_for_save(meta)
+    assert worker.pop_request_counters("a").stored_tokens == 600
+    assert worker.engine.stats().stored_tokens == 600
+    expected = token_kv(caches, driver.slots("a", 600))
+
+    meta = driver.admit(make_request("b", PROMPT), len(PROMPT))
+    slots_b = driver.slots("b", 600)
+    before = token_kv(caches, slots_b)
+    assert live_pins(worker) == 3
+    worker.start_load_kv(meta, None)
+    for layer in range(LAYERS):
+        worker.wait_for_layer_load()
+        now = token_kv(caches, slots_b)
+        assert torch.equal(now[: layer + 1], expected[: layer + 1])  # waited-for layers are in
+    worker.wait_for_save(meta)
+    assert torch.equal(token_kv(caches, slots_b), expected) and not torch.equal(before, expected)
+    assert worker.pop_request_counters("b").loaded_tokens == 600
+    assert live_pins(worker) == 0  # released once the load settled
+    assert worker.get_block_ids_with_load_errors() == set()
+
+
+def test_layerwise_load_failing_part_way_reports_every_promised_block(layerwise_setup, caplog, monkeypatch):
+    from lmcache.experimental.layerwise import LayerCopier
+
+    worker, side, driver, caches = layerwise_setup
+    meta = driver.admit(make_request("a", PROMPT), len(PROMPT))
+    for _ in range(LAYERS):
+        worker.save_kv_layer(meta)
+    worker.wait_for_save(meta)
+    meta = driver.admit(make_request("b", PROMPT), len(PROMPT))
+    real_copy = LayerCopier.copy_layer
+
+    def copy_layer(self, layer):
+        if layer == 1:  # layer 0 is written, layer 1 never is
+            raise RuntimeError("copy failed")
+        real_copy(self, layer)
+
+    monkeypatch.setattr(LayerCopier, "copy_layer", copy_layer)
+    with caplog.at_level(logging.ERROR, logger="lmcache"):
+        worker.start_load_kv(meta, None)
+        for _ in range(LAYERS):
+            worker.wait_for_layer_load()
+        worker.wait_for_save(meta)
+    assert worker.get_block_ids_with_load_errors() == {s // BLOCK for s in driver.slots("b", 600)}
+    assert worker.pop_request_counters("b").loaded_tokens == 0
+    assert "layer-wise load failed" in caplog.text
+    assert live_pins(worker) == 0
+
+
+# ----- enable_async_loading: a prefix only on disk loads in the background -------------------
+
+
+@pytest.fixture
+def async_setup(tmp_path):
+    yield from make_setup(enable_async_loading=True, local_disk=str(tmp_path), max_local_disk_size=0.1)
+
+
+def only_on_disk(worker, prompt):
+    """Let the disk writes land, then drop the prompt's chunks from CPU memory."""
+    worker.saver.flush()  # the store ran after its step
+    manager = worker.engine.storage_manager
+    manager.tiers[1].flush()
+    for _, _, key in worker.engine.token_database.process_tokens(prompt):
+        manager.tiers[0].remove(key)
+
+
+def wait_finished(worker, finished=frozenset(), which=1):
+    """Call get_finished as vLLM does every step until it reports something."""
+    for _ in range(500):
+        reported = worker.get_finished(set(finished))[which]
+        if reported:
+            return reported
+        finished = ()
+        time.sleep(0.01)
+    raise AssertionError("the background load never finished")
+
+
+def park(side, driver, request):
+    """What vLLM's scheduler does for an async answer: allocate, hand over the blocks, park."""
+    external, is_async = side.match_tokens(request, 0)
+    driver._alloc(request.request_id, external)
+    side.update_state_after_alloc(request, external, [list(driver.blocks[request.request_id])])
+    return external, is_async, side.build_connector_meta(scheduler_output())
+
+
+def test_async_load_of_a_disk_prefix_runs_in_the_background_and_is_reported(async_setup):
+    worker, side, driver, caches = async_setup
+    worker.wait_for_save(driver.admit(make_request("a", PROMPT), len(PROMPT)))
+    expected = token_kv(caches, driver.slots("a", 600))
+    only_on_disk(worker, PROMPT)
+
+    request = make_request("b", PROMPT)
+    external, is_async, meta = park(side, driver, request)
+    assert (external, is_async) == (599, True)
+    assert live_pins(worker) == 0  # nothing pinned by the lookup: the background load pins
+    (req,) = meta.requests
+    assert req.load_spec.is_async and req.slot_mapping.tolist() == driver.slots("b", 600)
+    worker.start_load_kv(meta, None)  # returns at once
+    assert wait_finished(worker) == {"b"}
+    assert torch.equal(token_kv(caches, driver.slots("b", 600)), expected)
+    assert side.async_loaded_tokens("b") == 600
+    assert side.async_loaded_tokens("b") is None  # popped
+    assert live_pins(worker) == 0
+
+
+def test_async_answer_only_for_slow_tiers_and_once_per_request(async_setup):
+    worker, side, driver, caches = async_setup
+    worker.wait_for_save(driver.admit(make_request("a", PROMPT), len(PROMPT)))
+    assert side.match_tokens(make_request("m", PROMPT), 0) == (599, False)  # all in CPU memory: as before
+    assert live_pins(worker) == 3
+    side.update_state_after_alloc(make_request("m", PROMPT), 0)
+    assert live_pins(worker) == 0
+    only_on_disk(worker, PROMPT)
+    request = make_request("s", PROMPT)
+    assert park(side, driver, request)[:2] == (599, True)
+    assert side.match_tokens(request, 0)[1] is False  # asked again (a load fell short): synchronous
+
+
+def test_a_chunk_unreadable_after_the_lookup_is_reported_short(async_setup):
+    worker, side, driver, caches = async_setup
+    worker.wait_for_save(driver.admit(make_request("a", PROMPT), len(PROMPT)))
+    only_on_disk(worker, PROMPT)
+    request = make_request("b", PROMPT)
+    _, _, meta = park(side, driver, request)
+    keys = [key for _, _, key in worker.engine.token_database.process_tokens(PROMPT)]
+    worker.engine.storage_manager.tiers[1].remove(keys[1])  # gone between lookup and read
+    worker.start_load_kv(meta, None)
+    assert wait_finished(worker) == {"b"}
+    assert side.async_loaded_tokens("b") == 256
+    slots = driver.slots("b", 600)
+    assert worker.get_block_ids_with_load_errors() == {s // BLOCK for s in slots[256:]}
+
+
+def test_a_request_ending_while_it_loads_keeps_its_blocks_until_the_load_is_done(async_setup):
+    worker, side, driver, caches = async_setup
+    worker.wait_for_save(driver.admit(make_request("a", PROMPT), len(PROMPT)))
+    only_on_disk(worker, PROMPT)
+    request = make_request("b", PROMPT)
+    _, _, meta = park(side, driver, request)
+    worker.start_load_kv(meta, None)
+    assert side.request_finished(request, []) == (True, None)  # aborted while waiting
+    meta = side.build_connector_meta(scheduler_output(finished={"b"}))
+    assert meta.release_after_load == ["b"]
+    worker.start_load_kv(meta, None)
+    assert wait_finished(worker, {"b"}, which=0) == {"b"}
+    assert worker.get_finished(set())[0] is None  # reported once
+
+
+# ----- off-step saving ---------------------------------------------------------------------------
+
+
+def test_stores_run_after_the_step_and_finish_before_vllms_cache_is_written_again(setup, monkeypatch):
+    import threading
+
+    worker, side, driver, caches = setup
+    real_store = worker.engine.store
+    started, release, where = threading.Event(), threading.Event(), []
+
+    def slow_store(*args, **kwargs):
+        where.append(threading.current_thread().name)
+        started.set()
+        release.wait(5)
+        return real_store(*args, **kwargs)
+
+    monkeypatch.setattr(worker.engine, "store", slow_store)
+    meta = driver.admit(make_request("a", PROMPT), len(PROMPT))
+    worker.wait_for_save(meta)  # returns while the store is still held
+    assert started.wait(5) and where[0].startswith("lmcache-v1-save")
+    assert not release.is_set()
+    expected = token_kv(caches, driver.slots("a", 600))
+
+    barrier_passed = threading.Event()
+
+    def next_step():
+        worker.start_load_kv(LMCacheConnectorMetadata(), None)
+        barrier_passed.set()
+
+    t = threading.Thread(target=next_step)
+    t.start()
+    assert not barrier_passed.wait(0.3)  # the next step waits for the copy out of vLLM's blocks
+    release.set()
+    t.join(5)
+    assert barrier_passed.is_set() and worker.engine.stats().stored_tokens == 600
+    assert worker.pop_request_counters("a").stored_tokens == 600
+    assert worker.lookup(PROMPT, "") == 600
+    assert torch.equal(token_kv(caches, driver.slots("a", 600)), expected)
+
+
+def test_layerwise_and_async_together(tmp_path):
+    """One step: a disk-only prefix loads in the background while a CPU-tier hit loads layer by layer."""
+    gen = make_setup(use_layerwise=True, enable_async_loading=True, local_disk=str(tmp_path), max_local_disk_size=0.1)
+    worker, side, driver, caches = next(gen)
+    other = [t + 1 for t in PROMPT]
+    meta = driver.admit(make_request("a", PROMPT), len(PROMPT))
+    for _ in range(LAYERS):
+        worker.save_kv_layer(meta)
+    worker.wait_for_save(meta)
+    meta = driver.admit(make_request("o", other), len(other))
+    for _ in range(LAYERS):
+        worker.save_kv_layer(meta)
+    worker.wait_for_save(meta)
+    expected = token_kv(caches, driver.slots("a", 600))
+    expected_other = token_kv(caches, driver.slots("o", 600))
+    only_on_disk(worker, PROMPT)  # "a"'s prompt is on disk only, "o"'s still in CPU memory
+
+    slow = make_request("s", PROMPT)
+    assert side.match_tokens(slow, 0) == (599, True)
+    driver._alloc("s", 599)
+    side.update_state_after_alloc(slow, 599, [list(driver.blocks["s"])])
+    fast = make_request("f", other)
+    assert side.match_tokens(fast, 0) == (599, False)
+    driver._alloc("f", 600)
+    side.update_state_after_alloc(fast, 599)
+    from vllm.v1.core.sched.output import NewRequestData
+
+    fast.num_computed_tokens = 599
+    data = NewRequestData.from_request(fast, (list(driver.blocks["f"]),))
+    meta = side.build_connector_meta(scheduler_output([data], num_scheduled={"f": 1}))
+    assert sorted((r.req_id, r.load_spec.is_async) for r in meta.requests) == [("f", False), ("s", True)]
+    worker.start_load_kv(meta, None)
+    for _ in range(LAYERS):
+        worker.wait_for_layer_load()
+    worker.wait_for_save(meta)
+    assert torch.equal(token_kv(caches, driver.slots("f", 600)), expected_other)
+    assert wait_finished(worker) == {"s"}
+    assert torch.equal(token_kv(caches, driver.slots("s", 600)), expected)
+    assert live_pins(worker) == 0
+    next(gen, None)
+
+
+def test_vllms_plain_shell_keeps_the_synchronous_path_and_says_so_once(async_setup, caplog):
+    worker, side, driver, caches = async_setup
+    worker.wait_for_save(driver.admit(make_request("a", PROMPT), len(PROMPT)))
+    only_on_disk(worker, PROMPT)
+    with caplog.at_level(logging.WARNING, logger="lmcache"):
+        # vLLM's own LMCacheConnectorV1 asks for the int answer: the disk prefix is pinned now.
+        assert side.get_num_new_matched_tokens(make_request("b", PROMPT), 0) == 599
+        assert live_pins(worker) == 3
+        side.get_num_new_matched_tokens(make_request("c", PROMPT), 0)
+    assert caplog.text.count("run vLLM through lmcache_vllm for background loads") == 1

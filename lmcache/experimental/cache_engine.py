@@ -18,13 +18,15 @@ missing connector kwargs) still raise.
 
 import threading
 import time
-from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+from dataclasses import dataclass, field
+from typing import Any, Dict, Generator, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
 from lmcache.config import LMCacheEngineMetadata
 from lmcache.experimental.config import LMCacheEngineConfig
 from lmcache.experimental.gpu_connector import GPUConnectorInterface
+from lmcache.experimental.layerwise import ChunkSpan, LayerCopier, paged_connector, request_slots
 from lmcache.experimental.memory_management import MemoryAllocatorInterface, MemoryFormat, MemoryObj, MixedMemoryAllocator
 from lmcache.experimental.metrics import EngineMetrics, EngineObservation
 from lmcache.experimental.stats import EngineStats, EngineStatsSnapshot
@@ -39,6 +41,30 @@ logger = init_logger(__name__)
 
 def _num_selected(tokens: Sequence[int], mask: Optional[torch.Tensor]) -> int:
     return len(tokens) if mask is None else int(mask.sum())
+
+
+@dataclass
+class _LayerStorePlan:
+    """What a layer-wise store found before copying: the chunks it will write and the counts."""
+
+    requested: int
+    started: float
+    spans: List[ChunkSpan] = field(default_factory=list)
+    keys: List[CacheEngineKey] = field(default_factory=list)
+    stored: int = 0
+    skipped: int = 0
+
+    @property
+    def dropped(self) -> int:
+        """Tokens neither stored nor already cached: memory full, a refused put, or a storer closed
+        before its last layer."""
+        return self.requested - self.stored - self.skipped
+
+    def release(self) -> None:
+        """Drop this store's own reference on each object (the tiers keep theirs)."""
+        for span in self.spans:
+            span.obj.ref_count_down()
+        self.spans = []
 
 
 class LMCacheEngine:
@@ -306,6 +332,137 @@ class LMCacheEngine:
         for _, _, key in self.token_database.process_tokens(tokens, mask, cache_salt=cache_salt or ""):
             if not self.storage_manager.prefetch(key):
                 break
+
+    # ----- layer-wise paths (`layerwise.py`): one layer per `next()` --------------------------------
+
+    def store_layer(
+        self,
+        tokens: torch.Tensor,
+        mask: Optional[torch.Tensor] = None,
+        *,
+        kvcaches: Sequence[Any],
+        slot_mapping: torch.Tensor,
+        offset: int = 0,
+        sync: bool = True,
+        cache_salt: Optional[str] = None,
+    ) -> Generator[None, None, None]:
+        """Like `store`, one layer per `next()`: the i-th `next()` copies layer i of every chunk out
+        of `kvcaches` (so it may run as soon as layer i's KV is written); after the last layer the
+        chunks go to the tiers. `slot_mapping[j]` is token `offset + j`'s slot. `sync` is the
+        reference's "this request finishes before the step goes on"; on CPU every `next()` has
+        finished its copy when it returns. Mask and slot errors raise here, before any `next()`."""
+        del sync
+        spans, plan = self._layer_store_plan(tokens, mask, cache_salt)
+        try:
+            copier = LayerCopier(
+                self.gpu_connector, kvcaches, request_slots(slot_mapping, offset, spans, True), spans, storing=True
+            )
+        except Exception:
+            plan.release()
+            raise
+        return self._store_layers(copier, plan)
+
+    def _layer_store_plan(
+        self, tokens: torch.Tensor, mask: Optional[torch.Tensor], cache_salt: Optional[str]
+    ) -> Tuple[List[ChunkSpan], "_LayerStorePlan"]:
+        plan = _LayerStorePlan(requested=_num_selected(tokens, mask), started=time.perf_counter())
+        chunks = self.token_database.process_tokens(tokens, mask, cache_salt=cache_salt or "")
+        if self._closed:
+            logger.warning("store on a closed engine: %d tokens not stored", plan.requested)
+            chunks = iter(())
+        for start, end, key in chunks:
+            n = end - start
+            if self.storage_manager.contains(key):
+                plan.skipped += n
+                continue
+            obj = self.storage_manager.allocate(self.gpu_connector.get_shape(n), self.metadata.kv_dtype, MemoryFormat.KV_BLOB)
+            if obj is None:
+                logger.warning("memory full: not storing tokens [%d, %d) of %d", start, len(tokens), len(tokens))
+                break
+            plan.spans.append(ChunkSpan(start, end, obj))
+            plan.keys.append(key)
+        return plan.spans, plan
+
+    def _store_layers(self, copier: LayerCopier, plan: "_LayerStorePlan") -> Generator[None, None, None]:
+        try:
+            for layer in range(copier.num_layers):
+                copier.copy_layer(layer)
+                if layer == copier.num_layers - 1:
+                    for key, span in zip(plan.keys, plan.spans):
+                        if self.storage_manager.put(key, span.obj) > 0:
+                            plan.stored += span.end - span.start
+                yield None
+        finally:
+            plan.release()
+            self._stats.record_store(plan.requested, plan.stored, plan.skipped, plan.dropped)
+            self._metrics.observe_store(time.perf_counter() - plan.started)
+            self.publish_metrics()
+
+    def retrieve_layer(
+        self,
+        tokens: torch.Tensor,
+        mask: Optional[torch.Tensor] = None,
+        *,
+        kvcaches: Sequence[Any],
+        slot_mapping: torch.Tensor,
+        sync: bool = True,
+        cache_salt: Optional[str] = None,
+    ) -> Generator[Optional[torch.Tensor], None, None]:
+        """Like `retrieve`, one layer per `next()`: the chunks are read from the tiers up to the first
+        miss (before anything is written), then the i-th `next()` writes layer i of them into
+        `kvcaches` and yields None; one more `next()` yields the mask of loaded tokens (a CPU bool
+        tensor as long as `tokens`). `slot_mapping` covers every token. `sync`: as in
+        `store_layer`. Mask errors raise here, before any `next()`."""
+        del sync
+        chunks = list(self.token_database.process_tokens(tokens, mask, cache_salt=cache_salt or ""))
+        paged_connector(self.gpu_connector)
+        return self._retrieve_layers(tokens, mask, chunks, kvcaches, slot_mapping)
+
+    def _retrieve_layers(
+        self,
+        tokens: torch.Tensor,
+        mask: Optional[torch.Tensor],
+        chunks: List[Tuple[int, int, CacheEngineKey]],
+        kvcaches: Sequence[Any],
+        slot_mapping: torch.Tensor,
+    ) -> Generator[Optional[torch.Tensor], None, None]:
+        started = time.perf_counter()
+        spans: List[ChunkSpan] = []
+        ret_mask = torch.zeros(len(tokens), dtype=torch.bool, device="cpu")
+        try:
+            if self._closed:
+                logger.warning("retrieve on a closed engine: nothing loaded")
+                chunks = []
+            for i, (start, end, key) in enumerate(chunks):
+                if i + 1 < len(chunks):
+                    self.storage_manager.prefetch(chunks[i + 1][2])
+                obj = self.storage_manager.get(key)
+                if obj is None:
+                    break
+                meta = obj.metadata
+                if meta.shape != self.gpu_connector.get_shape(end - start) or meta.dtype != self.metadata.kv_dtype:
+                    logger.warning("chunk %s has shape %s %s: treating it as a miss", key.chunk_hash, list(meta.shape), meta.dtype)
+                    obj.ref_count_down()
+                    self.storage_manager.remove(key)
+                    break
+                spans.append(ChunkSpan(start, end, obj))
+            copier = LayerCopier(
+                self.gpu_connector, kvcaches, request_slots(slot_mapping, 0, spans, False), spans, storing=False
+            )
+            for layer in range(copier.num_layers):
+                copier.copy_layer(layer)
+                yield None
+            for span in spans:
+                ret_mask[span.start : span.end] = True
+            hit = int(ret_mask.sum())
+            self._stats.record_retrieve(_num_selected(tokens, mask), hit)
+            self._metrics.observe_retrieve(time.perf_counter() - started)
+            self.publish_metrics()
+            logger.debug("retrieve_layer: %d tokens requested, %d loaded", _num_selected(tokens, mask), hit)
+            yield ret_mask
+        finally:
+            for span in spans:
+                span.obj.ref_count_down()
 
     def stats(self) -> EngineStatsSnapshot:
         """A snapshot of the engine's and its tiers' counters."""

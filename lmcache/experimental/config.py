@@ -330,9 +330,6 @@ def prefixed_overrides(extra: Mapping[str, Any], prefix: str = EXTRA_CONFIG_PREF
 # Turning one on is refused when an engine is built (see `check_supported`), never silently ignored.
 UNSUPPORTED_WHEN_ON: Mapping[str, str] = MappingProxyType(
     {
-        "use_layerwise": "the engine stores and retrieves whole chunks across all layers; "
-        "layer-by-layer transfer is not available",
-        "enable_async_loading": "loads are synchronous within the step that asks for them",
         "enable_blending": "CacheBlend (reusing non-prefix chunks) is not implemented",
         "enable_p2p": "peer-to-peer sharing is not implemented; share through remote_url instead",
     }
@@ -471,6 +468,9 @@ class LMCacheEngineConfig:
         for name in ("pd_peer_host", "pd_peer_init_port"):
             if getattr(self, name) is None:
                 raise ValueError(f"{name}=None: enable_pd=True needs the receiver's {name}")
+        if self.pd_role == "sender" and self.use_layerwise:
+            raise ValueError("use_layerwise=True: a PD sender (pd_role: sender) pushes whole chunks after "
+                             "each step's store; set use_layerwise=False on the prefiller")
 
     # ----- constructors -------------------------------------------------------------------
 

@@ -96,3 +96,44 @@ def test_wrapper_serve_hits_over_http():
     assert re.search(r"second \(repeat\) .* LMCache hit tokens 1000/1000", out), out
     assert "same completion text both times: True" in out
     assert "server stopped cleanly (exit code 0)" in out
+
+
+def test_layerwise_loads_and_stores_per_layer(tiny_model, baseline):
+    """use_layerwise on vLLM 0.32: its attention calls wait_for_layer_load / save_kv_layer around
+    each layer (kv_transfer_utils.maybe_transfer_kv_layer); tokens and hits as the whole-chunk path."""
+    prompts = [P_LONG, P_SHARED_A, P_SHARED_B]
+    kwargs = connector_kwargs(prefix_caching=False, extra={"lmcache.use_layerwise": True})
+    result = run(tiny_model, prompts, kwargs, ENV, rounds=2)
+    assert_same_as_baseline(result, prompts, baseline)
+    assert hits(result.lines) == [
+        (1500, 0, 0, 0, 1500),
+        (1424, 0, 0, 0, 1424),
+        (1424, 0, 1024, 1024, 400),
+        (1500, 0, 1500, 1500, 0),
+        (1424, 0, 1424, 1424, 0),
+        (1424, 0, 1424, 1424, 0),
+    ]
+    assert_no_pins_left(result)
+
+
+def test_async_loading_from_disk_and_a_chunk_unreadable_after_the_lookup_is_recomputed(tiny_model, baseline, tmp_path):
+    """enable_async_loading on vLLM 0.32 through lmcache_vllm: prefixes found only on disk load in
+    the background (WAITING_FOR_REMOTE_KVS); a chunk that cannot be read after the lookup is
+    reported as load-error blocks, which vLLM recomputes (kv_load_failure_policy=recompute)."""
+    disk = {**ENV, "LMCACHE_LOCAL_DISK": str(tmp_path / "disk"), "LMCACHE_MAX_LOCAL_DISK_SIZE": "1"}
+    writer = run(tiny_model, [P_SHARED_A, P_LONG], connector_kwargs(prefix_caching=False), disk)
+    assert hits(writer.lines) == [(1424, 0, 0, 0, 1424), (1500, 0, 0, 0, 1500)]
+    files = sorted((tmp_path / "disk").iterdir(), key=lambda f: f.stat().st_mtime_ns)
+    assert len(files) == 12
+    with open(files[6 + 2], "r+b") as f:  # P_LONG's third chunk: its payload no longer matches
+        f.seek(-64, os.SEEK_END)
+        f.write(bytes(64))
+    kwargs = connector_kwargs(prefix_caching=False, extra={"lmcache.enable_async_loading": True})
+    kwargs["kv_transfer_config"]["kv_load_failure_policy"] = "recompute"
+    prompts = [P_LONG, P_SHARED_A]
+    reader = run(tiny_model, prompts, kwargs, disk, vllm_module="lmcache_vllm.vllm")
+    assert_same_as_baseline(reader, prompts, baseline)
+    assert hits(reader.lines) == [(1500, 0, 1500, 512, 0), (1424, 0, 1424, 1424, 0)]
+    done = re.findall(r"background load done, (\d+) leading tokens ready of (\d+) promised", reader.log)
+    assert sorted(done) == [("1424", "1424"), ("512", "1500")]
+    assert_no_pins_left(reader)

@@ -22,6 +22,10 @@ the whole prompt so far (`v0_step_plan`), a step loads the cached chunks beyond 
 has and stores each chunk once its KV is computed. A step is planned once; vLLM's connector
 hands the rebuilt input back to the store, and `StepPlans` finds the plan again from it.
 
+`execute_with_cache` stores off the step (`off_step_saver.py`): the step's store runs on a thread
+after the forward pass and is waited for at the start of the next step, before vLLM writes into
+its KV cache again (blocks of finished or preempted sequences may be reused then).
+
 Keys: a sequence served by a LoRA adapter is keyed with the adapter's name and path as the
 cache salt; steps carrying prompt embeddings, multimodal inputs, token types, prompt adapters or
 M-RoPE positions bypass the cache.
@@ -33,16 +37,20 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import TYPE_CHECKING, Any, Callable, List, Optional, Sequence, Tuple, TypeVar
 
+import multiprocessing.util
+import threading
+
 import torch
 
 from lmcache.experimental.cache_engine import LMCacheEngine, LMCacheEngineBuilder
 from lmcache.experimental.token_database import skip_prefix_mask
+from lmcache.integration.vllm.off_step_saver import OffStepSaver
 from lmcache.integration.vllm.request_log import format_v0_step_line
 from lmcache.integration.vllm.utils import ENGINE_NAME, extra_config_of, force_skip_save, lmcache_get_config
 from lmcache.integration.vllm.v0_model_input import rebuild_model_input
 from lmcache.integration.vllm.v0_step_plan import PrefillPlan, StepPlan, StepPlans, plan_step, warn_once
 from lmcache.integration.vllm.vllm_compat import current_vllm_config
-from lmcache.integration.vllm.worker_engine import close_worker_engine, open_worker_engine
+from lmcache.integration.vllm.worker_engine import ENGINE_EXIT_PRIORITY, close_worker_engine, open_worker_engine
 from lmcache.logging import init_logger
 
 if TYPE_CHECKING:
@@ -72,6 +80,18 @@ class StoreStatus(Enum):
 
 # The plan of the step in flight in this worker (vLLM runs one step at a time per worker).
 _PLANS = StepPlans()
+_SAVER: Optional[OffStepSaver] = None
+_SAVER_LOCK = threading.Lock()
+
+
+def _saver() -> OffStepSaver:
+    """This process's off-step saver (made on first use; drained at exit before the engine closes)."""
+    global _SAVER
+    with _SAVER_LOCK:
+        if _SAVER is None:
+            _SAVER = OffStepSaver("v0")
+            multiprocessing.util.Finalize(None, _SAVER.close, exitpriority=ENGINE_EXIT_PRIORITY + 1)
+        return _SAVER
 
 
 def step_plan_of(model_input: Any) -> Optional[StepPlan]:
@@ -138,6 +158,9 @@ def _open_engine(vllm_config: Any) -> LMCacheEngine:
     if config.enable_pd:
         raise ValueError("enable_pd=True: prefill/decode disaggregation runs on the v1 connector "
                          "(LMCacheConnectorV1, kv_producer/kv_consumer), not on the v0 engine")
+    for switch in ("use_layerwise", "enable_async_loading"):
+        if getattr(config, switch):
+            warn_once(f"LMCache v0 door: {switch} applies to the v1 door; the v0 door loads whole chunks in the step")
     return open_worker_engine(vllm_config, config, DOOR).engine
 
 
@@ -162,8 +185,15 @@ def init_lmcache_engine(
     return _open_engine(vllm_config)
 
 
+def flush_stores() -> None:
+    """Wait for the last step's off-step store (for readers of the cache right after a step)."""
+    if _SAVER is not None:
+        _SAVER.flush()
+
+
 def close_lmcache_engine() -> None:
     """Close this process's engine, waiting for its pending writes (no-op without one)."""
+    flush_stores()
     close_worker_engine(DOOR)
 
 
@@ -358,6 +388,8 @@ def execute_with_cache(runner: Any, model_input: Any, kv_caches: List[torch.Tens
     untouched. A failure inside the cache is logged and the step computes everything, as it
     would without LMCache.
     """
+    # The last step's store copies out of blocks this step may write (decodes included): wait for it.
+    flush_stores()
     metadata = model_input.attn_metadata
     if metadata is None or metadata.num_prefills == 0 or _is_profile_run(kv_caches):
         return forward(model_input)
@@ -380,9 +412,7 @@ def execute_with_cache(runner: Any, model_input: Any, kv_caches: List[torch.Tens
             for prefill in plan.prefills:
                 prefill.loaded = 0
     output = forward(step_input)
-    try:
-        if plan is not None and not force_skip_save():
-            store_step(engine, plan, kv_caches, view.block_size)
-    except Exception:
-        logger.exception("LMCache v0 door: store failed; the step's KV is not cached")
+    if plan is not None and not force_skip_save():
+        stored_plan = plan
+        _saver().submit(lambda: store_step(engine, stored_plan, kv_caches, view.block_size), "v0 step")
     return output

@@ -24,6 +24,9 @@ Operations:
 - `multimodal_placeholders(request)`: a v1 request's multimodal content hashes and positions.
 - `wrapper_patch_points()`: the vLLM methods the `lmcache_vllm` wrapper wraps.
 - `wrapper_kv_transfer_config()`: the KV transfer config the wrapper turns on for the user.
+- `kv_cache_block_ids(blocks)`: the block ids of a `KVCacheBlocks`, per KV cache group.
+- `finish_short_remote_load(scheduler, request, loaded)`: vLLM 0.9.2's "remote KV arrived" step
+  for a background load that left fewer tokens than the blocks vLLM allocated.
 
 Nothing here imports vLLM at module import time: `lmcache_vllm` imports it in every vLLM process.
 """
@@ -226,6 +229,36 @@ def wrapper_kv_transfer_config() -> Any:
     return KVTransferConfig(kv_connector="LMCacheConnectorV1", kv_role="kv_both", kv_load_failure_policy="recompute")
 
 
+def kv_cache_block_ids(blocks: Any) -> List[List[int]]:
+    """The block ids of the `KVCacheBlocks` vLLM hands `update_state_after_alloc`, one list per KV
+    cache group. vLLM 0.9.2 and 0.32: `KVCacheBlocks.get_block_ids()`, a tuple of lists."""
+    return [list(group) for group in blocks.get_block_ids()]
+
+
+def finish_short_remote_load(scheduler: Any, request: Any, loaded: int) -> bool:
+    """vLLM 0.9.2's `Scheduler._update_waiting_for_remote_kv` counts every block allocated for a
+    WAITING_FOR_REMOTE_KVS request as loaded. When the background load left only `loaded` leading
+    tokens, do its work with that count instead (cache only the loaded blocks; free them all when
+    none was, so the request is looked up and computed afresh) and return True (the request is
+    ready); return False when nothing fell short (vLLM's own method then runs).
+    vLLM 0.9.2: `scheduler.kv_cache_manager.{get_block_ids,cache_blocks,free}`,
+    `scheduler.finished_recving_kv_req_ids`, `scheduler.block_size`."""
+    (block_ids,) = scheduler.kv_cache_manager.get_block_ids(request.request_id)
+    assumed = min(len(block_ids) * scheduler.block_size, request.num_tokens)
+    if assumed == request.num_tokens:
+        assumed -= 1
+    if loaded >= assumed:
+        return False
+    loaded -= loaded % scheduler.block_size
+    if loaded:
+        scheduler.kv_cache_manager.cache_blocks(request, loaded)
+    else:
+        scheduler.kv_cache_manager.free(request)
+    request.num_computed_tokens = loaded
+    scheduler.finished_recving_kv_req_ids.remove(request.request_id)
+    return True
+
+
 @dataclass(frozen=True)
 class PatchPoint:
     """One vLLM method the wrapper wraps."""
@@ -236,7 +269,9 @@ class PatchPoint:
     # "v0_load_model" (start the engine once the model is loaded), "model_inspection" (vLLM's
     # model-class inspection, in-process on the CPU platform), "v1_default_args" (turn on the v1
     # connector when vLLM picks the v1 engine) or "v1_engine_config" (turn it on before the
-    # engine config is built, vLLM 0.32).
+    # engine config is built, vLLM 0.32), "v1_async_match" / "v1_async_alloc" (vLLM's
+    # LMCacheConnectorV1 shell: the lookup's async flag, the allocated blocks) or "v1_async_ready"
+    # (vLLM 0.9.2's scheduler taking a finished background load).
     role: str
 
 
@@ -246,17 +281,27 @@ def wrapper_patch_points() -> List[PatchPoint]:
     calls exactly when it chose the v1 engine (private: there is no public hook at that moment).
     vLLM 0.32 (v1 only): `EngineArgs.create_engine_config`, before it reads the KV transfer
     config. Both: `vllm.model_executor.models.registry._run_in_subprocess`, which runs the
-    model-class inspection in a fresh interpreter (private)."""
+    model-class inspection in a fresh interpreter (private). Both: vLLM's `LMCacheConnectorV1`
+    shell's `get_num_new_matched_tokens` (always answers "not async") and
+    `update_state_after_alloc` (drops the blocks), for `enable_async_loading`; vLLM 0.9.2:
+    `Scheduler._update_waiting_for_remote_kv` (private), see `finish_short_remote_load`."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.lmcache_connector import LMCacheConnectorV1
     from vllm.engine.arg_utils import EngineArgs
     from vllm.model_executor.models import registry
 
     inspection = PatchPoint(registry, "_run_in_subprocess", "model_inspection")
+    shell = [
+        PatchPoint(LMCacheConnectorV1, "get_num_new_matched_tokens", "v1_async_match"),
+        PatchPoint(LMCacheConnectorV1, "update_state_after_alloc", "v1_async_alloc"),
+    ]
     if not is_legacy_vllm():
-        return [PatchPoint(EngineArgs, "create_engine_config", "v1_engine_config"), inspection]
+        return [PatchPoint(EngineArgs, "create_engine_config", "v1_engine_config"), inspection, *shell]
+    from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.worker.cpu_model_runner import CPUModelRunner
     from vllm.worker.model_runner import ModelRunner
 
-    points = [PatchPoint(EngineArgs, "_set_default_args_v1", "v1_default_args"), inspection]
+    points = [PatchPoint(EngineArgs, "_set_default_args_v1", "v1_default_args"), inspection, *shell]
+    points.append(PatchPoint(Scheduler, "_update_waiting_for_remote_kv", "v1_async_ready"))
     for runner in (ModelRunner, CPUModelRunner):
         points.append(PatchPoint(runner, "execute_model", "v0_execute_model"))
         points.append(PatchPoint(runner, "load_model", "v0_load_model"))

@@ -106,14 +106,14 @@ class LMCacheConnectorV1Impl:
         self._worker("start_load_kv").start_load_kv(step_connector_metadata(self._parent), forward_context)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        """Loads finish in `start_load_kv` (whole chunks, all layers at once)."""
-        return None
+        """Layer-wise: the next layer's load is in; otherwise loads finished in `start_load_kv`."""
+        self._worker("wait_for_layer_load").wait_for_layer_load()
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: "torch.Tensor", attn_metadata: "AttentionMetadata", **kwargs: Any
     ) -> None:
-        """Stores happen in `wait_for_save`, once every layer holds the step's KV."""
-        return None
+        """Layer-wise: copy out the layer just computed; otherwise stores happen in `wait_for_save`."""
+        self._worker("save_kv_layer").save_kv_layer(step_connector_metadata(self._parent))
 
     def wait_for_save(self) -> None:
         self._worker("wait_for_save").wait_for_save(step_connector_metadata(self._parent))
@@ -138,8 +138,18 @@ class LMCacheConnectorV1Impl:
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> int:
         return self._scheduler("get_num_new_matched_tokens").get_num_new_matched_tokens(request, num_computed_tokens)
 
-    def update_state_after_alloc(self, request: "Request", num_external_tokens: int) -> None:
-        self._scheduler("update_state_after_alloc").update_state_after_alloc(request, num_external_tokens)
+    def match_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
+        """`(tokens, load in the background)`: what the wrapper's patched shell answers vLLM."""
+        return self._scheduler("match_tokens").match_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(
+        self, request: "Request", num_external_tokens: int, block_ids: Optional[Sequence[Sequence[int]]] = None
+    ) -> None:
+        self._scheduler("update_state_after_alloc").update_state_after_alloc(request, num_external_tokens, block_ids)
+
+    def async_loaded_tokens(self, req_id: str) -> Optional[int]:
+        """Leading tokens a finished background load left in the request's blocks (None: unknown)."""
+        return self._scheduler("async_loaded_tokens").async_loaded_tokens(req_id)
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> LMCacheConnectorMetadata:
         return self._scheduler("build_connector_meta").build_connector_meta(scheduler_output)

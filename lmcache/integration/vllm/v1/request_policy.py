@@ -52,6 +52,7 @@ class DoorSettings:
     kv_role: str  # kv_both / kv_producer / kv_consumer (a consumer never stores)
     model_name: str  # vLLM's model name (the metrics' `model_name` label)
     pd_sender_peer: Optional[str] = None  # PD prefiller: the receiver host it may push to
+    async_loading: bool = False  # enable_async_loading: slow-tier hits load in the background
 
     @classmethod
     def from_vllm(cls, vllm_config: "VllmConfig", config: LMCacheEngineConfig) -> "DoorSettings":
@@ -80,6 +81,7 @@ class DoorSettings:
             kv_role=kv_role,
             model_name=vllm_config.model_config.model,
             pd_sender_peer=config.pd_peer_host if config.enable_pd and config.pd_role == "sender" else None,
+            async_loading=config.enable_async_loading,
         )
 
 

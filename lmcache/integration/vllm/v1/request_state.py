@@ -36,6 +36,9 @@ class LoadSpec:
     vllm_cached_tokens: int  # leading tokens vLLM already has in its own prefix cache
     lmcache_cached_tokens: int  # leading tokens LMCache has (the whole hit, even on a full hit)
     can_load: bool = False  # set once vLLM allocated blocks for the tokens
+    # `enable_async_loading`: part of the prefix is in a slow tier; the worker loads it in the
+    # background while vLLM holds the request in WAITING_FOR_REMOTE_KVS.
+    is_async: bool = False
 
 
 @dataclass(frozen=True)
@@ -94,6 +97,9 @@ class LMCacheConnectorMetadata(KVConnectorMetadata):
     """The scheduler side's message to the workers for one step."""
 
     requests: list[ReqMeta] = field(default_factory=list)
+    # Requests that ended while their background load ran: vLLM keeps their blocks until the
+    # worker reports them in `finished_sending`, once the load stopped writing into them.
+    release_after_load: list[str] = field(default_factory=list)
 
 
 def slot_mapping_for(block_ids: Sequence[int], block_size: int, num_tokens: int) -> torch.Tensor:
@@ -106,6 +112,25 @@ def slot_mapping_for(block_ids: Sequence[int], block_size: int, num_tokens: int)
     blocks = torch.tensor(list(block_ids[:needed]), dtype=torch.long)
     offsets = torch.arange(block_size, dtype=torch.long)
     return (blocks[:, None] * block_size + offsets[None, :]).flatten()[:num_tokens]
+
+
+def async_load_meta(req_id: str, token_ids: Sequence[int], block_ids: Sequence[int], block_size: int,
+                    cache_salt: str, spec: LoadSpec) -> ReqMeta:
+    """The worker's instructions for a background load, built when vLLM allocates its blocks (the
+    request is not scheduled until the load is reported). Tokens beyond the allocated blocks (the
+    prompt's last token, which vLLM computes) get slot -1 and are not written."""
+    num_tokens = spec.lmcache_cached_tokens
+    covered = min(num_tokens, len(block_ids) * block_size)
+    slots = torch.full((num_tokens,), -1, dtype=torch.long)
+    slots[:covered] = slot_mapping_for(block_ids, block_size, covered)
+    return ReqMeta(
+        req_id=req_id,
+        token_ids=torch.tensor(list(token_ids[:num_tokens]), dtype=torch.long),
+        slot_mapping=slots,
+        cache_salt=cache_salt,
+        load_spec=spec,
+        save_spec=None,
+    )
 
 
 def plan_save(tracker: RequestTracker, settings: DoorSettings) -> Optional[SaveSpec]:

@@ -13,6 +13,13 @@ vLLM calls, per step:
 A PD prefiller (`pd_role: sender`) never looks up; each request's `disagg_spec` rides on its
 store plans to the worker, which pushes what it stores (`pd_requests.py`).
 
+`enable_async_loading` (through the `lmcache_vllm` wrapper, whose patched shell calls
+`match_tokens` and hands over the allocated blocks): a prefix that needs a slow tier is answered
+`(n, True)`; vLLM parks the request in WAITING_FOR_REMOTE_KVS and this side sends the worker a
+background load (`async_load_meta`) in the same step. `async_loaded_tokens` tells vLLM 0.9.2 how
+much really arrived. A request gets at most one background load; a later lookup of it is
+synchronous. Promises are rounded down to a block (vLLM 0.9.2 counts whole blocks as loaded).
+
 No engine lives here: lookups and the worker's counters go through a `WorkerChannel`.
 
 Each lookup names its request, so the worker's engine pins the prefix it reports until the load
@@ -33,7 +40,9 @@ from lmcache.integration.vllm.v1.request_policy import DoorSettings, RequestPoli
 from lmcache.integration.vllm.v1.request_state import (
     LMCacheConnectorMetadata,
     LoadSpec,
+    ReqMeta,
     RequestTracker,
+    async_load_meta,
     make_req_meta,
     plan_save,
 )
@@ -72,11 +81,31 @@ class LMCacheSchedulerSide:
         self._trackers: dict[str, RequestTracker] = {}
         # A PD prefiller's disagg specs (None unless pd_role is sender).
         self._pd = PDRequests(settings.pd_sender_peer) if settings.pd_sender_peer is not None else None
+        self._async_tried: set[str] = set()  # requests that had their background load
+        self._async_loads: list[ReqMeta] = []  # background loads for the next step's metadata
+        self._async_pending: set[str] = set()  # background load sent, request not scheduled yet
+        self._release_after_load: list[str] = []
+        self._said_sync = False
 
     # ----- before scheduling -------------------------------------------------------------------
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> int:
-        """Tokens LMCache can load beyond vLLM's own `num_computed_tokens` (0 for none)."""
+        """Tokens LMCache can load beyond vLLM's own `num_computed_tokens` (0 for none), loaded
+        within the step (vLLM's own shell asks for this answer)."""
+        if self.settings.async_loading and not self._said_sync:
+            self._said_sync = True
+            logger.warning(
+                "enable_async_loading is on, but vLLM's LMCacheConnectorV1 answers every lookup as "
+                "synchronous; run vLLM through lmcache_vllm for background loads. Loading synchronously."
+            )
+        return self._match(request, num_computed_tokens, allow_async=False)[0]
+
+    def match_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
+        """`(tokens, load asynchronously)`: vLLM's full answer (the wrapper's patched shell)."""
+        allow = self.settings.async_loading and request.request_id not in self._async_tried
+        return self._match(request, num_computed_tokens, allow)
+
+    def _match(self, request: "Request", num_computed_tokens: int, allow_async: bool) -> tuple[int, bool]:
         req_id = request.request_id
         self._requests[req_id] = request
         policy = self._policies.get(req_id)
@@ -89,33 +118,50 @@ class LMCacheSchedulerSide:
             self._pd.admit(request)
             return 0  # a PD prefiller computes every prompt and pushes it; it never loads
         if not policy.use_cache:
-            return 0
+            return 0, False
         num_lookup = len(prompt) - self.settings.skip_last_n_tokens
         if num_lookup <= 0:
-            return 0
+            return 0, False
+        slow = False
         try:
-            hit = self._channel.lookup(prompt[:num_lookup], policy.cache_salt, req_id)
+            if allow_async:
+                hit, slow = self._channel.lookup_async(prompt[:num_lookup], policy.cache_salt, req_id)
+            else:
+                hit = self._channel.lookup(prompt[:num_lookup], policy.cache_salt, req_id)
         except ChannelError as err:
             logger.error("request %s: LMCache lookup failed, computing it all: %s", req_id, err)
-            return 0
+            return 0, False
         stats.lmcache_hit_tokens = hit
         # vLLM must compute at least the last prompt token to sample from it.
         claimed = len(prompt) - 1 if hit >= len(prompt) else hit
+        if slow and claimed < len(prompt) - 1:
+            claimed -= claimed % self.settings.block_size
         if claimed <= num_computed_tokens:
-            if hit > 0:
+            if hit > 0 and not slow:
                 self._unpin(req_id)
-            return 0
-        self._load_specs[req_id] = LoadSpec(vllm_cached_tokens=num_computed_tokens, lmcache_cached_tokens=hit)
-        return claimed - num_computed_tokens
+            return 0, False
+        self._load_specs[req_id] = LoadSpec(
+            vllm_cached_tokens=num_computed_tokens, lmcache_cached_tokens=hit, is_async=slow
+        )
+        if slow:
+            self._async_tried.add(req_id)
+        return claimed - num_computed_tokens, slow
 
-    def update_state_after_alloc(self, request: "Request", num_external_tokens: int) -> None:
-        """vLLM allocated blocks: the load goes ahead only if it allocated for LMCache's tokens."""
+    def update_state_after_alloc(
+        self, request: "Request", num_external_tokens: int, block_ids: Optional[Sequence[Sequence[int]]] = None
+    ) -> None:
+        """vLLM allocated blocks: the load goes ahead only if it allocated for LMCache's tokens.
+        `block_ids` (every block of the request, per KV cache group) come with a background load."""
         spec = self._load_specs.get(request.request_id)
         if spec is None:
             return
         if num_external_tokens == 0:
             del self._load_specs[request.request_id]
-            self._unpin(request.request_id)
+            if not spec.is_async:
+                self._unpin(request.request_id)
+            return
+        if spec.is_async:
+            self._start_async_load(request, spec, block_ids)
             return
         promised = min(spec.lmcache_cached_tokens, len(request.prompt_token_ids) - 1) - spec.vllm_cached_tokens
         if num_external_tokens != promised:
@@ -125,15 +171,42 @@ class LMCacheSchedulerSide:
             )
         spec.can_load = True
 
+    def _start_async_load(
+        self, request: "Request", spec: LoadSpec, block_ids: Optional[Sequence[Sequence[int]]]
+    ) -> None:
+        req_id = request.request_id
+        del self._load_specs[req_id]  # settled by the background load, not by a scheduled step
+        if block_ids is None:
+            raise RuntimeError(f"request {req_id}: a background load needs the allocated blocks (the wrapper's shell)")
+        spec.can_load = True
+        self._async_pending.add(req_id)
+        policy = self._policies[req_id]
+        blocks = _single_group(block_ids, req_id)
+        self._async_loads.append(
+            async_load_meta(req_id, request.prompt_token_ids, blocks, self.settings.block_size, policy.cache_salt, spec)
+        )
+
+    def async_loaded_tokens(self, req_id: str) -> Optional[int]:
+        """Leading tokens the request's finished background load left in its blocks (None: unknown)."""
+        try:
+            return self._channel.pop_async_loaded(req_id)
+        except ChannelError as err:
+            logger.error("request %s: cannot read the LMCache background load's result: %s", req_id, err)
+            return 0  # nothing is trusted: vLLM computes the prompt
+
     # ----- every step ----------------------------------------------------------------------------
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> LMCacheConnectorMetadata:
         """Track this step's tokens and blocks; plan each request's load and store."""
         meta = LMCacheConnectorMetadata()
+        meta.requests.extend(self._async_loads)
+        meta.release_after_load = self._release_after_load
+        self._async_loads, self._release_after_load = [], []
         for req_id in scheduler_output.finished_req_ids:
             self._forget(req_id)
         for new_req in scheduler_output.scheduled_new_reqs:
             req_id = new_req.req_id
+            self._async_pending.discard(req_id)  # its background load was reported done
             policy, stats = self._policies.get(req_id), self._stats.get(req_id)
             if policy is None or stats is None:
                 logger.warning("request %s was scheduled without an LMCache lookup; not caching it", req_id)
@@ -183,7 +256,8 @@ class LMCacheSchedulerSide:
     # ----- at the end -----------------------------------------------------------------------------
 
     def request_finished(self, request: "Request", block_ids: Sequence[int]) -> tuple[bool, Optional[dict[str, Any]]]:
-        """Log the request's line and forget it; its blocks can be freed now."""
+        """Log the request's line and forget it; its blocks can be freed now, unless its background
+        load may still be writing into them (then `(True, None)`: the worker reports them free)."""
         req_id = request.request_id
         stats = self._stats.get(req_id)
         if stats is not None:
@@ -198,6 +272,10 @@ class LMCacheSchedulerSide:
             record_vllm_hit_tokens(self.settings.model_name, stats.vllm_cached_tokens)
         params = self._pd.finished(request) if self._pd is not None else None
         self._forget(req_id)
+        if req_id in self._async_pending:
+            self._async_pending.discard(req_id)
+            self._release_after_load.append(req_id)
+            return True, params
         return False, params
 
     def _unpin(self, req_id: str) -> None:
@@ -213,6 +291,7 @@ class LMCacheSchedulerSide:
             table.pop(req_id, None)
         if self._pd is not None:
             self._pd.forget(req_id)
+        self._async_tried.discard(req_id)
 
     def num_tracked_requests(self) -> int:
         """Requests with scheduler-side state (tests check nothing leaks)."""

@@ -16,8 +16,11 @@ request: magic "LMCW" | version u8 | op u8 | body_len u32 | body
                   | token ids int32 ...
    op 2 COUNTERS: request id utf-8
    op 3 UNPIN:    count u32 | count x (id_len u32 | request id utf-8)
+   op 4 LOOKUP_ASYNC: as LOOKUP (`enable_async_loading`: pins only a prefix already in memory)
+   op 5 ASYNC_LOADED: request id utf-8
 reply:   magic "LMCW" | version u8 | status u8 | body_len u32 | body
-   status 0 OK:  LOOKUP -> hit i64;  COUNTERS -> loaded i64 | stored i64;  UNPIN -> empty
+   status 0 OK:  LOOKUP -> hit i64;  COUNTERS -> loaded i64 | stored i64;  UNPIN -> empty;
+                 LOOKUP_ASYNC -> hit i64 | needs a slow tier u8;  ASYNC_LOADED -> tokens i64 (-1: none)
    status 1 ERR: message utf-8
 ```
 """
@@ -47,12 +50,15 @@ VERSION = 2
 OP_LOOKUP = 1
 OP_COUNTERS = 2
 OP_UNPIN = 3
+OP_LOOKUP_ASYNC = 4
+OP_ASYNC_LOADED = 5
 STATUS_OK = 0
 STATUS_ERROR = 1
 _HEADER = struct.Struct("<4sBBI")
 _LEN = struct.Struct("<I")
 _HIT = struct.Struct("<q")
 _COUNTERS = struct.Struct("<qq")
+_ASYNC_HIT = struct.Struct("<q?")
 # A prompt of 16M tokens is far beyond any model; anything bigger is a broken peer.
 MAX_BODY_BYTES = 64 << 20
 MAX_SALT_BYTES = 1 << 20
@@ -74,6 +80,10 @@ class WorkerEndpoint(Protocol):
 
     def pop_request_counters(self, req_id: str) -> RequestCounters: ...
 
+    def lookup_async(self, token_ids: Sequence[int], cache_salt: str, request_id: str) -> tuple[int, bool]: ...
+
+    def pop_async_loaded(self, req_id: str) -> Optional[int]: ...
+
 
 class WorkerChannel(Protocol):
     """What the scheduler side calls."""
@@ -85,6 +95,13 @@ class WorkerChannel(Protocol):
         """Release the pins of these requests' lookups."""
 
     def pop_request_counters(self, req_id: str) -> RequestCounters: ...
+
+    def lookup_async(self, token_ids: Sequence[int], cache_salt: str, request_id: str) -> tuple[int, bool]:
+        """(cached prefix, whether part of it is only in a slow tier): a prefix all in memory is
+        pinned as `lookup` does; one that needs a slow tier is loaded later, in the background."""
+
+    def pop_async_loaded(self, req_id: str) -> Optional[int]:
+        """Leading tokens a finished background load left in vLLM's blocks (None: no such load)."""
 
     def close(self) -> None: ...
 
@@ -103,6 +120,12 @@ class InProcessChannel:
 
     def pop_request_counters(self, req_id: str) -> RequestCounters:
         return self._endpoint.pop_request_counters(req_id)
+
+    def lookup_async(self, token_ids: Sequence[int], cache_salt: str, request_id: str) -> tuple[int, bool]:
+        return self._endpoint.lookup_async(token_ids, cache_salt, request_id)
+
+    def pop_async_loaded(self, req_id: str) -> Optional[int]:
+        return self._endpoint.pop_async_loaded(req_id)
 
     def close(self) -> None:
         return None
@@ -269,6 +292,12 @@ class WorkerChannelServer:
         if op == OP_COUNTERS:
             counters = self._endpoint.pop_request_counters(body.decode("utf-8"))
             return _COUNTERS.pack(counters.loaded_tokens, counters.stored_tokens)
+        if op == OP_LOOKUP_ASYNC:
+            tokens, salt, request_id = decode_lookup(body)
+            return _ASYNC_HIT.pack(*self._endpoint.lookup_async(tokens, salt, request_id))
+        if op == OP_ASYNC_LOADED:
+            loaded = self._endpoint.pop_async_loaded(body.decode("utf-8"))
+            return _HIT.pack(-1 if loaded is None else loaded)
         raise ValueError(f"unknown operation {op}")
 
     def close(self) -> None:
@@ -346,6 +375,15 @@ class SocketChannel:
     def pop_request_counters(self, req_id: str) -> RequestCounters:
         loaded, stored = self._unpack(_COUNTERS, self._call(OP_COUNTERS, req_id.encode("utf-8")))
         return RequestCounters(loaded_tokens=loaded, stored_tokens=stored)
+
+    def lookup_async(self, token_ids: Sequence[int], cache_salt: str, request_id: str) -> tuple[int, bool]:
+        reply = self._call(OP_LOOKUP_ASYNC, self._encode(encode_lookup, token_ids, cache_salt, request_id))
+        hit, slow = self._unpack(_ASYNC_HIT, reply)
+        return hit, slow
+
+    def pop_async_loaded(self, req_id: str) -> Optional[int]:
+        (loaded,) = self._unpack(_HIT, self._call(OP_ASYNC_LOADED, req_id.encode("utf-8")))
+        return None if loaded < 0 else loaded
 
     def close(self) -> None:
         with self._lock:

@@ -4,9 +4,12 @@ vLLM calls, per step (inside the forward context):
 - `start_load_kv(metadata, forward_context)`: collect each attention layer's KV cache on first
   use, then for every request with a load, retrieve LMCache's chunks into vLLM's blocks and
   release the request's pins;
-- `wait_for_save(metadata)`: for every request with a store, store the step's new tokens (a PD
-  prefiller then pushes those chunks to the request's decoder, `PDSender`);
-- `get_finished(finished_req_ids)`: nothing is in flight between steps, so `(None, None)`;
+- `wait_for_save(metadata)`: hand every request's store of the step's new tokens to the
+  off-step saver (`OffStepSaver`: it runs after the forward pass and is flushed before vLLM
+  writes its cache again); a PD prefiller stores and pushes those chunks to the request's
+  decoder inside the step (`PDSender`), so the decoder holds them before the prefiller answers;
+- layer-wise (`use_layerwise`): `wait_for_layer_load` / `save_kv_layer` (`LayerwiseWorker`);
+- `get_finished(finished_req_ids)`: background loads (`enable_async_loading`) that ended;
   pins of requests that ended before their load are released here;
 - `get_block_ids_with_load_errors()` (vLLM 0.3x): the blocks of this step's loads that LMCache
   promised but could not fill, so vLLM recomputes them instead of reading stale KV.
@@ -42,10 +45,13 @@ from lmcache.experimental.cache_engine import LMCacheEngine
 from lmcache.experimental.config import LMCacheEngineConfig
 from lmcache.experimental.kv_layout import KVLayout
 from lmcache.experimental.pd.sender import PDSender
-from lmcache.experimental.token_database import skip_prefix_mask
 from lmcache.integration.vllm.utils import check_kv_caches
 from lmcache.integration.vllm.request_log import RequestCounters
+from lmcache.integration.vllm.off_step_saver import OffStepSaver
+from lmcache.integration.vllm.v1.async_loader import AsyncLoader
+from lmcache.integration.vllm.v1.layerwise_worker import LayerwiseWorker
 from lmcache.integration.vllm.v1.request_state import LMCacheConnectorMetadata, ReqMeta
+from lmcache.integration.vllm.v1.transfer_arguments import load_arguments, store_arguments
 from lmcache.integration.vllm.v1.worker_channel import WorkerChannelServer, channel_socket_path
 from lmcache.integration.vllm.vllm_compat import attention_kv_caches, kv_caches_in_layer_order
 from lmcache.integration.vllm.worker_engine import ENGINE_EXIT_PRIORITY, open_worker_engine
@@ -77,6 +83,19 @@ class LMCacheWorkerSide:
         self._server: Optional[WorkerChannelServer] = None
         # PD prefiller: pushes what each store wrote to the request's decoder.
         self.pd_sender: Optional[PDSender] = None
+        # `use_layerwise`: loads and stores layer by layer on a copy thread (`layerwise_worker.py`).
+        self.layerwise: Optional[LayerwiseWorker] = LayerwiseWorker(self) if engine.config.use_layerwise else None
+        # `enable_async_loading`: slow-tier prefixes load in the background (`async_loader.py`).
+        self.async_loader: Optional[AsyncLoader] = AsyncLoader(self) if engine.config.enable_async_loading else None
+        # Whole-chunk stores run after the step; flushed before vLLM's cache is written again,
+        # and at exit before the engine closes.
+        self.saver = OffStepSaver("v1")
+        multiprocessing.util.Finalize(self, self.saver.close, exitpriority=ENGINE_EXIT_PRIORITY + 1)
+
+    @property
+    def engine_lock(self) -> threading.Lock:
+        """Held around every engine call of this side (model-runner, channel and copy threads)."""
+        return self._lock
 
     @classmethod
     def from_vllm_config(cls, vllm_config: "VllmConfig", config: LMCacheEngineConfig) -> "LMCacheWorkerSide":
@@ -106,10 +125,35 @@ class LMCacheWorkerSide:
         """How many leading tokens of `token_ids` LMCache holds under `cache_salt`; with a
         `request_id`, that prefix is pinned for the request's load."""
         tokens = torch.tensor(list(token_ids), dtype=torch.long)
+        self.saver.flush()  # what the last step stored is found
         with self._lock:
             if request_id:
                 return self.engine.lookup(tokens, cache_salt=cache_salt, request_id=request_id, pin=True)
             return self.engine.lookup(tokens, cache_salt=cache_salt)
+
+    def lookup_async(self, token_ids: Sequence[int], cache_salt: str, request_id: str) -> tuple[int, bool]:
+        """`(hit, needs a slow tier)`: the prefix already in CPU memory is pinned for the request as
+        `lookup` pins; when a slower tier continues it, nothing is pinned (the background load
+        pins as it reads) and the whole hit is reported."""
+        tokens = torch.tensor(list(token_ids), dtype=torch.long)
+        self.saver.flush()
+        with self._lock:
+            in_memory = self.engine.lookup(tokens, ["Hot"], cache_salt=cache_salt, request_id=request_id, pin=True)
+            total = in_memory
+            for end, key in self.engine.token_database.prefix_keys(tokens, cache_salt=cache_salt):
+                if end <= in_memory:
+                    continue
+                if not self.engine.storage_manager.contains(key):
+                    break
+                total = end
+        if total > in_memory:
+            self.unpin([request_id])
+            return total, True
+        return in_memory, False
+
+    def pop_async_loaded(self, req_id: str) -> Optional[int]:
+        """Leading tokens a finished background load left in the request's blocks (None: none)."""
+        return None if self.async_loader is None else self.async_loader.pop_loaded(req_id)
 
     def unpin(self, request_ids: Sequence[str]) -> None:
         """Release the pins of these requests' lookups (ids without pins are ignored)."""
@@ -147,11 +191,27 @@ class LMCacheWorkerSide:
         self._kv_caches = caches
 
     def start_load_kv(self, metadata: Any, forward_context: Optional["ForwardContext"]) -> None:
-        """Retrieve every request's promised tokens into vLLM's blocks (before the forward pass)."""
+        """Retrieve every request's promised tokens into vLLM's blocks (before the forward pass);
+        first, the last step's stores finish copying out of blocks vLLM may since have reused."""
+        self.saver.flush()
         if not isinstance(metadata, LMCacheConnectorMetadata):
             return
+        if metadata.release_after_load and self.async_loader is not None:
+            self.async_loader.release_when_done(metadata.release_after_load)
         loads = [req for req in metadata.requests if req.load_spec is not None]
         if not loads:
+            return
+        background = [req for req in loads if req.load_spec is not None and req.load_spec.is_async]
+        if background:
+            assert self.async_loader is not None, "a background load without enable_async_loading"
+            kv_caches = self._ensure_kv_caches(forward_context)
+            for req in background:
+                self.async_loader.submit(req, kv_caches)
+            loads = [req for req in loads if req.load_spec is not None and not req.load_spec.is_async]
+            if not loads:
+                return
+        if self.layerwise is not None:
+            self.layerwise.start_loads(loads, self._ensure_kv_caches(forward_context))  # unpins when done
             return
         try:
             kv_caches = self._ensure_kv_caches(forward_context)
@@ -162,20 +222,22 @@ class LMCacheWorkerSide:
             self.unpin([req.req_id for req in loads])
 
     def _load(self, req: ReqMeta, kv_caches: list[torch.Tensor]) -> None:
+        tokens, mask, slots = load_arguments(req, self.chunk_size)
+        got: Optional[torch.Tensor] = None
+        try:
+            with self._lock:
+                got = self.engine.retrieve(tokens, mask, kvcaches=kv_caches, slot_mapping=slots, cache_salt=req.cache_salt)
+        except Exception:  # a cache tier must not fail serving: the tokens count as not loaded
+            logger.exception("request %s: LMCache load failed", req.req_id)
+        self.settle_load(req, slots, got)
+
+    def settle_load(self, req: ReqMeta, slots: torch.Tensor, got: Optional[torch.Tensor]) -> None:
+        """Count what a load wrote (`got`: its token mask, None when it failed) and report the
+        promised blocks it did not fill as load errors."""
         spec = req.load_spec
         assert spec is not None
         num_tokens, vllm_cached = spec.lmcache_cached_tokens, spec.vllm_cached_tokens
-        mask = skip_prefix_mask(num_tokens, vllm_cached, self.chunk_size)
-        # NOTE: vLLM's own cached blocks may be shared with running requests: never write them.
-        slots = req.slot_mapping[:num_tokens].clone()
-        slots[:vllm_cached] = -1
-        try:
-            with self._lock:
-                got = self.engine.retrieve(
-                    req.token_ids[:num_tokens], mask, kvcaches=kv_caches, slot_mapping=slots, cache_salt=req.cache_salt
-                )
-        except Exception:  # a cache tier must not fail serving: the tokens count as not loaded
-            logger.exception("request %s: LMCache load failed", req.req_id)
+        if got is None:
             got = torch.zeros(num_tokens, dtype=torch.bool)
         loaded = int(got[vllm_cached:num_tokens].sum())
         self._count(req.req_id, loaded=loaded)
@@ -191,6 +253,21 @@ class LMCacheWorkerSide:
                 req.req_id, expected, loaded,
             )
 
+    def wait_for_layer_load(self) -> None:
+        """Layer-wise: block until the next layer of this step's loads is in vLLM's cache."""
+        if self.layerwise is not None:
+            self.layerwise.wait_layer_loaded()
+
+    def save_kv_layer(self, metadata: Any) -> None:
+        """Layer-wise: copy the layer vLLM just computed out for this step's stores."""
+        if self.layerwise is None or not isinstance(metadata, LMCacheConnectorMetadata):
+            return
+
+        def saves() -> list[ReqMeta]:
+            return [req for req in metadata.requests if req.save_spec is not None]
+
+        self.layerwise.save_layer(saves, self._ensure_kv_caches(None))
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         """The vLLM blocks that loads since the last call promised but did not fill."""
         with self._lock:
@@ -198,28 +275,42 @@ class LMCacheWorkerSide:
         return blocks
 
     def wait_for_save(self, metadata: Any) -> None:
-        """Store every request's planned tokens (after the forward pass wrote their KV)."""
+        """Store every request's planned tokens (after the forward pass wrote their KV); layer-wise,
+        wait for the layers' copies and puts."""
+        if self.layerwise is not None:
+            self.layerwise.finish_loads()
+            self.layerwise.finish_saves()
+            return
         if not isinstance(metadata, LMCacheConnectorMetadata):
             return
         saves = [req for req in metadata.requests if req.save_spec is not None]
         if not saves:
             return
         kv_caches = self._ensure_kv_caches(None)
-        for req in saves:
-            spec = req.save_spec
-            assert spec is not None
-            mask = skip_prefix_mask(spec.num_tokens, spec.skip_leading_tokens, self.chunk_size)
-            with self._lock:
-                self.engine.store(
-                    req.token_ids[: spec.num_tokens],
-                    mask,
-                    kvcaches=kv_caches,
-                    slot_mapping=req.slot_mapping[: spec.num_tokens],
-                    cache_salt=req.cache_salt,
-                )
-            self._count(req.req_id, stored=spec.num_tokens - spec.skip_leading_tokens)
-            if req.disagg_spec is not None and self.pd_sender is not None:
-                self._push(req, mask)
+        jobs = [(req, store_arguments(req, self.chunk_size)) for req in saves]
+
+        def store() -> None:
+            for req, (tokens, mask, slots) in jobs:
+                with self._lock:
+                    self.engine.store(tokens, mask, kvcaches=kv_caches, slot_mapping=slots, cache_salt=req.cache_salt)
+                if req.disagg_spec is not None and self.pd_sender is not None:
+                    self._push(req, mask)
+
+        for req in saves:  # before the store takes the lock
+            self.count_store(req)
+        if self.pd_sender is not None and any(req.disagg_spec is not None for req in saves):
+            # PD: the decoder must hold the pushed KV before the prefiller answers the proxy, which
+            # then sends the request on; so a step that pushes stores and pushes in the step.
+            self.saver.flush()
+            store()
+        else:
+            self.saver.submit(store, ", ".join(req.req_id for req in saves))
+
+    def count_store(self, req: ReqMeta) -> None:
+        """Count a request's planned store as done."""
+        spec = req.save_spec
+        assert spec is not None
+        self._count(req.req_id, stored=spec.num_tokens - spec.skip_leading_tokens)
 
     def _push(self, req: ReqMeta, mask: torch.Tensor) -> None:
         """PD prefiller: send the chunks this store covered to the request's decoder."""
@@ -239,14 +330,18 @@ class LMCacheWorkerSide:
                     save.num_tokens, ", last prefill" if spec.is_last_prefill else "")
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[Optional[set[str]], Optional[set[str]]]:
-        """Nothing is sent or received asynchronously; drop counters nobody asked for and the pins
-        of requests that ended (aborted, or finished) before their load."""
+        """`(ended requests no background load writes into any more, background loads that ended)`;
+        drop counters nobody asked for and the pins of
+        requests that ended (aborted, or finished) before their load."""
         if finished_req_ids:
             self.unpin(list(finished_req_ids))
         with self._lock:
             for req_id in finished_req_ids:
                 self._counters.pop(req_id, None)
-        return None, None
+        if self.async_loader is None:
+            return None, None
+        self.async_loader.forget(finished_req_ids)
+        return self.async_loader.pop_released() or None, self.async_loader.pop_finished() or None
 
     def close(self) -> None:
         """Stop serving the channel (the engine is closed at process exit, it may be shared)."""
@@ -255,3 +350,8 @@ class LMCacheWorkerSide:
             self._server = None
         if self.pd_sender is not None:
             self.pd_sender.close()
+        if self.layerwise is not None:
+            self.layerwise.close()
+        if self.async_loader is not None:
+            self.async_loader.close()
+        self.saver.close()

@@ -1,0 +1,118 @@
+"""Background loads for `enable_async_loading`: a request whose cached prefix needs a slow tier
+(disk, remote) waits in vLLM's `WAITING_FOR_REMOTE_KVS` state while its chunks are read and
+copied into its blocks here, and other requests keep stepping.
+
+```
+  step N   scheduler: lookup_async -> (hit, slow)  => vLLM: (n, True), blocks allocated, request parked
+           worker:    start_load_kv -> submit(job)      (returns at once)
+  thread   pinned lookup (reads the slow tier into CPU memory) -> retrieve into the blocks
+           -> settle (count, load-error blocks for what fell short) -> unpin -> finished
+  step N+k worker: get_finished() reports the request in `finished_recving`
+           scheduler: asks `pop_async_loaded` how much really arrived (vLLM 0.9.2 trusts its blocks)
+```
+
+vLLM allocated the request's blocks and will not touch them until the load is reported, so the
+copy may run while other requests' forward passes do. Engine calls here are not serialised with
+the model thread's: the engine is safe for concurrent store/retrieve, and holding the worker's
+lock across a slow-tier read would stall the very steps this mode keeps going.
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING, Optional
+
+import torch
+
+from lmcache.integration.vllm.v1.request_state import ReqMeta
+from lmcache.integration.vllm.v1.transfer_arguments import load_arguments
+from lmcache.logging import init_logger
+
+if TYPE_CHECKING:
+    from lmcache.integration.vllm.v1.worker_side import LMCacheWorkerSide
+
+logger = init_logger(__name__)
+
+
+class AsyncLoader:
+    """Runs one worker's background loads in order on a thread of their own."""
+
+    def __init__(self, side: "LMCacheWorkerSide") -> None:
+        self.side = side
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lmcache-async-load")
+        self._lock = threading.Lock()
+        self._finished: set[str] = set()
+        self._loaded: dict[str, int] = {}
+        self._jobs: dict[str, Future] = {}
+        self._releasing: set[str] = set()  # ended while loading: free once the job is done
+
+    def submit(self, req: ReqMeta, kv_caches: list[torch.Tensor]) -> None:
+        """Start loading `req`'s promised tokens into its blocks in the background."""
+        job = self._thread.submit(self._load, req, kv_caches)
+        with self._lock:
+            self._jobs[req.req_id] = job
+
+    def _load(self, req: ReqMeta, kv_caches: list[torch.Tensor]) -> None:
+        spec = req.load_spec
+        assert spec is not None
+        tokens, mask, slots = load_arguments(req, self.side.chunk_size)
+        engine = self.side.engine
+        got: Optional[torch.Tensor] = None
+        try:
+            # Reads every chunk of the prefix into CPU memory and holds it for this request.
+            engine.lookup(tokens, cache_salt=req.cache_salt, request_id=req.req_id, pin=True)
+            got = engine.retrieve(tokens, mask, kvcaches=kv_caches, slot_mapping=slots, cache_salt=req.cache_salt)
+        except Exception:  # a cache tier must not fail serving: the tokens count as not loaded
+            logger.exception("request %s: LMCache background load failed", req.req_id)
+        finally:
+            engine.lookup_unpin([req.req_id])
+        self.side.settle_load(req, slots, got)
+        # The leading tokens vLLM may now treat as computed: its own prefix and the run loaded after it.
+        upto = spec.vllm_cached_tokens
+        if got is not None:
+            while upto < len(got) and bool(got[upto]):
+                upto += 1
+        logger.info(
+            "request %s: background load done, %d leading tokens ready of %d promised",
+            req.req_id, upto, spec.lmcache_cached_tokens,
+        )
+        with self._lock:
+            self._loaded[req.req_id] = upto
+            self._finished.add(req.req_id)
+
+    def pop_finished(self) -> set[str]:
+        """Requests whose background load ended since the last call."""
+        with self._lock:
+            finished, self._finished = self._finished, set()
+        return finished
+
+    def pop_loaded(self, req_id: str) -> Optional[int]:
+        """How many leading tokens a finished background load left in the request's blocks."""
+        with self._lock:
+            return self._loaded.pop(req_id, None)
+
+    def release_when_done(self, req_ids: list[str]) -> None:
+        """These requests ended while loading; `pop_released` reports them once their job is done."""
+        with self._lock:
+            self._releasing.update(req_ids)
+
+    def pop_released(self) -> set[str]:
+        """Ended requests whose blocks no background job writes into any more."""
+        with self._lock:
+            done = {r for r in self._releasing if r not in self._jobs or self._jobs[r].done()}
+            self._releasing -= done
+            for req_id in done:
+                self._jobs.pop(req_id, None)
+        return done
+
+    def forget(self, req_ids: set[str]) -> None:
+        """Drop results nobody will ask for (the requests ended)."""
+        with self._lock:
+            for req_id in req_ids:
+                self._loaded.pop(req_id, None)
+                if req_id not in self._releasing:
+                    self._jobs.pop(req_id, None)
+
+    def close(self) -> None:
+        self._thread.shutdown(wait=True)
