@@ -55,7 +55,7 @@ NON_DEFAULT: Dict[str, Any] = {
     "enable_async_loading": True, "save_unfull_chunk": False, "priority_limit": 3, "enable_pd": True,
     "blend_separator": "<sep>", "blend_add_special_in_precomp": True, "remote_password": "s3cret",
     "internal_api_server_enabled": True, "internal_api_server_port_start": 7100,
-    "internal_api_server_token": "s3cret-token", "pd_role": "sender", "pd_buffer_size": 4096,
+    "internal_api_server_token": "s3cret-token", "pd_role": "receiver", "pd_buffer_size": 4096,
     "pd_buffer_device": "cpu", "pd_peer_host": "127.0.0.2", "pd_peer_init_port": 7300,
     "pd_peer_alloc_port": 7400, "pd_proxy_host": "127.0.0.3", "pd_proxy_port": 7500, "transfer_channel": "zmq",
 }

@@ -116,7 +116,7 @@ class LMCacheSchedulerSide:
         self._load_specs.pop(req_id, None)
         if self._pd is not None:
             self._pd.admit(request)
-            return 0  # a PD prefiller computes every prompt and pushes it; it never loads
+            return 0, False  # a PD prefiller computes every prompt and pushes it; it never loads
         if not policy.use_cache:
             return 0, False
         num_lookup = len(prompt) - self.settings.skip_last_n_tokens
