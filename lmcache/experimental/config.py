@@ -333,7 +333,6 @@ UNSUPPORTED_WHEN_ON: Mapping[str, str] = MappingProxyType(
         "use_layerwise": "the engine stores and retrieves whole chunks across all layers; "
         "layer-by-layer transfer is not available",
         "enable_async_loading": "loads are synchronous within the step that asks for them",
-        "enable_blending": "CacheBlend (reusing non-prefix chunks) is not implemented",
         "enable_p2p": "peer-to-peer sharing is not implemented; share through remote_url instead",
         "enable_pd": "prefill/decode disaggregation is not implemented",
     }
@@ -419,6 +418,10 @@ class LMCacheEngineConfig:
             raise ValueError(f"blend_recompute_ratio={self.blend_recompute_ratio!r}: must be within [0, 1]")
         if self.blend_min_tokens < 0:
             raise ValueError(f"blend_min_tokens={self.blend_min_tokens!r}: cannot be negative")
+        if self.enable_blending and not self.use_layerwise:
+            raise ValueError("enable_blending=True needs use_layerwise=True (CacheBlend runs layer by layer)")
+        if self.enable_blending and not self.blend_separator:
+            raise ValueError("blend_separator='': enable_blending=True needs a non-empty separator")
         for name in ("lookup_url", "distributed_url"):
             value = getattr(self, name)
             if value is not None:
@@ -559,13 +562,19 @@ class LMCacheEngineConfig:
             lookup_url=lookup_url,
             distributed_url=distributed_url,
             error_handling=error_handling,
+            use_layerwise=enable_blending,  # the legacy wrapper's blending had no separate switch
         )
 
     # ----- variants -------------------------------------------------------------------------
 
     def check_supported(self) -> None:
-        """Raise ValueError naming each switch that is on but whose feature this engine lacks."""
-        problems = [f"{name}=True: {why}" for name, why in UNSUPPORTED_WHEN_ON.items() if getattr(self, name)]
+        """Raise ValueError naming each switch that is on but whose feature this engine lacks
+        (`use_layerwise` is accepted as CacheBlend's companion switch)."""
+        problems = [
+            f"{name}=True: {why}"
+            for name, why in UNSUPPORTED_WHEN_ON.items()
+            if getattr(self, name) and not (name == "use_layerwise" and self.enable_blending)
+        ]
         if problems:
             raise ValueError("; ".join(problems) + " (set it to false)")
 
