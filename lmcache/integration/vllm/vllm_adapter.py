@@ -135,6 +135,8 @@ def _open_engine(vllm_config: Any) -> LMCacheEngine:
     config = lmcache_get_config(extra_config_of(vllm_config))
     if config.save_decode_cache:
         warn_once("LMCache v0 door: save_decode_cache is not supported by the v0 engine; only prompts are stored")
+    if config.enable_blending:
+        raise ValueError("enable_blending=True: CacheBlend runs on vLLM's v1 engine (VLLM_USE_V1=1), not on v0")
     return open_worker_engine(vllm_config, config, DOOR).engine
 
 

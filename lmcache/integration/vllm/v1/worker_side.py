@@ -40,7 +40,9 @@ from lmcache.experimental.cache_engine import LMCacheEngine
 from lmcache.experimental.config import LMCacheEngineConfig
 from lmcache.experimental.kv_layout import KVLayout
 from lmcache.experimental.token_database import skip_prefix_mask
+from lmcache.integration.vllm.blend_runner import Blender
 from lmcache.integration.vllm.utils import check_kv_caches
+from lmcache.integration.vllm.v1.blend_plan import check_blending
 from lmcache.integration.vllm.request_log import RequestCounters
 from lmcache.integration.vllm.v1.request_state import LMCacheConnectorMetadata, ReqMeta
 from lmcache.integration.vllm.v1.worker_channel import WorkerChannelServer, channel_socket_path
@@ -72,6 +74,7 @@ class LMCacheWorkerSide:
         self._counters: dict[str, RequestCounters] = {}
         self._load_error_blocks: set[int] = set()
         self._server: Optional[WorkerChannelServer] = None
+        self.blender: Optional[Blender] = None  # CacheBlend (enable_blending)
 
     @classmethod
     def from_vllm_config(cls, vllm_config: "VllmConfig", config: LMCacheEngineConfig) -> "LMCacheWorkerSide":
@@ -80,6 +83,9 @@ class LMCacheWorkerSide:
         config.check_supported()
         worker = open_worker_engine(vllm_config, config, "v1 worker")
         side = cls(worker.engine, worker.layout, vllm_config.cache_config.block_size)
+        if config.enable_blending:
+            check_blending(vllm_config)
+            side.blender = Blender(worker.engine, worker.layout, side.block_size, config.blend_recompute_ratio)
         backend = vllm_config.parallel_config.distributed_executor_backend
         if worker.rank == 0 and backend not in IN_PROCESS_EXECUTORS:
             side.serve_channel(channel_socket_path(vllm_config))
@@ -149,7 +155,10 @@ class LMCacheWorkerSide:
         try:
             kv_caches = self._ensure_kv_caches(forward_context)
             for req in loads:
-                self._load(req, kv_caches)
+                if req.blend is not None and req.blend.load and self.blender is not None:
+                    self._blend(req, kv_caches, forward_context)
+                else:
+                    self._load(req, kv_caches)
         finally:
             # Loaded, short, or failed: the promise is settled and the pins have done their job.
             self.unpin([req.req_id for req in loads])
@@ -184,6 +193,20 @@ class LMCacheWorkerSide:
                 req.req_id, expected, loaded,
             )
 
+    def _blend(self, req: ReqMeta, kv_caches: list[torch.Tensor], forward_context: Optional["ForwardContext"]) -> None:
+        """CacheBlend writes every promised token; if it fails, they are load errors like a short load."""
+        assert self.blender is not None and req.load_spec is not None
+        try:
+            with self._lock:
+                reused = self.blender.blend(req, kv_caches, forward_context)
+            self._count(req.req_id, loaded=reused)
+        except Exception:  # a cache tier must not fail serving
+            logger.exception("request %s: CacheBlend failed", req.req_id)
+            spec = req.load_spec
+            slots = req.slot_mapping[spec.vllm_cached_tokens : spec.lmcache_cached_tokens]
+            with self._lock:
+                self._load_error_blocks.update((slots // self.block_size).tolist())
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         """The vLLM blocks that loads since the last call promised but did not fill."""
         with self._lock:
@@ -195,9 +218,15 @@ class LMCacheWorkerSide:
         if not isinstance(metadata, LMCacheConnectorMetadata):
             return
         saves = [req for req in metadata.requests if req.save_spec is not None]
-        if not saves:
+        blend_saves = [req for req in metadata.requests if req.blend is not None and req.blend.store]
+        if not saves and not blend_saves:
             return
         kv_caches = self._ensure_kv_caches(None)
+        if self.blender is not None:
+            for req in blend_saves:
+                with self._lock:
+                    stored = self.blender.store_segments(req, kv_caches, None)
+                self._count(req.req_id, stored=stored)
         for req in saves:
             spec = req.save_spec
             assert spec is not None
