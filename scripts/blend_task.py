@@ -21,7 +21,7 @@ from typing import List, Sequence, Tuple
 
 SYSTEM = (10, 11, 12)  # ordinary byte tokens of the tiny tokenizer
 QUESTION = (13,)
-ITEMS = range(100, 300)  # a small pool: the tiny model learns to copy each item quickly
+ITEMS = range(100, 164)  # a small pool: the tiny model learns to copy each item quickly
 
 
 @dataclass(frozen=True)
@@ -33,8 +33,8 @@ class Example:
 @dataclass(frozen=True)
 class BlendTask:
     separator: Tuple[int, ...]
-    num_docs: int = 4
-    items_per_doc: int = 8
+    num_docs: int = 3
+    items_per_doc: int = 4
 
     def items(self) -> List[int]:
         reserved = set(self.separator) | set(SYSTEM) | set(QUESTION)

@@ -6,7 +6,7 @@ loads it), its random weights trained on the task until it answers the held-out 
 budget runs out. Deterministic for a seed (one thread pool, seeded data and init); the result is
 cached under `.cache/` with its spec and reused when the spec matches.
 
-    python scripts/train_tiny_model.py [OUT_DIR] [--steps 2000 --seed 0]
+    python scripts/train_tiny_model.py [OUT_DIR] [--steps 3000 --seed 0]
 """
 
 from __future__ import annotations
@@ -36,12 +36,12 @@ SEPARATOR = "|"
 class TrainSpec:
     """Everything that determines the trained weights."""
 
-    steps: int = 2000
-    batch: int = 32
-    lr: float = 3e-3
+    steps: int = 3000
+    batch: int = 64
+    lr: float = 1e-3
     seed: int = 0
-    num_docs: int = 4
-    items_per_doc: int = 8
+    num_docs: int = 3
+    items_per_doc: int = 4
     eval_examples: int = 256
     target_accuracy: float = 0.99  # stop early once the held-out accuracy reaches it
 
