@@ -1,8 +1,9 @@
 """CacheBlend benchmark: answer quality on the trained tiny model, TTFT on a benchmark-size one.
 
-Quality (`scripts/train_tiny_model.py`'s model and task, `blend_task.py`): every held-out example's
-documents are first sent alone (so each is cached without the others in view, as a RAG store
-has them), then the prompt with its documents in a shuffled order; the answer is the first greedy
+Quality (`scripts/train_tiny_model.py`'s model and task, `blend_task.py`): each document of a
+held-out example is first sent in an earlier prompt of its own (after another document that
+shares one of its items: the context it was cached in), then the example's prompt with its
+documents in a shuffled order; the answer is the first greedy
 token. Three engines: cache off (full recompute), CacheBlend at the default ratio, and naive
 reuse (ratio 0: only the tokens no document covers are recomputed).
 
@@ -91,7 +92,7 @@ def quality(examples: int, seed: int) -> dict:
     task = BlendTask(separator_ids(model), TrainSpec.num_docs, TrainSpec.items_per_doc)
     rng = random.Random(f"bench-{seed}")  # not the training stream (seeded by the int seed)
     held_out = [task.sample(rng) for _ in range(examples)]
-    warm = [task.alone(doc) for ex in held_out for doc in ex.docs]
+    warm = [task.earlier_context(doc, rng) for ex in held_out for doc in ex.docs]
     prompts = []
     for ex in held_out:
         docs = list(ex.docs)

@@ -58,6 +58,11 @@ class BlendTask:
             tokens += list(doc) + list(self.separator)
         return tokens + list(QUESTION)
 
-    def alone(self, doc: Sequence[int]) -> List[int]:
-        """A prompt with one document: what caches it on its own (no other document in view)."""
-        return self.prompt([doc])
+    def earlier_context(self, doc: Sequence[int], rng: random.Random) -> List[int]:
+        """A prompt where `doc` was first retrieved after another document that shares one of its
+        items (not the answer of any later prompt): what caches `doc` with a context of its own,
+        as a RAG store meets it."""
+        size = self.items_per_doc
+        other = rng.sample([t for t in self.items() if t not in doc], size - 1)
+        other.insert(rng.randrange(size), rng.choice(list(doc)))
+        return self.prompt([other, doc])
