@@ -27,10 +27,10 @@ def test_attend_matches_a_plain_causal_gqa_attention_for_a_query_subset() -> Non
     shape = AttentionShape(num_heads=4, num_kv_heads=2, head_size=8, scaling=8**-0.5)
     model = object.__new__(LlamaBlendModel)
     model.shape = shape
-    tokens = QUERY_BLOCK + 40  # more than one query block
+    tokens = 3 * QUERY_BLOCK + 40  # several query blocks
     keys = torch.randn(tokens, shape.kv_hidden)
     values = torch.randn(tokens, shape.kv_hidden)
-    positions = torch.tensor(sorted(torch.randperm(tokens)[: QUERY_BLOCK + 7].tolist()))
+    positions = torch.tensor(sorted(torch.randperm(tokens)[: 2 * QUERY_BLOCK + 7].tolist()))
     q = torch.randn(len(positions), shape.num_heads * shape.head_size)
     got = model.attend(q, positions, keys, values)
     torch.testing.assert_close(got, reference(q, positions, keys, values, shape), atol=1e-5, rtol=1e-4)

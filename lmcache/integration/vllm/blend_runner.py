@@ -17,6 +17,7 @@ full prefill. Tokens vLLM already had (its own prefix cache) are read, never wri
 
 from __future__ import annotations
 
+import time
 from typing import Any, Optional, Sequence
 
 import torch
@@ -56,6 +57,7 @@ class Blender:
     def blend(self, req: ReqMeta, kv_caches: Sequence[torch.Tensor], forward_context: Any) -> int:
         """Write the blended KV of the promised tokens into vLLM's cache; returns the tokens reused."""
         assert req.load_spec is not None and req.blend is not None
+        started = time.perf_counter()
         model, io = self._ready(forward_context)
         n, first = req.load_spec.lmcache_cached_tokens, req.load_spec.vllm_cached_tokens
         tokens, slots = req.token_ids[:n], req.slot_mapping[:n]
@@ -77,13 +79,15 @@ class Blender:
             lo = max(seg.start, first)
             kv[:, :, lo : seg.end] = io.move(seg_kv, seg.start)[:, :, lo - seg.start :]
             reused[lo : seg.end] = True
+        fetched = time.perf_counter()
         kept = self._run_layers(model, tokens, first, kv, reused)
         io.scatter(kv[:, :, first:], kv_caches, slots[first:])
         num_reused = int(reused.sum())
         logger.info(
             "request %s: CacheBlend reused %d of %d segments (%d tokens), recomputed %d of %d tokens "
-            "(blend_recompute_ratio=%.2f)",
+            "(blend_recompute_ratio=%.2f) in %.3f s (segments loaded in %.3f s)",
             req.req_id, found, len(req.blend.segments), num_reused, kept, n - first, self.ratio,
+            time.perf_counter() - started, fetched - started,
         )
         return num_reused
 
