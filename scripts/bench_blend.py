@@ -93,12 +93,12 @@ def quality(examples: int, seed: int) -> dict:
     rng = random.Random(f"bench-{seed}")  # not the training stream (seeded by the int seed)
     held_out = [task.sample(rng) for _ in range(examples)]
     warm = [task.earlier_context(doc, rng) for ex in held_out for doc in ex.docs]
-    prompts = []
+    prompts, answers = [], []
     for ex in held_out:
         docs = list(ex.docs)
         rng.shuffle(docs)
         prompts.append(task.prompt(docs))
-    answers = [ex.answer for ex in held_out]
+        answers.append(task.answer(docs))  # the later partner in this order
     blend = {"blend_separator": TASK_SEPARATOR, "blend_min_tokens": 1}
 
     def accuracy(result: dict) -> float:

@@ -2,14 +2,15 @@
 `bench_blend.py` scores it).
 
 A prompt is a system prompt, `num_docs` documents between blend separators, and a question
-token. Each document is a list of distinct item tokens; exactly one item appears in two
-documents, and the answer (the next token) is that shared item. Only a document token that saw
-the other document can tell it is the shared one: the answer needs attention across documents,
-which KV cached for each document on its own lacks (naive reuse), and CacheBlend must restore
-by recomputing the tokens whose KV changed most.
+token. Each document is a list of item tokens. Items come in partner pairs (`i` and `i ^ 1`);
+exactly one pair has both partners in the prompt, in two different documents, and the answer
+(the next token) is the partner that comes later. The easy way to find it is for each item to
+look back for its partner: that is attention from one document into another, which KV cached
+with another context lacks (naive reuse) and CacheBlend must restore by recomputing the tokens
+whose KV changed most. Counting occurrences does not help: every item occurs once.
 
 ```
-  SYS SEP a b c d e f g h SEP i j k d l m n o SEP ... SEP Q  ->  d
+  SYS SEP a b c d SEP e f g h SEP i j k l SEP Q   (c's partner is j)  ->  j
 ```
 """
 
@@ -21,7 +22,7 @@ from typing import List, Sequence, Tuple
 
 SYSTEM = (10, 11, 12)  # ordinary byte tokens of the tiny tokenizer
 QUESTION = (13,)
-ITEMS = range(100, 164)  # a small pool: the tiny model learns to copy each item quickly
+ITEMS = range(100, 196)  # a small pool: the tiny model learns to copy each item quickly
 
 
 @dataclass(frozen=True)
@@ -33,24 +34,38 @@ class Example:
 @dataclass(frozen=True)
 class BlendTask:
     separator: Tuple[int, ...]
-    num_docs: int = 3
-    items_per_doc: int = 4
+    num_docs: int = 4
+    items_per_doc: int = 8
 
     def items(self) -> List[int]:
+        """Whole partner pairs of ordinary tokens, none of them reserved."""
         reserved = set(self.separator) | set(SYSTEM) | set(QUESTION)
-        return [t for t in ITEMS if t not in reserved]
+        return [t for t in ITEMS if t not in reserved and (t ^ 1) not in reserved and (t ^ 1) in ITEMS]
 
     def sample(self, rng: random.Random) -> Example:
-        """Distinct items in every slot but two, which hold the shared item (in two documents)."""
+        """One pair split over two documents; every other item without its partner."""
         size = self.items_per_doc
-        distinct = rng.sample(self.items(), self.num_docs * size - 1)
-        shared, others = distinct[0], iter(distinct[1:])
-        homes = rng.sample(range(self.num_docs), 2)
+        pairs = sorted({t & ~1 for t in self.items()})
+        chosen = rng.sample(pairs, self.num_docs * size - 1)
+        first, second = rng.sample([chosen[0], chosen[0] + 1], 2)
+        singles = iter(p + rng.randrange(2) for p in chosen[1:])
+        homes = rng.sample(range(self.num_docs), 2)  # documents of the earlier and later partner
         docs = []
         for d in range(self.num_docs):
             spot = rng.randrange(size) if d in homes else -1
-            docs.append(tuple(shared if i == spot else next(others) for i in range(size)))
-        return Example(tuple(docs), shared)
+            item = first if d == homes[0] else second
+            docs.append(tuple(item if i == spot else next(singles) for i in range(size)))
+        return Example(tuple(docs), second if homes[0] < homes[1] else first)
+
+    def answer(self, docs: Sequence[Sequence[int]]) -> int:
+        """The later partner of the one pair in `docs`, in this order."""
+        seen: set = set()
+        for doc in docs:
+            for t in doc:
+                if t ^ 1 in seen:
+                    return t
+            seen.update(doc)
+        raise ValueError("no partner pair in these documents")
 
     def prompt(self, docs: Sequence[Sequence[int]]) -> List[int]:
         tokens = list(SYSTEM) + list(self.separator)
@@ -59,10 +74,10 @@ class BlendTask:
         return tokens + list(QUESTION)
 
     def earlier_context(self, doc: Sequence[int], rng: random.Random) -> List[int]:
-        """A prompt where `doc` was first retrieved after another document that shares one of its
-        items (not the answer of any later prompt): what caches `doc` with a context of its own,
-        as a RAG store meets it."""
-        size = self.items_per_doc
-        other = rng.sample([t for t in self.items() if t not in doc], size - 1)
-        other.insert(rng.randrange(size), rng.choice(list(doc)))
+        """A prompt where `doc` was first retrieved after another document holding the partner of
+        one of its items: what caches `doc` with a context of its own, as a RAG store meets it."""
+        taken = {t & ~1 for t in doc}
+        free = [p for p in sorted({t & ~1 for t in self.items()}) if p not in taken]
+        other = [p + rng.randrange(2) for p in rng.sample(free, self.items_per_doc - 1)]
+        other.insert(rng.randrange(self.items_per_doc), rng.choice(list(doc)) ^ 1)
         return self.prompt([other, doc])

@@ -40,8 +40,8 @@ class TrainSpec:
     batch: int = 64
     lr: float = 1e-3
     seed: int = 0
-    num_docs: int = 3
-    items_per_doc: int = 4
+    num_docs: int = 4
+    items_per_doc: int = 8
     eval_examples: int = 256
     target_accuracy: float = 0.99  # stop early once the held-out accuracy reaches it
 
