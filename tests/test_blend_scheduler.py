@@ -87,3 +87,9 @@ def test_finished_requests_leave_no_blend_state() -> None:
 def test_other_architectures_are_refused_by_name(architectures, reason) -> None:
     got = blend_unsupported_reason(architectures)
     assert got is None if reason is None else reason in got and "Llama" in got
+
+
+def test_rope_that_scales_positions_is_refused_by_name() -> None:
+    assert blend_unsupported_reason(["LlamaForCausalLM"], {"rope_type": "llama3", "factor": 8.0}) is None
+    got = blend_unsupported_reason(["LlamaForCausalLM"], {"type": "linear", "factor": 2.0})
+    assert got is not None and "'linear'" in got

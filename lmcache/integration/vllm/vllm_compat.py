@@ -269,8 +269,13 @@ def wrapper_patch_points() -> List[PatchPoint]:
 BLEND_ARCHITECTURES = ("LlamaForCausalLM",)
 
 
-def blend_unsupported_reason(architectures: Sequence[str]) -> Optional[str]:
-    """Why CacheBlend cannot run here (None when it can): vLLM 0.9.2's v1 engine, Llama models."""
+# RoPE variants whose angle is `position * inv_freq` (see `rotary_inv_freq`).
+BLEND_ROPE_TYPES = ("default", "llama3")
+
+
+def blend_unsupported_reason(architectures: Sequence[str], rope_scaling: Optional[Mapping[str, Any]] = None) -> Optional[str]:
+    """Why CacheBlend cannot run here (None when it can): vLLM 0.9.2's v1 engine, Llama models
+    whose rotary embedding it can move (no position-scaling rope)."""
     if not is_legacy_vllm():
         from vllm.version import __version__
 
@@ -280,6 +285,9 @@ def blend_unsupported_reason(architectures: Sequence[str]) -> Optional[str]:
             f"CacheBlend supports the Llama family ({', '.join(BLEND_ARCHITECTURES)}); "
             f"this model is {', '.join(architectures) or 'of unknown architecture'}"
         )
+    rope_type = (rope_scaling or {}).get("rope_type", (rope_scaling or {}).get("type", "default"))
+    if rope_type not in BLEND_ROPE_TYPES:
+        return f"CacheBlend cannot move keys under rope_scaling type {rope_type!r} (supported: {BLEND_ROPE_TYPES})"
     return None
 
 

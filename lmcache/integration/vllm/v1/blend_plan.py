@@ -52,7 +52,10 @@ def check_blending(vllm_config: "VllmConfig") -> None:
     """Refuse `enable_blending` where CacheBlend cannot run (vLLM line, model architecture)."""
     from lmcache.integration.vllm.vllm_compat import blend_unsupported_reason
 
-    reason = blend_unsupported_reason(list(vllm_config.model_config.architectures or ()))
+    model = vllm_config.model_config
+    reason = blend_unsupported_reason(
+        list(model.architectures or ()), getattr(model.hf_config, "rope_scaling", None)
+    )
     if reason is not None:
         raise ValueError(f"enable_blending=True: {reason} (set enable_blending to false)")
 
