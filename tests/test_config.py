@@ -480,3 +480,15 @@ def test_switches_without_a_feature_are_refused_not_ignored(field):
     with pytest.raises(ValueError, match=f"{field}=True"):
         cfg.check_supported()
     LMCacheEngineConfig.from_defaults().check_supported()  # all off: fine
+
+
+def test_blending_needs_layerwise_and_a_separator():
+    with pytest.raises(ValueError, match=r"enable_blending=True needs use_layerwise=True"):
+        LMCacheEngineConfig.from_defaults(enable_blending=True)
+    with pytest.raises(ValueError, match=r"blend_separator=''"):
+        LMCacheEngineConfig.from_defaults(enable_blending=True, use_layerwise=True, blend_separator="")
+    with pytest.raises(ValueError, match=r"LMCACHE_ENABLE_BLENDING|enable_blending"):
+        LMCacheEngineConfig.from_env({"LMCACHE_ENABLE_BLENDING": "true"})
+    config = LMCacheEngineConfig.from_env({"LMCACHE_ENABLE_BLENDING": "true", "LMCACHE_USE_LAYERWISE": "1"})
+    config.check_supported()  # CacheBlend is built; use_layerwise is its companion switch
+    assert (config.blend_recompute_ratio, config.blend_min_tokens, config.blend_separator) == (0.15, 256, "[BLEND_SEP]")

@@ -330,7 +330,6 @@ def prefixed_overrides(extra: Mapping[str, Any], prefix: str = EXTRA_CONFIG_PREF
 # Turning one on is refused when an engine is built (see `check_supported`), never silently ignored.
 UNSUPPORTED_WHEN_ON: Mapping[str, str] = MappingProxyType(
     {
-        "enable_blending": "CacheBlend (reusing non-prefix chunks) is not implemented",
         "enable_p2p": "peer-to-peer sharing is not implemented; share through remote_url instead",
     }
 )
@@ -430,6 +429,10 @@ class LMCacheEngineConfig:
             raise ValueError(f"blend_recompute_ratio={self.blend_recompute_ratio!r}: must be within [0, 1]")
         if self.blend_min_tokens < 0:
             raise ValueError(f"blend_min_tokens={self.blend_min_tokens!r}: cannot be negative")
+        if self.enable_blending and not self.use_layerwise:
+            raise ValueError("enable_blending=True needs use_layerwise=True (CacheBlend runs layer by layer)")
+        if self.enable_blending and not self.blend_separator:
+            raise ValueError("blend_separator='': enable_blending=True needs a non-empty separator")
         for name in ("lookup_url", "distributed_url"):
             value = getattr(self, name)
             if value is not None:
@@ -608,6 +611,7 @@ class LMCacheEngineConfig:
             lookup_url=lookup_url,
             distributed_url=distributed_url,
             error_handling=error_handling,
+            use_layerwise=enable_blending,  # the legacy wrapper's blending had no separate switch
         )
 
     # ----- variants -------------------------------------------------------------------------

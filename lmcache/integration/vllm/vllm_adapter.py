@@ -161,6 +161,8 @@ def _open_engine(vllm_config: Any) -> LMCacheEngine:
     for switch in ("use_layerwise", "enable_async_loading"):
         if getattr(config, switch):
             warn_once(f"LMCache v0 door: {switch} applies to the v1 door; the v0 door loads whole chunks in the step")
+    if config.enable_blending:
+        raise ValueError("enable_blending=True: CacheBlend runs on vLLM's v1 engine (VLLM_USE_V1=1), not on v0")
     return open_worker_engine(vllm_config, config, DOOR).engine
 
 

@@ -306,3 +306,69 @@ def wrapper_patch_points() -> List[PatchPoint]:
         points.append(PatchPoint(runner, "execute_model", "v0_execute_model"))
         points.append(PatchPoint(runner, "load_model", "v0_load_model"))
     return points
+
+
+# ----- CacheBlend: the model it runs layer by layer ----------------------------------------------
+
+# Model classes whose modules `blend_model.py` knows how to call one layer at a time.
+BLEND_ARCHITECTURES = ("LlamaForCausalLM",)
+
+
+# RoPE variants whose angle is `position * inv_freq` (see `rotary_inv_freq`).
+BLEND_ROPE_TYPES = ("default", "llama3")
+
+
+def blend_unsupported_reason(architectures: Sequence[str], rope_scaling: Optional[Mapping[str, Any]] = None) -> Optional[str]:
+    """Why CacheBlend cannot run here (None when it can): vLLM 0.9.2's v1 engine, Llama models
+    whose rotary embedding it can move (no position-scaling rope)."""
+    if not is_legacy_vllm():
+        from vllm.version import __version__
+
+        return f"CacheBlend runs on vLLM 0.9.2's v1 engine; this is vLLM {__version__}"
+    if not any(arch in BLEND_ARCHITECTURES for arch in architectures):
+        return (
+            f"CacheBlend supports the Llama family ({', '.join(BLEND_ARCHITECTURES)}); "
+            f"this model is {', '.join(architectures) or 'of unknown architecture'}"
+        )
+    rope_type = (rope_scaling or {}).get("rope_type", (rope_scaling or {}).get("type", "default"))
+    if rope_type not in BLEND_ROPE_TYPES:
+        return f"CacheBlend cannot move keys under rope_scaling type {rope_type!r} (supported: {BLEND_ROPE_TYPES})"
+    return None
+
+
+def find_causal_lm(forward_context: Optional["ForwardContext"]) -> Any:
+    """vLLM's model object whose first attention layer is this forward context's (None: the
+    current one) first one.
+
+    vLLM 0.9.2 hands a KV connector no handle on the model; its `LlamaForCausalLM` is found once
+    among the live objects (`gc`), checked by identity of the attention module it owns."""
+    import gc
+
+    from vllm.forward_context import get_forward_context
+    from vllm.model_executor.models.llama import LlamaForCausalLM
+
+    if forward_context is None:
+        forward_context = get_forward_context()
+    first_attention = next(iter(forward_context.no_compile_layers.values()), None)
+    for obj in gc.get_objects():
+        if isinstance(obj, LlamaForCausalLM):
+            layers = obj.model.layers
+            if len(layers) and getattr(layers[obj.model.start_layer].self_attn, "attn", None) is first_attention:
+                return obj
+    raise RuntimeError("CacheBlend: no LlamaForCausalLM in this process owns the attention layers vLLM runs")
+
+
+def rotary_inv_freq(rotary_emb: Any) -> "torch.Tensor":
+    """The per-pair frequencies of a rotary embedding whose angle is `position * inv_freq`.
+    vLLM 0.9.2: `RotaryEmbedding._compute_inv_freq(base)` (Llama 3 scaling overrides it); the
+    schemes that scale positions or the cache itself (linear, dynamic NTK, YaRN) are refused."""
+    import torch
+    from vllm.model_executor.layers.rotary_embedding import Llama3RotaryEmbedding, RotaryEmbedding
+
+    if type(rotary_emb) not in (RotaryEmbedding, Llama3RotaryEmbedding):
+        raise NotImplementedError(f"CacheBlend cannot move keys under {type(rotary_emb).__name__} (rope scaling)")
+    inv_freq = rotary_emb._compute_inv_freq(rotary_emb.base).to(torch.float32)
+    cos_at_one = rotary_emb.cos_sin_cache[1, : inv_freq.shape[0]].float().cpu()
+    if not torch.allclose(cos_at_one, torch.cos(inv_freq), atol=1e-5):
+        raise NotImplementedError(f"CacheBlend: {type(rotary_emb).__name__}'s cache is not cos(position * inv_freq)")
+    return inv_freq

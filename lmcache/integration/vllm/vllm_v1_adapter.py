@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
 from lmcache.integration.vllm.utils import extra_config_of, lmcache_get_config
+from lmcache.integration.vllm.v1.blend_plan import BlendScheduler
 from lmcache.integration.vllm.v1.request_policy import DoorSettings
 from lmcache.integration.vllm.v1.request_state import LMCacheConnectorMetadata
 from lmcache.integration.vllm.v1.scheduler_side import LMCacheSchedulerSide
@@ -86,7 +87,8 @@ class LMCacheConnectorV1Impl:
         self.scheduler_side: Optional[LMCacheSchedulerSide] = None
         self.worker_side: Optional[LMCacheWorkerSide] = None
         if role == KVConnectorRole.SCHEDULER:
-            self.scheduler_side = LMCacheSchedulerSide(settings, connect_worker_channel(vllm_config))
+            blend = BlendScheduler.from_config(vllm_config, config)
+            self.scheduler_side = LMCacheSchedulerSide(settings, connect_worker_channel(vllm_config), blend)
         else:
             self.worker_side = LMCacheWorkerSide.from_vllm_config(vllm_config, config)
 

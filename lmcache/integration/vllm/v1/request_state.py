@@ -19,14 +19,18 @@ Operations:
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
 from lmcache.experimental.pd.disagg_spec import DisaggSpec
 from lmcache.integration.vllm.v1.request_policy import DoorSettings
+
+if TYPE_CHECKING:
+    from lmcache.integration.vllm.v1.blend_plan import BlendStep
 
 
 @dataclass
@@ -90,6 +94,7 @@ class ReqMeta:
     load_spec: Optional[LoadSpec]
     save_spec: Optional[SaveSpec]
     disagg_spec: Optional[DisaggSpec] = None  # PD prefiller: push what the save stores, to here
+    blend: Optional["BlendStep"] = None  # CacheBlend's load and/or segment stores (enable_blending)
 
 
 @dataclass
@@ -162,15 +167,19 @@ def make_req_meta(
     load_spec: Optional[LoadSpec],
     save_spec: Optional[SaveSpec],
     block_size: int,
+    blend: Optional["BlendStep"] = None,
 ) -> Optional[ReqMeta]:
     """The worker's instructions for this request this step (None when it neither loads nor stores)."""
     if load_spec is not None and not load_spec.can_load:
         load_spec = None
-    if load_spec is None and save_spec is None:
+    if blend is not None and blend.load and load_spec is None:
+        blend = None if not blend.store else dataclasses.replace(blend, load=False)
+    if load_spec is None and save_spec is None and blend is None:
         return None
     num_tokens = max(
         load_spec.lmcache_cached_tokens if load_spec is not None else 0,
         save_spec.num_tokens if save_spec is not None else 0,
+        blend.num_tokens if blend is not None else 0,
     )
     if num_tokens > tracker.num_tokens:
         raise ValueError(
@@ -183,4 +192,5 @@ def make_req_meta(
         cache_salt=tracker.cache_salt,
         load_spec=load_spec,
         save_spec=save_spec,
+        blend=blend,
     )

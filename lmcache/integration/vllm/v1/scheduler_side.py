@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from lmcache.experimental.metrics import record_vllm_hit_tokens
 from lmcache.integration.vllm.v1.pd_requests import PDRequests
+from lmcache.integration.vllm.v1.blend_plan import BlendScheduler
 from lmcache.integration.vllm.request_log import RequestCounters, RequestStats, format_request_line
 from lmcache.integration.vllm.v1.request_policy import DoorSettings, RequestPolicy, request_policy
 from lmcache.integration.vllm.v1.request_state import (
@@ -70,9 +71,10 @@ def _single_group(block_ids: Sequence[Sequence[int]], req_id: str) -> list[int]:
 class LMCacheSchedulerSide:
     """Scheduler-side bookkeeping for every request between its first lookup and its end."""
 
-    def __init__(self, settings: DoorSettings, channel: WorkerChannel) -> None:
+    def __init__(self, settings: DoorSettings, channel: WorkerChannel, blend: Optional[BlendScheduler] = None) -> None:
         self.settings = settings
         self._channel = channel
+        self._blend = blend  # CacheBlend (enable_blending): segment lookups instead of the prefix one
         # The live vLLM requests (their token lists grow as they decode).
         self._requests: dict[str, "Request"] = {}
         self._policies: dict[str, RequestPolicy] = {}
@@ -119,6 +121,14 @@ class LMCacheSchedulerSide:
             return 0, False  # a PD prefiller computes every prompt and pushes it; it never loads
         if not policy.use_cache:
             return 0, False
+        if self._blend is not None:
+            blended = self._blend.match(req_id, prompt, policy.cache_salt, policy.may_save, self._channel)
+            if blended is not None:  # the worker blends all prompt tokens but the last
+                stats.lmcache_hit_tokens = blended
+                if blended == 0 or len(prompt) - 1 <= num_computed_tokens:
+                    return 0, False
+                self._load_specs[req_id] = LoadSpec(num_computed_tokens, lmcache_cached_tokens=len(prompt) - 1)
+                return len(prompt) - 1 - num_computed_tokens, False
         num_lookup = len(prompt) - self.settings.skip_last_n_tokens
         if num_lookup <= 0:
             return 0, False
@@ -219,7 +229,7 @@ class LMCacheSchedulerSide:
                 block_ids=_single_group(new_req.block_ids, req_id),
                 num_saved_tokens=stats.lmcache_hit_tokens,
                 cache_salt=policy.cache_salt,
-                may_save=policy.may_save,
+                may_save=policy.may_save and not (self._blend is not None and self._blend.blends(req_id)),
             )
             self._trackers[req_id] = tracker
             self._plan(meta, tracker, self._load_specs.pop(req_id, None))
@@ -245,7 +255,10 @@ class LMCacheSchedulerSide:
 
     def _plan(self, meta: LMCacheConnectorMetadata, tracker: RequestTracker, load_spec: Optional[LoadSpec]) -> None:
         save_spec = plan_save(tracker, self.settings)
-        req_meta = make_req_meta(tracker, load_spec, save_spec, self.settings.block_size)
+        blend = None
+        if self._blend is not None:
+            blend = self._blend.step(tracker.req_id, tracker.num_tokens, tracker.prompt_len, load_spec is not None)
+        req_meta = make_req_meta(tracker, load_spec, save_spec, self.settings.block_size, blend)
         if save_spec is not None:
             tracker.num_saved_tokens = save_spec.num_tokens
             if req_meta is not None and self._pd is not None:
@@ -287,6 +300,8 @@ class LMCacheSchedulerSide:
             logger.warning("request %s: cannot release LMCache pins now: %s", req_id, err)
 
     def _forget(self, req_id: str) -> None:
+        if self._blend is not None:
+            self._blend.forget(req_id)
         for table in (self._requests, self._policies, self._stats, self._load_specs, self._trackers):
             table.pop(req_id, None)
         if self._pd is not None:

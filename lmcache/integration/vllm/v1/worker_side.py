@@ -45,7 +45,9 @@ from lmcache.experimental.cache_engine import LMCacheEngine
 from lmcache.experimental.config import LMCacheEngineConfig
 from lmcache.experimental.kv_layout import KVLayout
 from lmcache.experimental.pd.sender import PDSender
+from lmcache.integration.vllm.blend_runner import Blender
 from lmcache.integration.vllm.utils import check_kv_caches
+from lmcache.integration.vllm.v1.blend_plan import check_blending
 from lmcache.integration.vllm.request_log import RequestCounters
 from lmcache.integration.vllm.off_step_saver import OffStepSaver
 from lmcache.integration.vllm.v1.async_loader import AsyncLoader
@@ -92,6 +94,8 @@ class LMCacheWorkerSide:
         self.saver = OffStepSaver("v1")
         multiprocessing.util.Finalize(self, self.saver.close, exitpriority=ENGINE_EXIT_PRIORITY + 1)
 
+        self.blender: Optional[Blender] = None  # CacheBlend (enable_blending)
+
     @property
     def engine_lock(self) -> threading.Lock:
         """Held around every engine call of this side (model-runner, channel and copy threads)."""
@@ -106,6 +110,9 @@ class LMCacheWorkerSide:
         side = cls(worker.engine, worker.layout, vllm_config.cache_config.block_size)
         if config.enable_pd and config.pd_role == "sender":
             side.pd_sender = PDSender(worker.rank)
+        if config.enable_blending:
+            check_blending(vllm_config)
+            side.blender = Blender(worker.engine, worker.layout, side.block_size, config.blend_recompute_ratio)
         backend = vllm_config.parallel_config.distributed_executor_backend
         if worker.rank == 0 and backend not in IN_PROCESS_EXECUTORS:
             side.serve_channel(channel_socket_path(vllm_config))
@@ -199,6 +206,8 @@ class LMCacheWorkerSide:
         if metadata.release_after_load and self.async_loader is not None:
             self.async_loader.release_when_done(metadata.release_after_load)
         loads = [req for req in metadata.requests if req.load_spec is not None]
+        if self.blender is not None:
+            loads = self._blend_loads(loads, forward_context)
         if not loads:
             return
         background = [req for req in loads if req.load_spec is not None and req.load_spec.is_async]
@@ -268,6 +277,34 @@ class LMCacheWorkerSide:
 
         self.layerwise.save_layer(saves, self._ensure_kv_caches(None))
 
+    def _blend_loads(self, loads: list[ReqMeta], forward_context: Optional["ForwardContext"]) -> list[ReqMeta]:
+        """CacheBlend the loads that blend (its own layer loop, whatever `use_layerwise` does for
+        the others); returns the other loads."""
+        blends = [req for req in loads if req.blend is not None and req.blend.load]
+        if not blends:
+            return loads
+        try:
+            kv_caches = self._ensure_kv_caches(forward_context)
+            for req in blends:
+                self._blend(req, kv_caches, forward_context)
+        finally:
+            self.unpin([req.req_id for req in blends])
+        return [req for req in loads if req.blend is None or not req.blend.load]
+
+    def _blend(self, req: ReqMeta, kv_caches: list[torch.Tensor], forward_context: Optional["ForwardContext"]) -> None:
+        """CacheBlend writes every promised token; if it fails, they are load errors like a short load."""
+        assert self.blender is not None and req.load_spec is not None
+        try:
+            with self._lock:
+                reused = self.blender.blend(req, kv_caches, forward_context)
+            self._count(req.req_id, loaded=reused)
+        except Exception:  # a cache tier must not fail serving
+            logger.exception("request %s: CacheBlend failed", req.req_id)
+            spec = req.load_spec
+            slots = req.slot_mapping[spec.vllm_cached_tokens : spec.lmcache_cached_tokens]
+            with self._lock:
+                self._load_error_blocks.update((slots // self.block_size).tolist())
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         """The vLLM blocks that loads since the last call promised but did not fill."""
         with self._lock:
@@ -276,7 +313,9 @@ class LMCacheWorkerSide:
 
     def wait_for_save(self, metadata: Any) -> None:
         """Store every request's planned tokens (after the forward pass wrote their KV); layer-wise,
-        wait for the layers' copies and puts."""
+        wait for the layers' copies and puts. CacheBlend's segment stores run here in either mode."""
+        if self.blender is not None and isinstance(metadata, LMCacheConnectorMetadata):
+            self._store_blend_segments(metadata)
         if self.layerwise is not None:
             self.layerwise.finish_loads()
             self.layerwise.finish_saves()
@@ -305,6 +344,18 @@ class LMCacheWorkerSide:
             store()
         else:
             self.saver.submit(store, ", ".join(req.req_id for req in saves))
+
+    def _store_blend_segments(self, metadata: LMCacheConnectorMetadata) -> None:
+        """Store each finished blendable prompt's segments under their own tokens (in the step)."""
+        assert self.blender is not None
+        blend_saves = [req for req in metadata.requests if req.blend is not None and req.blend.store]
+        if not blend_saves:
+            return
+        kv_caches = self._ensure_kv_caches(None)
+        for req in blend_saves:
+            with self._lock:
+                stored = self.blender.store_segments(req, kv_caches, None)
+            self._count(req.req_id, stored=stored)
 
     def count_store(self, req: ReqMeta) -> None:
         """Count a request's planned store as done."""
