@@ -6,7 +6,8 @@
 Prints, for 256-token chunks of the given geometry:
 - raw loopback TCP bandwidth (one connection, sendall/recv_into between two processes);
 - `lm://` (our server, its own process) and Redis (`redis-server`, if installed): pipelined
-  put and get GB/s of encoded chunks, and each as a ratio of the raw bandwidth;
+  put GB/s of encoded chunks and get GB/s of them into memory objects of a pool (checksum
+  checked, as the remote tier reads them), and each as a ratio of the raw bandwidth;
 - `lm://` with a token, and `lms://` (token + TLS, a throwaway CA made with `openssl`), each
   as a ratio of plain `lm://` in the same run (`--no-secure` leaves them out);
 - `naive` vs `cachegen`: bytes on the wire per chunk, encode time, and end-to-end get time
@@ -154,25 +155,35 @@ def best(repeats: int, fn: Callable[[], None]) -> float:
     return min(times)
 
 
-def store_rounds(connector, blobs: List[bytes], tag: str) -> Dict[str, Callable[[], float]]:
-    """Timed pipelined put and get of `blobs` (for `interleaved`)."""
+def blob_key(i: int) -> str:
+    """The key naive blob `i` was encoded under (its header names it; a get checks it)."""
+    return f"bench@m@1@0@{i:032x}"
+
+
+def store_rounds(connector, blobs: List[bytes], tag: str, alloc: HostMemoryAllocator) -> Dict[str, Callable[[], float]]:
+    """Timed pipelined put of encoded `blobs`, and get of them as the remote tier does it: each
+    into a memory object of the pool, checked (naive serde), then freed (for `interleaved`)."""
     keys = [f"bench-{tag}@m@1@0@{i:032x}" for i in range(len(blobs))]
     items = list(zip(keys, blobs))
+    serde = NaiveSerde()
 
     def put() -> None:
         assert all(connector.batched_put(items)), "a put was refused"
 
     def get() -> None:
-        got = connector.batched_get(keys)
-        assert all(g is not None and len(g) == len(b) for g, b in zip(got, blobs))
+        got: List[MemoryObj] = []
+        connector.batched_get_into(keys, lambda i, reader: got.append(serde.receive(blob_key(i), reader, alloc.allocate)))
+        assert len(got) == len(blobs) and all(obj is not None for obj in got), "a get missed"
+        for obj in got:
+            obj.ref_count_down()
 
     return {f"{tag} put": lambda: timed(put), f"{tag} get": lambda: timed(get)}
 
 
-def store_bandwidth(connector, blobs: List[bytes], repeats: int) -> Tuple[float, float]:
+def store_bandwidth(connector, blobs: List[bytes], repeats: int, alloc: HostMemoryAllocator) -> Tuple[float, float]:
     """Best (put, get) GB/s of pipelined batches of `blobs`."""
     total = sum(len(b) for b in blobs)
-    fns = store_rounds(connector, blobs, "best")
+    fns = store_rounds(connector, blobs, "best", alloc)
     put_s = best(repeats, lambda: fns["best put"]())
     get_s = best(repeats, lambda: fns["best get"]())
     return total / put_s / 1e9, total / get_s / 1e9
@@ -188,9 +199,10 @@ def serde_costs(
     assert all(connector.batched_put(list(zip(keys, encoded))))
 
     def fetch_and_decode() -> None:
-        for key, blob in zip(keys, connector.batched_get(keys)):
-            obj = serde.decode(key, blob, alloc.allocate)
-            assert obj is not None
+        got: List[MemoryObj] = []
+        connector.batched_get_into(keys, lambda i, reader: got.append(serde.receive(keys[i], reader, alloc.allocate)))
+        assert len(got) == len(keys) and all(obj is not None for obj in got)
+        for obj in got:
             obj.ref_count_down()
 
     get_s = best(repeats, fetch_and_decode)
@@ -222,7 +234,10 @@ def make_tls_files(workdir: str) -> Tuple[str, str, str]:
     return tuple(os.path.join(workdir, name) for name in ("ca.pem", "srv.pem", "srv.key"))  # type: ignore[return-value]
 
 
-def secure_rows(naive_blobs: List[bytes], plain: Tuple[float, float], max_gb: float, repeats: int, workdir: str) -> None:
+def secure_rows(
+    naive_blobs: List[bytes], plain: Tuple[float, float], max_gb: float, repeats: int, workdir: str,
+    alloc: HostMemoryAllocator,
+) -> None:
     """Put/get GB/s with a token, and with a token over TLS, as ratios of plain lm://."""
     token = "bench-token"
     ca, cert, key = make_tls_files(workdir)
@@ -234,7 +249,7 @@ def secure_rows(naive_blobs: List[bytes], plain: Tuple[float, float], max_gb: fl
         proc, port = start_lm_server(max_gb, args, env={"LMCACHE_SERVER_TOKEN": token})
         try:
             conn = LMServerConnector("127.0.0.1", port, timeout=120, token=token, tls=tls)
-            put, get = store_bandwidth(conn, naive_blobs, repeats)
+            put, get = store_bandwidth(conn, naive_blobs, repeats, alloc)
             print(f"{name + ':':18s} put    {put:6.2f} GB/s ({put / plain[0]:5.1%} of lm://)  "
                   f"get      {get:6.2f} GB/s ({get / plain[1]:5.1%} of lm://)")
             conn.close()
@@ -277,7 +292,7 @@ def main() -> None:
     total = chunk_bytes * args.chunks
     alloc = HostMemoryAllocator(int(total * 3.5) + (64 << 20))
     chunks = make_chunks(args.chunks, shape, dtype, alloc)
-    naive_blobs = [NaiveSerde().encode(f"bench@m@1@0@{i:032x}", c) for i, c in enumerate(chunks)]
+    naive_blobs = [NaiveSerde().encode(blob_key(i), c) for i, c in enumerate(chunks)]
     print(f"chunk: {TOKENS} tokens, shape {list(shape)} {args.dtype} = {chunk_bytes / 2**20:.1f} MiB; "
           f"{args.chunks} chunks per batch ({total / 2**20:.0f} MiB); best of {args.repeats}")
 
@@ -288,11 +303,11 @@ def main() -> None:
     try:
         lm = LMServerConnector("127.0.0.1", lm_port, timeout=120)
         contenders: Dict[str, Callable[[], float]] = {"raw up": raw.up, "raw down": raw.down}
-        contenders.update(store_rounds(lm, naive_blobs, "lm://"))
+        contenders.update(store_rounds(lm, naive_blobs, "lm://", alloc))
         rc = None
         if redis_started is not None:
             rc = RedisConnector([("127.0.0.1", redis_started[1])], timeout=120)
-            contenders.update(store_rounds(rc, naive_blobs, "redis://"))
+            contenders.update(store_rounds(rc, naive_blobs, "redis://", alloc))
         times = interleaved(args.rounds, contenders)
         raw.close()
         med = {name: statistics.median(t) for name, t in times.items()}
@@ -315,7 +330,7 @@ def main() -> None:
             print(f"wrote {args.json}")
         put, get = total / med["lm:// put"] / 1e9, total / med["lm:// get"] / 1e9
         if not args.no_secure:
-            secure_rows(naive_blobs, (put, get), max(1.0, total * 3 / 1e9), args.repeats, tmp)
+            secure_rows(naive_blobs, (put, get), max(1.0, total * 3 / 1e9), args.repeats, tmp, alloc)
         if rc is not None:
             rc.close()
 
