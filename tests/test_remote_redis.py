@@ -131,6 +131,9 @@ def test_rediss_connects_over_tls(tmp_path, monkeypatch) -> None:
         conn = create_connector(f"rediss://127.0.0.1:{port}", key_prefix="lmcache:tiny:")
         assert conn.url.startswith("rediss://")
         assert conn.put("k", b"over tls") and conn.get("k") == b"over tls"
+        got: list = []  # our own reader of GET replies, on redis-py's TLS connection
+        conn.batched_get_into(["missing", "k"], lambda i, reader: got.append((i, bytes(reader.read(reader.size)))))
+        assert got == [(1, b"over tls")]
         conn.close()
         plain = RedisConnector([("127.0.0.1", port)], lookup_timeout=0.5, timeout=0.5)
         with pytest.raises(RemoteUnavailableError):  # a plain client cannot talk to a TLS port
