@@ -26,6 +26,10 @@ logger = init_logger(__name__)
 
 # What the connections whose replies we read speak (redis-py's `protocol=`).
 RESP_PROTOCOL = 2
+# GETs in flight on the connection: enough to hide the round trip. Redis copies every reply into
+# its output buffer, so a whole batch in flight made it buffer (and first-touch) every value at
+# once: 0.4-1.1 GB/s here, against a steady 1.0 with one at a time.
+GET_WINDOW = 2
 # A reply line ("$33554432", "-ERR ...") is never longer than this; a longer one is out of step.
 _MAX_LINE = 4096
 
@@ -36,10 +40,12 @@ def pipelined_get_into(pool: Any, keys: Sequence[str], receive: Receive, where: 
     errors, `OSError`, `RemoteUnavailableError`); values handed over before stay handed over."""
     conn = pool.get_connection()
     try:
-        conn.send_packed_command([b"".join(_pack_get(key) for key in keys)], check_health=False)
+        conn.send_packed_command([b"".join(_pack_get(key) for key in keys[:GET_WINDOW])], check_health=False)
         # redis-py keeps its socket private; reading it ourselves is the point of this module.
         sock: socket.socket = conn._sock
         for i, key in enumerate(keys):
+            if i + GET_WINDOW < len(keys):
+                conn.send_packed_command([_pack_get(keys[i + GET_WINDOW])], check_health=False)
             _read_reply(sock, i, key, receive, where)
     except BaseException:
         conn.disconnect()
