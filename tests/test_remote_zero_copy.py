@@ -18,7 +18,7 @@ from lmcache.experimental.remote.connector import RemoteConnector, RemoteUnavail
 from lmcache.experimental.remote.lm_connector import LMServerConnector
 from lmcache.experimental.remote.redis_connector import RedisConnector
 from lmcache.experimental.remote.serde import NaiveSerde
-from lmcache.experimental.remote.value_reader import SocketReader, ValueReader
+from lmcache.experimental.remote.value_reader import BufferReader, ValueReader
 from lmcache.server import LMCacheServer, ServerConfig
 from lmcache.server.protocol import HEADER_SIZE, Op, Status, pack_header, recv_exact
 
@@ -56,14 +56,15 @@ def store(request, tmp_path) -> Iterator[RemoteConnector]:
 
 
 def test_get_hands_each_value_over_unread_and_skips_what_is_left(store: RemoteConnector) -> None:
-    values = {f"k{i}": os.urandom(300_000 + i) for i in range(4)}
+    # Values of several Redis read pieces (resp_get.PIECE) and of less than one.
+    values = {f"k{i}": os.urandom((2_500_000 if i % 2 else 300_000) + i) for i in range(4)}
     assert all(store.batched_put(list(values.items())))
     keys = ["k0", "missing", "k1", "k2", "k3"]
     seen: list[tuple[int, bytes]] = []
 
     def receive(i: int, reader: ValueReader) -> None:
         # Read off the connection itself, not out of a buffer the connector filled first.
-        assert isinstance(reader, SocketReader) and reader.size == len(values[keys[i]])
+        assert not isinstance(reader, BufferReader) and reader.size == len(values[keys[i]])
         if i == 2:
             return  # a rejected chunk: nothing read, the connector skips it
         if i == 3:
