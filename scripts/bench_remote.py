@@ -4,9 +4,11 @@
                                               --dtype float16 --repeats 3]
 
 Prints, for 256-token chunks of the given geometry:
-- raw loopback TCP bandwidth (one connection, sendall/recv_into between two processes);
+- raw loopback TCP bandwidth (one connection, sendall/recv_into between two processes, 1 MiB
+  per receive, into memory already touched, as our own receivers do);
 - `lm://` (our server, its own process) and Redis (`redis-server`, if installed): pipelined
-  put and get GB/s of encoded chunks, and each as a ratio of the raw bandwidth;
+  put GB/s of encoded chunks and get GB/s of them into memory objects of a pool (checksum
+  checked, as the remote tier reads them), and each as a ratio of the raw bandwidth;
 - `lm://` with a token, and `lms://` (token + TLS, a throwaway CA made with `openssl`), each
   as a ratio of plain `lm://` in the same run (`--no-secure` leaves them out);
 - `naive` vs `cachegen`: bytes on the wire per chunk, encode time, and end-to-end get time
@@ -34,6 +36,7 @@ import time
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Tuple
 
+import numpy
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -48,6 +51,10 @@ from bench_engine import interleaved, timed  # noqa: E402  (scripts/ is on sys.p
 
 TOKENS = 256
 RAW_BLOCK = 8 << 20
+# Bytes one raw `recv_into` asks for: what our receivers ask for (a checksum piece). One 8 MiB
+# call per read held the socket while it copied and ran at ~0.75 GB/s where 1 MiB calls ran at
+# 0.9-1.5 on the same loaded machine: a limit our own gets beat by up to 2.4x.
+RAW_RECV = 1 << 20
 
 
 def _free_port() -> int:
@@ -75,7 +82,8 @@ def _raw_peer(port: int, total: int, ready) -> None:
     listener.listen(1)
     ready.set()
     conn, _ = listener.accept()
-    buf = memoryview(bytearray(RAW_BLOCK))
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # as our server's connections
+    buf = memoryview(bytearray(RAW_RECV))
     block = memoryview(bytes(RAW_BLOCK))  # slices of a memoryview: no copy per send
     while True:
         got = 0
@@ -103,8 +111,12 @@ class RawLoopback:
         if not ready.wait(timeout=60):
             raise RuntimeError("raw socket peer did not start")
         self.sock = socket.create_connection(("127.0.0.1", port))
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # as our clients' sockets
         self.block = memoryview(bytes(RAW_BLOCK))
-        self.buf = memoryview(bytearray(RAW_BLOCK))
+        # Received into memory as large as the batch and already touched, as gets into the pool are.
+        buf = numpy.empty(total, dtype=numpy.uint8)
+        buf.fill(0)
+        self.buf = memoryview(buf)
         self._down_s = 0.0
 
     def up(self) -> float:
@@ -118,7 +130,7 @@ class RawLoopback:
         mid = time.perf_counter()
         got = 0
         while got < self.total:
-            got += self.sock.recv_into(self.buf, min(len(self.buf), self.total - got))
+            got += self.sock.recv_into(self.buf[got:], min(RAW_RECV, self.total - got))
         self._down_s = time.perf_counter() - mid
         return mid - start
 
@@ -154,25 +166,35 @@ def best(repeats: int, fn: Callable[[], None]) -> float:
     return min(times)
 
 
-def store_rounds(connector, blobs: List[bytes], tag: str) -> Dict[str, Callable[[], float]]:
-    """Timed pipelined put and get of `blobs` (for `interleaved`)."""
+def blob_key(i: int) -> str:
+    """The key naive blob `i` was encoded under (its header names it; a get checks it)."""
+    return f"bench@m@1@0@{i:032x}"
+
+
+def store_rounds(connector, blobs: List[bytes], tag: str, alloc: HostMemoryAllocator) -> Dict[str, Callable[[], float]]:
+    """Timed pipelined put of encoded `blobs`, and get of them as the remote tier does it: each
+    into a memory object of the pool, checked (naive serde), then freed (for `interleaved`)."""
     keys = [f"bench-{tag}@m@1@0@{i:032x}" for i in range(len(blobs))]
     items = list(zip(keys, blobs))
+    serde = NaiveSerde()
 
     def put() -> None:
         assert all(connector.batched_put(items)), "a put was refused"
 
     def get() -> None:
-        got = connector.batched_get(keys)
-        assert all(g is not None and len(g) == len(b) for g, b in zip(got, blobs))
+        got: List[MemoryObj] = []
+        connector.batched_get_into(keys, lambda i, reader: got.append(serde.receive(blob_key(i), reader, alloc.allocate)))
+        assert len(got) == len(blobs) and all(obj is not None for obj in got), "a get missed"
+        for obj in got:
+            obj.ref_count_down()
 
     return {f"{tag} put": lambda: timed(put), f"{tag} get": lambda: timed(get)}
 
 
-def store_bandwidth(connector, blobs: List[bytes], repeats: int) -> Tuple[float, float]:
+def store_bandwidth(connector, blobs: List[bytes], repeats: int, alloc: HostMemoryAllocator) -> Tuple[float, float]:
     """Best (put, get) GB/s of pipelined batches of `blobs`."""
     total = sum(len(b) for b in blobs)
-    fns = store_rounds(connector, blobs, "best")
+    fns = store_rounds(connector, blobs, "best", alloc)
     put_s = best(repeats, lambda: fns["best put"]())
     get_s = best(repeats, lambda: fns["best get"]())
     return total / put_s / 1e9, total / get_s / 1e9
@@ -188,9 +210,10 @@ def serde_costs(
     assert all(connector.batched_put(list(zip(keys, encoded))))
 
     def fetch_and_decode() -> None:
-        for key, blob in zip(keys, connector.batched_get(keys)):
-            obj = serde.decode(key, blob, alloc.allocate)
-            assert obj is not None
+        got: List[MemoryObj] = []
+        connector.batched_get_into(keys, lambda i, reader: got.append(serde.receive(keys[i], reader, alloc.allocate)))
+        assert len(got) == len(keys) and all(obj is not None for obj in got)
+        for obj in got:
             obj.ref_count_down()
 
     get_s = best(repeats, fetch_and_decode)
@@ -222,7 +245,10 @@ def make_tls_files(workdir: str) -> Tuple[str, str, str]:
     return tuple(os.path.join(workdir, name) for name in ("ca.pem", "srv.pem", "srv.key"))  # type: ignore[return-value]
 
 
-def secure_rows(naive_blobs: List[bytes], plain: Tuple[float, float], max_gb: float, repeats: int, workdir: str) -> None:
+def secure_rows(
+    naive_blobs: List[bytes], plain: Tuple[float, float], max_gb: float, repeats: int, workdir: str,
+    alloc: HostMemoryAllocator,
+) -> None:
     """Put/get GB/s with a token, and with a token over TLS, as ratios of plain lm://."""
     token = "bench-token"
     ca, cert, key = make_tls_files(workdir)
@@ -234,7 +260,7 @@ def secure_rows(naive_blobs: List[bytes], plain: Tuple[float, float], max_gb: fl
         proc, port = start_lm_server(max_gb, args, env={"LMCACHE_SERVER_TOKEN": token})
         try:
             conn = LMServerConnector("127.0.0.1", port, timeout=120, token=token, tls=tls)
-            put, get = store_bandwidth(conn, naive_blobs, repeats)
+            put, get = store_bandwidth(conn, naive_blobs, repeats, alloc)
             print(f"{name + ':':18s} put    {put:6.2f} GB/s ({put / plain[0]:5.1%} of lm://)  "
                   f"get      {get:6.2f} GB/s ({get / plain[1]:5.1%} of lm://)")
             conn.close()
@@ -277,7 +303,7 @@ def main() -> None:
     total = chunk_bytes * args.chunks
     alloc = HostMemoryAllocator(int(total * 3.5) + (64 << 20))
     chunks = make_chunks(args.chunks, shape, dtype, alloc)
-    naive_blobs = [NaiveSerde().encode(f"bench@m@1@0@{i:032x}", c) for i, c in enumerate(chunks)]
+    naive_blobs = [NaiveSerde().encode(blob_key(i), c) for i, c in enumerate(chunks)]
     print(f"chunk: {TOKENS} tokens, shape {list(shape)} {args.dtype} = {chunk_bytes / 2**20:.1f} MiB; "
           f"{args.chunks} chunks per batch ({total / 2**20:.0f} MiB); best of {args.repeats}")
 
@@ -288,12 +314,14 @@ def main() -> None:
     try:
         lm = LMServerConnector("127.0.0.1", lm_port, timeout=120)
         contenders: Dict[str, Callable[[], float]] = {"raw up": raw.up, "raw down": raw.down}
-        contenders.update(store_rounds(lm, naive_blobs, "lm://"))
+        contenders.update(store_rounds(lm, naive_blobs, "lm://", alloc))
         rc = None
         if redis_started is not None:
             rc = RedisConnector([("127.0.0.1", redis_started[1])], timeout=120)
-            contenders.update(store_rounds(rc, naive_blobs, "redis://"))
+            contenders.update(store_rounds(rc, naive_blobs, "redis://", alloc))
+        load_before = os.getloadavg()
         times = interleaved(args.rounds, contenders)
+        load_after = os.getloadavg()
         raw.close()
         med = {name: statistics.median(t) for name, t in times.items()}
         rows = []
@@ -308,6 +336,7 @@ def main() -> None:
                 json.dump({
                     "bench": "remote", "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                     "machine": f"{os.cpu_count()} CPUs, shared with other developers' jobs",
+                    "load_average_1_5_15_min": {"before": load_before, "after": load_after},
                     "chunk_bytes": chunk_bytes, "chunks_per_batch": args.chunks,
                     "method": f"median of {args.rounds} rounds; raw loopback and every store run alternately in every round",
                     "rows": rows,
@@ -315,7 +344,7 @@ def main() -> None:
             print(f"wrote {args.json}")
         put, get = total / med["lm:// put"] / 1e9, total / med["lm:// get"] / 1e9
         if not args.no_secure:
-            secure_rows(naive_blobs, (put, get), max(1.0, total * 3 / 1e9), args.repeats, tmp)
+            secure_rows(naive_blobs, (put, get), max(1.0, total * 3 / 1e9), args.repeats, tmp, alloc)
         if rc is not None:
             rc.close()
 

@@ -265,10 +265,10 @@ def test_get_of_a_chunk_being_prefetched_waits_instead_of_reading_twice(lm_serve
     reads: list[int] = []
 
     class CountingConnector(LMServerConnector):
-        def batched_get(self, keys):
+        def batched_get_into(self, keys, receive):
             reads.append(len(keys))
             gate.wait(timeout=30)
-            return super().batched_get(keys)
+            super().batched_get_into(keys, receive)
 
     reader = remote_backend(url, connector=CountingConnector(*lm_server.address))
     assert reader.submit_prefetch_task(key(8))

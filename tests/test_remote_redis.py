@@ -14,6 +14,7 @@ from redis_fixture import RedisServer, free_port, lmcache_log, redis_cluster, re
 from lmcache.experimental.remote import create_connector
 from lmcache.experimental.remote.connector import RemoteUnavailableError
 from lmcache.experimental.remote.redis_connector import RedisConnector
+from lmcache.experimental.remote.resp_get import PIECE, ValueChanged
 
 
 def _connector(server: RedisServer, **kwargs) -> RedisConnector:
@@ -33,6 +34,30 @@ def test_round_trip_with_prefix_and_pipelined_batches(redis_server: RedisServer)
     assert stored == sorted(f"lmcache:tiny:{k}" for k, _ in items)
     assert raw.ttl(stored[0]) == -1  # no TTL unless asked for
     assert conn.delete(keys[0]) and not conn.exists(keys[0])
+    conn.close()
+
+
+def test_value_changed_while_read_is_a_miss_and_the_next_values_still_arrive(redis_server: RedisServer) -> None:  # noqa: F811
+    conn = _connector(redis_server)
+    values = {f"v{i}": os.urandom(2 * PIECE + 1000 + i) for i in range(3)}  # three pieces each
+    assert all(conn.batched_put(list(values.items())))
+    other = redis.Redis(port=redis_server.port)
+    outcome: dict = {}
+
+    def receive(i: int, reader) -> None:
+        if i == 0:  # value 1's length is known, its later pieces not asked for yet
+            other.delete("lmcache:tiny:v1")
+        target = bytearray(reader.size)
+        try:
+            reader.readinto(memoryview(target))
+        except ValueChanged:
+            outcome[i] = "changed"
+            return
+        outcome[i] = bytes(target)
+
+    conn.batched_get_into(list(values), receive)
+    assert outcome == {0: values["v0"], 1: "changed", 2: values["v2"]}
+    assert conn.batched_get(["v0", "v1"]) == [values["v0"], None]  # the connection stayed in step
     conn.close()
 
 
@@ -131,6 +156,9 @@ def test_rediss_connects_over_tls(tmp_path, monkeypatch) -> None:
         conn = create_connector(f"rediss://127.0.0.1:{port}", key_prefix="lmcache:tiny:")
         assert conn.url.startswith("rediss://")
         assert conn.put("k", b"over tls") and conn.get("k") == b"over tls"
+        got: list = []  # our own reader of GET replies, on redis-py's TLS connection
+        conn.batched_get_into(["missing", "k"], lambda i, reader: got.append((i, bytes(reader.read(reader.size)))))
+        assert got == [(1, b"over tls")]
         conn.close()
         plain = RedisConnector([("127.0.0.1", port)], lookup_timeout=0.5, timeout=0.5)
         with pytest.raises(RemoteUnavailableError):  # a plain client cannot talk to a TLS port

@@ -1,7 +1,7 @@
 """Property-based fuzzing of the chunk-file parser (`chunk_format`): random bytes and mutations of
 valid chunks are misses (None), never an exception, and a decode that succeeds returns exactly
-the bytes that were encoded - in memory, through `read_header` on a file-like object, and
-through the disk tier's own reader."""
+the bytes that were encoded - in memory, through `read_header` on a file-like object, read off
+a connection by the naive serde's `receive`, and through the disk tier's own reader."""
 
 from __future__ import annotations
 
@@ -12,6 +12,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from lmcache.experimental.memory_management import HostMemoryAllocator, MemoryFormat
+from lmcache.experimental.remote.serde import NaiveSerde
+from lmcache.experimental.remote.value_reader import BufferReader
 from lmcache.experimental.storage_backend import chunk_format as cf
 from lmcache.experimental.storage_backend.local_cpu_backend import LocalCPUBackend
 from lmcache.experimental.storage_backend.local_disk_backend import LocalDiskBackend, file_name_for
@@ -53,12 +55,13 @@ def _decode_checks(blob: bytes) -> None:
     header = cf.decode_header(blob)
     assert header is None or header.size <= cf.MAX_HEADER_BYTES
     assert cf.read_header(io.BytesIO(blob)) == header
-    obj = cf.decode_into(blob, ALLOCATOR.allocate)
-    if obj is not None:  # only the untouched chunk may decode, and then to its own bytes
-        try:
-            assert blob == VALID and bytes(cf.memory_obj_payload(obj)) == PAYLOAD
-        finally:
-            obj.ref_count_down()
+    # In memory, and as a remote value read off its connection into the object (`receive`).
+    for obj in (cf.decode_into(blob, ALLOCATOR.allocate), NaiveSerde().receive(KEY, BufferReader(blob), ALLOCATOR.allocate)):
+        if obj is not None:  # only the untouched chunk may decode, and then to its own bytes
+            try:
+                assert blob == VALID and bytes(cf.memory_obj_payload(obj)) == PAYLOAD
+            finally:
+                obj.ref_count_down()
     assert ALLOCATOR.pool.num_live_objects() == 0
 
 

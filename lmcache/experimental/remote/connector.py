@@ -14,9 +14,14 @@ Errors split in two on purpose:
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Optional, Sequence, Tuple, Union
+from typing import TYPE_CHECKING, Callable, Optional, Sequence, Tuple, Union
+
+if TYPE_CHECKING:
+    from lmcache.experimental.remote.value_reader import ValueReader
 
 Buffer = Union[bytes, bytearray, memoryview]
+# Called with (index in the keys, the value) for every key found, in order (`batched_get_into`).
+Receive = Callable[[int, "ValueReader"], None]
 
 
 class RemoteUnavailableError(ConnectionError):
@@ -54,6 +59,17 @@ class RemoteConnector(ABC):
     @abstractmethod
     def batched_get(self, keys: Sequence[str]) -> list[Optional[Buffer]]:
         """`get` for many keys, pipelined; results in the order of `keys`."""
+
+    def batched_get_into(self, keys: Sequence[str], receive: Receive) -> None:
+        """`batched_get`, but each found value goes to `receive` as it arrives, which reads it
+        where it wants it (no buffer per value where the connector can help it). What `receive`
+        leaves unread is skipped. A connection lost midway raises `RemoteUnavailableError`
+        after the values already handed over."""
+        from lmcache.experimental.remote.value_reader import BufferReader
+
+        for i, value in enumerate(self.batched_get(keys)):
+            if value is not None:
+                receive(i, BufferReader(value))
 
     @abstractmethod
     def batched_put(self, items: Sequence[Tuple[str, Buffer]]) -> list[bool]:

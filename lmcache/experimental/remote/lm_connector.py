@@ -36,10 +36,12 @@ from typing import Optional, Sequence, Tuple
 from lmcache.experimental.config import RemoteUrl
 from lmcache.experimental.remote.connector import (
     Buffer,
+    Receive,
     RemoteAuthError,
     RemoteConnector,
     RemoteUnavailableError,
 )
+from lmcache.experimental.remote.value_reader import SocketReader
 from lmcache.logging import init_logger
 from lmcache.server.protocol import (
     DEFAULT_MAX_PAYLOAD_BYTES,
@@ -205,6 +207,11 @@ class LMServerConnector(RemoteConnector):
         replies = self._call(requests, self._timeout)
         return [r.payload if r.status == Status.OK else None for r in replies]
 
+    def batched_get_into(self, keys: Sequence[str], receive: Receive) -> None:
+        """Each found value is read off the socket by `receive` itself, in the pipeline's order."""
+        requests = [_Request(Op.GET, _key_bytes(k)) for k in keys]
+        self._call(requests, self._timeout, receive)
+
     @property
     def max_payload_bytes(self) -> int:
         """The largest value a put sends: this client's limit, or the server's when lower."""
@@ -265,9 +272,12 @@ class LMServerConnector(RemoteConnector):
     def close(self) -> None:
         self._pool.close()
 
-    def _call(self, requests: Sequence[_Request], timeout: float) -> list[_Reply]:
+    def _call(
+        self, requests: Sequence[_Request], timeout: float, receive: Optional[Receive] = None
+    ) -> list[_Reply]:
         """One pipelined exchange. A pooled connection that broke (e.g. the server restarted)
-        is retried once on a fresh one; a timeout or a second failure means the server is down."""
+        is retried once on a fresh one - unless `receive` already took a value, which a second
+        exchange would hand it again; a timeout or a second failure means the server is down."""
         if not requests:
             return []
         may_retry = True
@@ -277,24 +287,32 @@ class LMServerConnector(RemoteConnector):
             except RemoteAuthError as err:
                 self._log_auth_refusal(err)
                 raise
+            exchange = _Exchange(sock, self.url, receive)
             try:
-                replies = self._exchange(sock, requests, timeout)
-            except socket.timeout as err:
-                sock.close()
-                raise RemoteUnavailableError(f"{self.url} did not answer within {timeout} s") from err
+                replies = exchange.run(requests, timeout, self._max_payload)
             except RemoteAuthError as err:
                 sock.close()
                 self._log_auth_refusal(err)
                 raise
+            except RemoteUnavailableError:  # cut off inside a value `receive` was reading
+                sock.close()
+                self._pool.clear()
+                raise
+            except socket.timeout as err:
+                sock.close()
+                raise RemoteUnavailableError(f"{self.url} did not answer within {timeout} s") from err
             except (OSError, ProtocolError) as err:
                 sock.close()
                 self._pool.clear()
                 self._server_limit = None  # a restarted server may have another frame limit
-                if not (reused and may_retry):
+                if not (reused and may_retry and not exchange.received):
                     raise RemoteUnavailableError(f"{self.url}: {err}") from err
                 may_retry = False
                 logger.debug("pooled connection to %s failed (%s); retrying on a new one", self.url, err)
                 continue
+            except BaseException:  # `receive` itself failed: the connection is inside a value
+                sock.close()
+                raise
             self._pool.release(sock)
             return replies
 
@@ -309,38 +327,51 @@ class LMServerConnector(RemoteConnector):
                 self._auth_refusals,
             )
 
-    def _exchange(
-        self, sock: socket.socket, requests: Sequence[_Request], timeout: float
-    ) -> list[_Reply]:
-        sock.settimeout(timeout)
+class _Exchange:
+    """One pipelined run of requests on one connection; found values go to `receive` (when
+    given) as they arrive, read straight off the socket."""
+
+    def __init__(self, sock: socket.socket, url: str, receive: Optional[Receive]) -> None:
+        self._sock = sock
+        self._url = url
+        self._receive = receive
+        self.received = 0  # values handed to `receive`
+
+    def run(self, requests: Sequence[_Request], timeout: float, max_payload: int) -> list[_Reply]:
+        self._sock.settimeout(timeout)
         replies: list[_Reply] = []
         for start in range(0, len(requests), PIPELINE_WINDOW):
             window = requests[start : start + PIPELINE_WINDOW]
-            self._send_window(sock, window)
-            for request in window:
-                replies.append(self._read_reply(sock, request.op))
+            self._send_window(window)
+            for i, request in enumerate(window, start):
+                replies.append(self._read_reply(i, request.op, max_payload))
         return replies
 
-    def _send_window(self, sock: socket.socket, window: Sequence[_Request]) -> None:
+    def _send_window(self, window: Sequence[_Request]) -> None:
         pending: list[bytes] = []
         for request in window:
             size = 0 if request.payload is None else memoryview(request.payload).nbytes
             pending.append(pack_header(request.op, Status.OK, len(request.key), size))
             pending.append(request.key)
             if size >= _ZERO_COPY_BYTES:
-                sock.sendall(b"".join(pending))
+                self._sock.sendall(b"".join(pending))
                 pending.clear()
-                sock.sendall(request.payload)  # type: ignore[arg-type]
+                self._sock.sendall(request.payload)  # type: ignore[arg-type]
             elif size:
                 pending.append(bytes(request.payload))  # type: ignore[arg-type]
         if pending:
-            sock.sendall(b"".join(pending))
+            self._sock.sendall(b"".join(pending))
 
-    def _read_reply(self, sock: socket.socket, op: Op) -> _Reply:
-        header = parse_header(
-            recv_exact(sock, HEADER_SIZE, "a reply header"), self._max_payload, is_request=False
-        )
+    def _read_reply(self, index: int, op: Op, max_payload: int) -> _Reply:
+        sock = self._sock
+        header = parse_header(recv_exact(sock, HEADER_SIZE, "a reply header"), max_payload, is_request=False)
         recv_exact(sock, header.key_len, "a reply key")
+        if self._receive is not None and header.op == op == Op.GET and header.status == Status.OK:
+            reader = SocketReader(sock, header.payload_len, self._url)
+            self.received += 1
+            self._receive(index, reader)
+            reader.drain()
+            return _Reply(header.status, None)
         payload = recv_exact(sock, header.payload_len, "a reply payload") if header.payload_len else None
         if header.op == Op.ERROR:
             reason = bytes(payload or b"").decode("utf-8", "replace")

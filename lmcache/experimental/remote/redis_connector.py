@@ -38,7 +38,8 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
 from lmcache.experimental.config import RemoteUrl
-from lmcache.experimental.remote.connector import Buffer, RemoteConnector, RemoteUnavailableError
+from lmcache.experimental.remote.connector import Buffer, Receive, RemoteConnector, RemoteUnavailableError
+from lmcache.experimental.remote.resp_get import RESP_PROTOCOL, pipelined_get_into
 from lmcache.logging import init_logger
 
 logger = init_logger(__name__)
@@ -158,6 +159,22 @@ class RedisConnector(RemoteConnector):
                 out.append(reply)
         return out
 
+    def batched_get_into(self, keys: Sequence[str], receive: Receive) -> None:
+        """Plain Redis (and Sentinel's master): our own reader for the replies, which hands each
+        value over unread (`resp_get.py`). A cluster routes keys to nodes: redis-py's pipeline."""
+        if not keys:
+            return
+        if self._cluster:
+            super().batched_get_into(keys, receive)
+            return
+        data, _ = self._clients()
+        try:
+            pipelined_get_into(data.connection_pool, [self._prefix + k for k in keys], receive, self.url)
+        except RemoteUnavailableError:
+            raise
+        except _UNAVAILABLE as err:
+            raise self._unavailable(err) from err
+
     def batched_put(self, items: Sequence[Tuple[str, Buffer]]) -> list[bool]:
         if not items:
             return []
@@ -270,6 +287,7 @@ class RedisConnector(RemoteConnector):
             socket_connect_timeout=self._lookup_timeout,
             retry=Retry(NoBackoff(), 0),
             db=self._db or 0,
+            protocol=RESP_PROTOCOL,
             command_packer=_zero_copy_packer(),
             **self._credentials,
             **self._tls_options,

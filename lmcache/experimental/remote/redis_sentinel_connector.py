@@ -22,6 +22,7 @@ from redis.sentinel import Sentinel, SentinelConnectionPool
 
 from lmcache.experimental.config import RemoteUrl
 from lmcache.experimental.remote.redis_connector import RedisConnector
+from lmcache.experimental.remote.resp_get import RESP_PROTOCOL
 
 SERVICE_NAME_ENV = "REDIS_SERVICE_NAME"
 DEFAULT_SERVICE_NAME = "mymaster"
@@ -73,5 +74,6 @@ class RedisSentinelConnector(RedisConnector):
             socket_timeout=socket_timeout,
             socket_connect_timeout=self._lookup_timeout,
             retry=no_retry,
+            protocol=RESP_PROTOCOL,
             **self._credentials,
         )

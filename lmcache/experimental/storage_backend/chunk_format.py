@@ -27,7 +27,7 @@ import math
 import struct
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import BinaryIO, Callable, Iterator, Mapping, Optional, Sequence, Tuple, Union
+from typing import BinaryIO, Callable, Iterator, Mapping, Optional, Protocol, Sequence, Tuple, Union
 
 import torch
 import xxhash
@@ -70,6 +70,15 @@ _DTYPES: Mapping[str, torch.dtype] = MappingProxyType(
 )
 
 Buffer = Union[bytes, bytearray, memoryview]
+
+
+class ChunkReader(Protocol):
+    """A chunk arriving in order (`remote.value_reader.ValueReader`): bytes left, exact reads."""
+
+    @property
+    def remaining(self) -> int: ...
+
+    def readinto(self, view: memoryview) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -226,12 +235,18 @@ def decode_header(buf: Buffer) -> Optional[ChunkHeader]:
 
 def read_header(f: BinaryIO) -> Optional[ChunkHeader]:
     """Read exactly one header from the current position of `f` (never more than the bound)."""
+    raw = read_header_bytes(f)
+    return None if raw is None else decode_header(raw)
+
+
+def read_header_bytes(f: BinaryIO) -> Optional[Buffer]:
+    """The raw bytes of the header at the current position of `f` (not checked beyond its
+    announced length), or None when they do not start a chunk."""
     prefix = f.read(_PREFIX.size)
     header_len = header_length(prefix)
     if header_len is None:
         return None
-    rest = f.read(header_len - _PREFIX.size)
-    return decode_header(prefix + rest)
+    return prefix + f.read(header_len - _PREFIX.size)
 
 
 def header_matches(
@@ -308,6 +323,32 @@ def decode_into(
     )
 
 
+def receive_into(
+    reader: ChunkReader,
+    header: ChunkHeader,
+    allocate: Callable[[torch.Size, Optional[torch.dtype], MemoryFormat], Optional[MemoryObj]],
+    key: Optional[Union[CacheEngineKey, str]] = None,
+    dtype: Optional[torch.dtype] = None,
+) -> Optional[MemoryObj]:
+    """The payload after `header` (already read from `reader`), read straight into a freshly
+    allocated object: no buffer in between, each piece hashed right after it arrived.
+
+    None (logged) when the chunk is not what was asked for, its length or checksum is wrong, or
+    memory is full; what is left unread is the caller's to skip. An error of the reader itself
+    frees the object and propagates."""
+    if not header_matches(header, key, None, dtype, None):
+        return None
+    if reader.remaining != header.payload_len:
+        logger.warning(
+            "chunk %s: %d payload bytes, header announces %d", header.key, reader.remaining, header.payload_len
+        )
+        return None
+    return _new_object(
+        header.key, header.payload_len, allocate, torch.Size(header.shape), header.dtype, header.fmt,
+        header.checksum, lambda start, piece: reader.readinto(piece),
+    )
+
+
 def copy_into_new(
     key: str,
     payload: memoryview,
@@ -322,22 +363,45 @@ def copy_into_new(
 
     With `checksum`, this is also `verify_payload` in the same pass: each piece is hashed right
     after it is copied, while it is in cache; a mismatch frees the object (None, logged)."""
+
+    def copy(start: int, piece: memoryview) -> None:
+        piece[:] = payload[start : start + piece.nbytes]
+
+    return _new_object(key, payload.nbytes, allocate, shape, dtype, fmt, checksum, copy)
+
+
+def _new_object(
+    key: str,
+    nbytes: int,
+    allocate: Callable[[torch.Size, Optional[torch.dtype], MemoryFormat], Optional[MemoryObj]],
+    shape: torch.Size,
+    dtype: Optional[torch.dtype],
+    fmt: MemoryFormat,
+    checksum: Optional[bytes],
+    fill: Callable[[int, memoryview], None],
+) -> Optional[MemoryObj]:
+    """Allocate, `fill(start, piece)` the payload piece by piece (hashing each right after it,
+    with `checksum`), and hand the object over only if the checksum matches."""
     obj = allocate(shape, dtype, fmt)
     if obj is None:
-        logger.warning("chunk %s: no memory to load %d bytes", key, payload.nbytes)
+        logger.warning("chunk %s: no memory to load %d bytes", key, nbytes)
         return None
     target = memory_obj_payload(obj)
-    if target.nbytes != payload.nbytes:
-        logger.warning("chunk %s: allocated %d bytes for a %d-byte payload", key, target.nbytes, payload.nbytes)
+    if target.nbytes != nbytes:
+        logger.warning("chunk %s: allocated %d bytes for a %d-byte payload", key, target.nbytes, nbytes)
         obj.ref_count_down()
         return None
-    if checksum is None:
-        target[:] = payload
-        return obj
-    hasher = payload_hasher()
-    for start, end in hashed_pieces(payload.nbytes):
-        target[start:end] = payload[start:end]
-        hasher.update(target[start:end])
+    try:
+        if checksum is None:
+            fill(0, target)
+            return obj
+        hasher = payload_hasher()
+        for start, end in hashed_pieces(nbytes):
+            fill(start, target[start:end])
+            hasher.update(target[start:end])
+    except BaseException:
+        obj.ref_count_down()
+        raise
     if hasher.digest() != checksum:
         logger.warning("chunk %s: payload checksum mismatch", key)
         obj.ref_count_down()

@@ -27,8 +27,9 @@ from typing import Dict, List, Optional, Sequence
 from lmcache.config import LMCacheEngineMetadata
 from lmcache.experimental.memory_management import MemoryFormat, MemoryObj
 from lmcache.experimental.remote import create_connector, redis_key_prefix
-from lmcache.experimental.remote.connector import Buffer, RemoteConnector, RemoteUnavailableError
+from lmcache.experimental.remote.connector import RemoteConnector, RemoteUnavailableError
 from lmcache.experimental.remote.serde import Serde, create_serde
+from lmcache.experimental.remote.value_reader import ValueReader
 from lmcache.experimental.stats import TierStats
 from lmcache.experimental.storage_backend.abstract_backend import StorageBackendInterface
 from lmcache.experimental.storage_backend.local_cpu_backend import LocalCPUBackend
@@ -257,27 +258,34 @@ class RemoteBackend(StorageBackendInterface):
                     remote_slots.append(i)
         if not remote_slots or not self._health.up:
             return results
+        answered = 0
+
+        def receive(n: int, reader: ValueReader) -> None:
+            nonlocal answered
+            answered += 1
+            i = remote_slots[n]
+            results[i] = self._decode(keys[i], reader)
+            if results[i] is not None:
+                self._counters.add("gets_hit")
+                self._stats.record_read(results[i].get_size())  # type: ignore[union-attr]
+
         try:
-            blobs = self._connector.batched_get([keys[i].to_string() for i in remote_slots])
+            # Each chunk is read from the connection straight into its object (value_reader.py).
+            self._connector.batched_get_into([keys[i].to_string() for i in remote_slots], receive)
         except RemoteUnavailableError as err:
-            self._counters.add("gets_failed", len(remote_slots))
+            # What arrived before the failure was checked and is kept.
+            self._counters.add("gets_failed", len(remote_slots) - answered)
             self._stats.record_error()
             self._health.mark_down(str(err))
             return results
-        for i, blob in zip(remote_slots, blobs):
-            if blob is None:
-                self._counters.add("gets_miss")
-                continue
-            obj = self._decode(keys[i], blob)
-            if obj is not None:
-                self._counters.add("gets_hit")
-                self._stats.record_read(obj.get_size())
-                results[i] = obj
+        self._counters.add("gets_miss", len(remote_slots) - answered)
         return results
 
-    def _decode(self, key: CacheEngineKey, blob: Buffer) -> Optional[MemoryObj]:
+    def _decode(self, key: CacheEngineKey, reader: ValueReader) -> Optional[MemoryObj]:
         try:
-            obj = self._serde.decode(key, blob, self._cpu.allocate, dtype=self._metadata.kv_dtype)
+            obj = self._serde.receive(key, reader, self._cpu.allocate, dtype=self._metadata.kv_dtype)
+        except RemoteUnavailableError:
+            raise  # the connection broke: the tier goes down, not this chunk
         except Exception as err:  # a chunk we cannot read is a miss, whatever went wrong
             logger.warning("remote chunk %s could not be decoded: %r", key.chunk_hash, err)
             obj = None

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Callable, Optional, Union
+from typing import TYPE_CHECKING, Callable, Optional, Union
 
 import torch
 
 from lmcache.experimental.memory_management import MemoryFormat, MemoryObj
 from lmcache.utils import CacheEngineKey
+
+if TYPE_CHECKING:
+    from lmcache.experimental.remote.value_reader import ValueReader
 
 Buffer = Union[bytes, bytearray, memoryview]
 KeyLike = Union[CacheEngineKey, str]
@@ -31,3 +34,10 @@ class Serde(ABC):
     ) -> Optional[MemoryObj]:
         """A new object holding the chunk, or None (logged) when `data` is not a valid chunk
         of this serde for `key` (and of `dtype`, when given) or memory is full."""
+
+    def receive(
+        self, key: KeyLike, reader: "ValueReader", allocate: AllocateFn, dtype: Optional[torch.dtype] = None
+    ) -> Optional[MemoryObj]:
+        """`decode` of a value as it comes off the connection. This default reads it whole
+        first; a serde that can place the bytes where they end up reads them there instead."""
+        return self.decode(key, reader.read(reader.remaining), allocate, dtype)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
@@ -12,6 +12,9 @@ from lmcache.experimental.remote.serde.cachegen import is_cachegen_chunk
 from lmcache.experimental.remote.serde.safetensor import is_safetensor_chunk
 from lmcache.experimental.storage_backend import chunk_format
 from lmcache.logging import init_logger
+
+if TYPE_CHECKING:
+    from lmcache.experimental.remote.value_reader import ValueReader
 
 logger = init_logger(__name__)
 
@@ -40,3 +43,15 @@ class NaiveSerde(Serde):
                     )
                     return None
         return chunk_format.decode_into(data, allocate, key=key, dtype=dtype)
+
+    def receive(
+        self, key: KeyLike, reader: "ValueReader", allocate: AllocateFn, dtype: Optional[torch.dtype] = None
+    ) -> Optional[MemoryObj]:
+        """The payload goes from the connection straight into the new object."""
+        raw = chunk_format.read_header_bytes(reader)  # type: ignore[arg-type]
+        header = None if raw is None else chunk_format.decode_header(raw)
+        if header is None:
+            return None
+        if header.fmt == MemoryFormat.BINARY:  # perhaps another serde's chunk: checked whole
+            return self.decode(key, raw + reader.read(reader.remaining), allocate, dtype)
+        return chunk_format.receive_into(reader, header, allocate, key=key, dtype=dtype)
