@@ -147,6 +147,27 @@ def test_retrieve_matches_reference(layout: KVLayout, dtype: torch.dtype, block_
     assert_same_bytes(c.buffer, obj_before)
 
 
+@pytest.mark.parametrize("aligned", [True, False], ids=["aligned", "unaligned"])
+@pytest.mark.parametrize("block_size", [16, 48])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64, torch.uint8], ids=str)
+@pytest.mark.parametrize("layout", [KVLayout.CPU_ATTN, KVLayout.CPU_PACKED], ids=lambda layout: layout.name)
+def test_banded_store_transposes_match_reference(layout: KVLayout, dtype: torch.dtype, block_size: int,
+                                                 aligned: bool) -> None:
+    """Stores whose transposes go through L1 bands (cpu/transpose.h, `transpose_to_rows`):
+    object rows longer than one band, runs longer than one band of tokens, and an object on a
+    line boundary (streamed rows) or off it (plain copies)."""
+    c = make_case(layout, dtype, num_heads=4, head_size=256, block_size=block_size, num_blocks=16, num_tokens=150)
+    if aligned:  # a fresh allocation starts on a 64-byte boundary
+        buffer = c.obj.clone().view(-1)
+        assert buffer.data_ptr() % 64 == 0
+        c = Case(c.layout, c.dtype, c.block_size, c.num_heads, c.head_size, c.keys, c.values, c.slots, buffer, 0,
+                 buffer.view(c.obj.shape))
+    want = c.obj.clone()
+    reference_store(c, want)
+    run_multi(c, to_cache=False)
+    assert_same_bytes(c.obj, want)
+
+
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda layout: layout.name)
 def test_round_trip_through_other_blocks(layout: KVLayout) -> None:
     """Store from one set of slots, retrieve into another: the tokens' K/V follow them."""

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "kv_transfer.h"
+#include "stream.h"
 #include "transpose.h"
 
 namespace lmcache {
@@ -59,54 +60,6 @@ struct Bytes<4> { using T = uint32_t; };
 template <>
 struct Bytes<8> { using T = uint64_t; };
 
-// memcpy for the short runs (a head's row, typically 128-512 bytes) copied ~10^5 times per
-// call: 64-byte steps inline to plain vector moves instead of a library call each.
-inline void copy_bytes(void* dst, const void* src, int64_t n) {
-  char* d = static_cast<char*>(dst);
-  const char* s = static_cast<const char*>(src);
-  int64_t i = 0;
-  for (; i + 64 <= n; i += 64) std::memcpy(d + i, s + i, 64);
-  if (i < n) std::memcpy(d + i, s + i, static_cast<size_t>(n - i));
-}
-
-// The same copy with non-temporal stores where `dst` is 16-byte aligned: a chunk's bytes are
-// far more than the caches hold, and a plain store first reads the destination line
-// (read-for-ownership), a third memory transfer per byte that a large memcpy avoids the same
-// way. Lines of a run written this way are complete, so the write-combining buffers flush whole
-// lines. The stores are ordered by the sfence at the end of each thread's share (`transfer`).
-inline void stream_bytes(void* dst, const void* src, int64_t n) {
-#ifdef LMC_X86
-  char* d = static_cast<char*>(dst);
-  const char* s = static_cast<const char*>(src);
-  if ((reinterpret_cast<uintptr_t>(d) & 15) == 0) {
-    int64_t i = 0;
-    for (; i + 64 <= n; i += 64) {
-      const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i));
-      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i + 16));
-      const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i + 32));
-      const __m128i e = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i + 48));
-      _mm_stream_si128(reinterpret_cast<__m128i*>(d + i), a);
-      _mm_stream_si128(reinterpret_cast<__m128i*>(d + i + 16), b);
-      _mm_stream_si128(reinterpret_cast<__m128i*>(d + i + 32), c);
-      _mm_stream_si128(reinterpret_cast<__m128i*>(d + i + 48), e);
-    }
-    for (; i + 16 <= n; i += 16) {
-      _mm_stream_si128(reinterpret_cast<__m128i*>(d + i),
-                       _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i)));
-    }
-    if (i < n) std::memcpy(d + i, s + i, static_cast<size_t>(n - i));
-    return;
-  }
-#endif
-  copy_bytes(dst, src, n);
-}
-
-inline void stream_fence() {
-#ifdef LMC_X86
-  _mm_sfence();
-#endif
-}
-
 // A transposed run (CPU_PACKED K and V, CPU_ATTN K) moves units U (16-byte key groups, or
 // single elements): the cache block holds [unit index][token] (tokens adjacent, units
 // `unit_stride` apart), the object [token][unit index] (rows `hidden` elements apart). In
@@ -126,8 +79,9 @@ void transpose_run(const TransferPlan& p, int kv, char* cache, char* obj, const 
   const int64_t units = heads_adjacent ? g.hidden() / per_unit : head_units;  // per call
   const int64_t calls = heads_adjacent ? 1 : g.num_heads;
   const int64_t row = g.hidden() / per_unit;  // object row length in units
-  // Source bands won for long key-block rows in one all-heads transpose (CPU_PACKED); for
-  // CPU_ATTN's per-head transposes destination bands measured 1.3-1.4x faster (block_size 128).
+  // Stores: source bands won for long cache rows in one all-heads transpose (CPU_PACKED keys);
+  // the others go through `transpose_to_rows`. Retrieves: destination bands (CPU_ATTN's
+  // per-head transposes measured 1.3-1.4x faster that way at block_size 128).
   const bool long_rows = heads_adjacent && unit_stride * static_cast<int64_t>(sizeof(U)) > 64;
   for (int64_t h = 0; h < calls; ++h) {
     U* c = reinterpret_cast<U*>(cache + (c0 + h * head_stride) * ES);
@@ -135,8 +89,8 @@ void transpose_run(const TransferPlan& p, int kv, char* cache, char* obj, const 
     if (p.to_cache) {
       cpu::transpose<U>(o, row, c, unit_stride, run.count, units, cpu::Order::kDestBands);
     } else {
-      cpu::transpose<U>(c, unit_stride, o, row, units, run.count,
-                        long_rows ? cpu::Order::kSourceBands : cpu::Order::kDestBands);
+      if (long_rows) cpu::transpose<U>(c, unit_stride, o, row, units, run.count, cpu::Order::kSourceBands);
+      else cpu::transpose_to_rows<U>(c, unit_stride, o, row, units, run.count);
     }
   }
 }
@@ -153,8 +107,8 @@ void copy_run(const TransferPlan& p, int kv, char* cache, char* obj, const Run& 
   if (run_elems == hidden) {  // FLASH, MLA: n tokens are n whole rows on both sides
     char* cr = cache + cache_offset(g, kv, run.slot, 0, 0) * ES;
     const int64_t bytes = run.count * hidden * ES;
-    if (p.to_cache) stream_bytes(cr, o, bytes);
-    else stream_bytes(o, cr, bytes);
+    if (p.to_cache) cpu::stream_bytes(cr, o, bytes);
+    else cpu::stream_bytes(o, cr, bytes);
     return;
   }
   if (run_elems == g.head_size) {  // CPU_IPEX, CPU_ATTN V: one head_size row per (token, head)
@@ -170,11 +124,11 @@ void copy_run(const TransferPlan& p, int kv, char* cache, char* obj, const Run& 
     if (p.to_cache) {
       for (int64_t j = 0; j < run.count; ++j)
         for (int64_t h = 0; h < g.num_heads; ++h)
-          stream_bytes(c0 + h * head_step + j * token_step, o + j * row + h * bytes, bytes);
+          cpu::stream_bytes(c0 + h * head_step + j * token_step, o + j * row + h * bytes, bytes);
     } else {
       for (int64_t h = 0; h < g.num_heads; ++h)
         for (int64_t j = 0; j < run.count; ++j)
-          stream_bytes(o + j * row + h * bytes, c0 + h * head_step + j * token_step, bytes);
+          cpu::stream_bytes(o + j * row + h * bytes, c0 + h * head_step + j * token_step, bytes);
     }
     return;
   }
@@ -210,7 +164,7 @@ void transfer(const std::vector<JobRuns>& jobs, int64_t items, const CachePointe
       char* obj = jobs[j].job->object + object_offset(p.object, kv, layer, 0, 0) * ES;
       copy_run<ES>(p, kv, caches[kv * num_layers + layer], obj, run);
     }
-    stream_fence();
+    cpu::stream_fence();
   });
 }
 

@@ -12,10 +12,7 @@
 #include <cstdlib>
 #include <cstring>
 
-#if defined(__x86_64__) || defined(_M_X64)
-#include <immintrin.h>
-#define LMC_X86 1
-#endif
+#include "stream.h"
 
 namespace lmcache {
 namespace cpu {
@@ -259,6 +256,41 @@ void transpose(const T* src, int64_t ss, T* dst, int64_t ds, int64_t rows, int64
   }
 #endif
   transpose_scalar(src, ss, dst, ds, rows, cols);
+}
+
+// `transpose` from a paged cache block into object rows (a store), in bands of `kBandBytes` of
+// every object row. The object's rows are `hidden` elements apart, a power of two: written
+// straight by tiles, the 8-32 rows a tile spans fall into the same L1 sets and evict each other,
+// and plain stores read every destination line first. So each band is transposed into `tile`
+// (in L1) and its row segments streamed out with non-temporal stores, while the next band's
+// cache rows are prefetched (a block's bytes are contiguous, but tile loads alone leave the
+// memory idle while they shuffle). Measured on one core: CPU_ATTN keys 0.74 -> 0.91x (bf16),
+// 0.77 -> 0.83x (fp32) of a memcpy; CPU_PACKED values 1.0-1.1x either way. Keys of CPU_PACKED
+// (16-byte units, rows of whole lines) did better without it.
+constexpr int64_t kBandBytes = 512;
+constexpr int64_t kMaxBandTokens = 32;
+
+// Asks for `bytes` from `p` on, one line at a time.
+inline void prefetch_span(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(c + i);
+}
+
+template <typename T>
+void transpose_to_rows(const T* src, int64_t ss, T* dst, int64_t ds, int64_t rows, int64_t cols) {
+  constexpr int64_t unit = sizeof(T);
+  constexpr int64_t band = kBandBytes / unit;  // elements of an object row per band
+  alignas(64) static thread_local T tile[band * kMaxBandTokens];
+  for (int64_t r0 = 0; r0 < rows; r0 += band) {
+    const int64_t br = rows - r0 < band ? rows - r0 : band;
+    for (int64_t c0 = 0; c0 < cols; c0 += kMaxBandTokens) {
+      const int64_t bc = cols - c0 < kMaxBandTokens ? cols - c0 : kMaxBandTokens;
+      const int64_t next = rows - r0 - br < band ? rows - r0 - br : band;
+      for (int64_t r = 0; r < next; ++r) prefetch_span(src + (r0 + br + r) * ss + c0, bc * unit);
+      transpose(src + r0 * ss + c0, ss, tile, br, br, bc, Order::kDestBands);
+      for (int64_t c = 0; c < bc; ++c) stream_bytes(dst + (c0 + c) * ds + r0, tile + c * br, br * unit);
+    }
+  }
 }
 
 }  // namespace cpu
