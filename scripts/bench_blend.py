@@ -9,23 +9,28 @@ reuse (ratio 0: only the tokens no document covers are recomputed).
 
 TTFT: a random-weight model of benchmark size, a prompt of 4 documents of `--doc-tokens` tokens;
 cache off vs CacheBlend at the default ratio, the documents cached from a prompt with another
-order first. TTFT is the time of a `generate` call for one token (median of `--reps`).
+order first. TTFT is the time of a `generate` call for one token. Both engines stay up and are
+asked in turn, `--reps` times each (the machine is shared: load must fall on both sides alike);
+the medians and the median of the per-pair ratios are reported, with the load average.
 
-    python scripts/bench_blend.py [--examples 100] [--doc-tokens 1000] [--reps 3]
+    python scripts/bench_blend.py [--examples 400] [--doc-tokens 1000] [--reps 6]
 
 Writes `bench/results/blend-<time>.json` and a plot beside it. Each engine runs in a child
-process (`--job`, JSON on stdin) because vLLM's v1 engine spawns its core process.
+process (`--job`: the job's JSON on the first stdin line, then one prompt per line) because
+vLLM's v1 engine spawns its core process.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import random
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Optional
@@ -47,8 +52,9 @@ DEFAULT_RATIO = 0.15
 
 # ----- one engine, in a child process -------------------------------------------------------------
 
-def run_job(job: dict) -> None:
-    """Warm-up prompts (not timed), then the measured ones; prints RESULT with first tokens and seconds."""
+def serve_job(job: dict) -> None:
+    """The child: build the engine, send the warm-up prompts (not timed), then answer one prompt
+    per stdin line with a RESULT line (first greedy token, seconds of the `generate` call)."""
     import vllm
 
     llm = vllm.LLM(model=job["model"], dtype="float32", seed=0, max_model_len=job["max_model_len"],
@@ -56,33 +62,61 @@ def run_job(job: dict) -> None:
     params = vllm.SamplingParams(temperature=0.0, max_tokens=1)
     for ids in job["warm"]:
         llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)
-    tokens, seconds = [], []
-    for ids in job["prompts"]:
+    print("READY", flush=True)
+    for line in sys.stdin:
         start = time.perf_counter()
-        out = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)
-        seconds.append(time.perf_counter() - start)
-        tokens.append(out[0].outputs[0].token_ids[0])
-    print("RESULT " + json.dumps({"tokens": tokens, "seconds": seconds}), flush=True)
+        out = llm.generate([{"prompt_token_ids": json.loads(line)}], params, use_tqdm=False)
+        seconds = time.perf_counter() - start
+        print("RESULT " + json.dumps({"token": out[0].outputs[0].token_ids[0], "seconds": seconds}), flush=True)
 
 
-def engine(model: Path, warm: list, prompts: list, blend: Optional[dict], max_model_len: int) -> dict:
-    """Run one engine job: cache off (`blend` None) or CacheBlend with these LMCACHE_ settings."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("LMCACHE_")}
-    env.update({"VLLM_USE_V1": "1", "VLLM_CPU_KVCACHE_SPACE": "2", "TOKENIZERS_PARALLELISM": "false"})
-    job = {"model": str(model), "warm": warm, "prompts": prompts, "max_model_len": max_model_len}
-    if blend is not None:
-        env.update({"LMCACHE_ENABLE_BLENDING": "true", "LMCACHE_USE_LAYERWISE": "true",
-                    "LMCACHE_MAX_LOCAL_CPU_SIZE": "2", "LMCACHE_LOG_LEVEL": "INFO"})
-        env.update({f"LMCACHE_{k.upper()}": str(v) for k, v in blend.items()})
-        job["llm_kwargs"] = {"kv_transfer_config": {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}}
-    proc = subprocess.run([sys.executable, __file__, "--job"], input=json.dumps(job), capture_output=True,
-                          text=True, env=env, cwd=str(ROOT), timeout=1800)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    if proc.returncode != 0 or not lines:
-        sys.exit(f"bench_blend: engine job failed (exit {proc.returncode}):\n{(proc.stdout + proc.stderr)[-4000:]}")
-    result = json.loads(lines[-1][len("RESULT "):])
-    result["blend_lines"] = [ln for ln in (proc.stdout + proc.stderr).splitlines() if "CacheBlend reused" in ln]
-    return result
+class Engine:
+    """One engine in a child process (vLLM's v1 engine spawns its core process), kept up so two
+    engines can be asked in turn: cache off (`blend` None) or CacheBlend with these LMCACHE_ settings."""
+
+    def __init__(self, model: Path, warm: list, blend: Optional[dict], max_model_len: int) -> None:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("LMCACHE_")}
+        env.update({"VLLM_USE_V1": "1", "VLLM_CPU_KVCACHE_SPACE": "2", "TOKENIZERS_PARALLELISM": "false"})
+        job = {"model": str(model), "warm": warm, "max_model_len": max_model_len}
+        if blend is not None:
+            env.update({"LMCACHE_ENABLE_BLENDING": "true", "LMCACHE_USE_LAYERWISE": "true",
+                        "LMCACHE_MAX_LOCAL_CPU_SIZE": "2", "LMCACHE_LOG_LEVEL": "INFO"})
+            env.update({f"LMCACHE_{k.upper()}": str(v) for k, v in blend.items()})
+            job["llm_kwargs"] = {"kv_transfer_config": {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}}
+        self._log = tempfile.TemporaryFile(mode="w+")  # vLLM's and LMCache's logs (read at close)
+        self._proc = subprocess.Popen([sys.executable, __file__, "--job"], stdin=subprocess.PIPE,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                                      cwd=str(ROOT))
+        assert self._proc.stdin is not None
+        self._proc.stdin.write(json.dumps(job) + "\n")
+        self._proc.stdin.flush()
+        self._expect("READY")
+
+    def _expect(self, prefix: str) -> str:
+        assert self._proc.stdout is not None
+        for line in self._proc.stdout:
+            if line.startswith(prefix):
+                return line[len(prefix):]
+            self._log.write(line)
+        self._log.seek(0)
+        sys.exit(f"bench_blend: engine job failed (exit {self._proc.wait()}):\n{self._log.read()[-4000:]}")
+
+    def ask(self, ids: list[int]) -> tuple[int, float]:
+        """The first greedy token of this prompt and the seconds it took."""
+        assert self._proc.stdin is not None
+        self._proc.stdin.write(json.dumps(ids) + "\n")
+        self._proc.stdin.flush()
+        result = json.loads(self._expect("RESULT "))
+        return result["token"], result["seconds"]
+
+    def close(self) -> list[str]:
+        """Stop the engine; returns its CacheBlend log lines."""
+        assert self._proc.stdin is not None and self._proc.stdout is not None
+        self._proc.stdin.close()
+        self._log.write(self._proc.stdout.read())
+        self._proc.wait(timeout=300)
+        self._log.seek(0)
+        return [ln for ln in self._log.read().splitlines() if "CacheBlend reused" in ln]
 
 
 # ----- the two measurements -------------------------------------------------------------------------
@@ -100,27 +134,26 @@ def quality(examples: int, seed: int) -> dict:
         prompts.append(task.prompt(docs))
         answers.append(task.answer(docs))  # the later partner in this order
     blend = {"blend_separator": TASK_SEPARATOR, "blend_min_tokens": 1}
-
-    def accuracy(result: dict) -> float:
-        return sum(t == a for t, a in zip(result["tokens"], answers)) / len(answers)
-
-    full = engine(model, [], prompts, None, 512)
-    blended = engine(model, warm, prompts, {**blend, "blend_recompute_ratio": DEFAULT_RATIO}, 512)
-    naive = engine(model, warm, prompts, {**blend, "blend_recompute_ratio": 0.0}, 512)
-    for name, result in (("blend", blended), ("naive", naive)):
-        if len(result["blend_lines"]) != len(prompts):
-            sys.exit(f"bench_blend: {name}: {len(result['blend_lines'])} blends for {len(prompts)} prompts")
-    return {
-        "quality_model": str(model.relative_to(ROOT)),
-        "quality_examples": examples,
-        "accuracy_full_recompute": accuracy(full),
-        "accuracy_blend": accuracy(blended),
-        "accuracy_naive_reuse": accuracy(naive),
-        "blend_log_example": blended["blend_lines"][0],
-    }
+    result: dict = {"quality_model": str(model.relative_to(ROOT)), "quality_examples": examples}
+    for name, settings in (("full_recompute", None), ("blend", {**blend, "blend_recompute_ratio": DEFAULT_RATIO}),
+                           ("naive_reuse", {**blend, "blend_recompute_ratio": 0.0})):
+        engine = Engine(model, [] if settings is None else warm, settings, 512)
+        right = sum(engine.ask(ids)[0] == answer for ids, answer in zip(prompts, answers))
+        lines = engine.close()
+        if settings is not None and len(lines) != len(prompts):
+            sys.exit(f"bench_blend: {name}: {len(lines)} blends for {len(prompts)} prompts")
+        accuracy = right / examples
+        result[f"accuracy_{name}"] = accuracy
+        # Binomial standard error of one accuracy: a difference of two needs ~2x the larger.
+        result[f"accuracy_{name}_stderr"] = math.sqrt(accuracy * (1 - accuracy) / examples)
+        if name == "blend":
+            result["blend_log_example"] = lines[0]
+    return result
 
 
 def ttft(doc_tokens: int, reps: int) -> dict:
+    """Cache off and CacheBlend both up, asked in turn (off, blend, blend, off, ...) so that the
+    shared machine's load falls on both alike."""
     from transformers import AutoTokenizer
 
     make_tiny_model(BENCH_MODEL, BENCH_SPEC)
@@ -141,13 +174,27 @@ def ttft(doc_tokens: int, reps: int) -> dict:
 
     cached_order, asked = prompt([0, 1, 2, 3]), prompt([2, 0, 3, 1])
     warm_up = text(64)  # the first generate call of an engine pays one-time costs
-    full = engine(BENCH_MODEL, [warm_up], [asked] * reps, None, 8192)
-    blended = engine(BENCH_MODEL, [warm_up, cached_order], [asked] * reps,
-                     {"blend_recompute_ratio": DEFAULT_RATIO}, 8192)
+    full = Engine(BENCH_MODEL, [warm_up], None, 8192)
     # The first send of the other order stores the documents; each measured send blends them.
-    if len(blended["blend_lines"]) != reps or not all("reused 4 of 4" in ln for ln in blended["blend_lines"]):
-        sys.exit(f"bench_blend: the TTFT prompt did not blend all 4 documents: {blended['blend_lines']}")
-    full_s, blend_s = statistics.median(full["seconds"]), statistics.median(blended["seconds"])
+    blended = Engine(BENCH_MODEL, [warm_up, cached_order], {"blend_recompute_ratio": DEFAULT_RATIO}, 8192)
+    seconds: dict = {"full": [], "blend": []}
+    tokens: dict = {"full": set(), "blend": set()}
+    loads = [os.getloadavg()[0]]
+    for rep in range(reps):
+        sides = (("full", full), ("blend", blended))
+        for name, engine in sides if rep % 2 == 0 else sides[::-1]:
+            token, took = engine.ask(asked)
+            seconds[name].append(took)
+            tokens[name].add(token)
+        loads.append(os.getloadavg()[0])
+    full.close()
+    lines = blended.close()
+    if len(lines) != reps or not all("reused 4 of 4" in ln for ln in lines):
+        sys.exit(f"bench_blend: the TTFT prompt did not blend all 4 documents: {lines}")
+    if len(tokens["full"]) != 1 or len(tokens["blend"]) != 1:
+        sys.exit(f"bench_blend: one prompt gave several first tokens: {tokens}")
+    full_s, blend_s = statistics.median(seconds["full"]), statistics.median(seconds["blend"])
+    ratios = [f / b for f, b in zip(seconds["full"], seconds["blend"])]
     return {
         "ttft_model": {"hidden": BENCH_SPEC.hidden, "layers": BENCH_SPEC.layers, "heads": BENCH_SPEC.heads,
                        "kv_heads": BENCH_SPEC.kv_heads},
@@ -155,9 +202,11 @@ def ttft(doc_tokens: int, reps: int) -> dict:
         "ttft_full_s": full_s,
         "ttft_blend_s": blend_s,
         "ttft_speedup": full_s / blend_s,
-        "ttft_full_all_s": full["seconds"],
-        "ttft_blend_all_s": blended["seconds"],
-        "ttft_blend_log": blended["blend_lines"][-1],
+        "ttft_speedup_median_pair": statistics.median(ratios),
+        "ttft_full_all_s": seconds["full"],
+        "ttft_blend_all_s": seconds["blend"],
+        "ttft_load_1min": loads,  # os.getloadavg() before the first pair and after each
+        "ttft_blend_log": lines[-1],
     }
 
 
@@ -185,16 +234,16 @@ def plot(result: dict, path: Path) -> None:
 
 def main(argv: Optional[list[str]] = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--examples", type=int, default=100)
+    p.add_argument("--examples", type=int, default=400)
     p.add_argument("--doc-tokens", type=int, default=1000)
-    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--reps", type=int, default=6)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--skip-quality", action="store_true")
     p.add_argument("--skip-ttft", action="store_true")
     p.add_argument("--job", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.job:
-        run_job(json.load(sys.stdin))
+        serve_job(json.loads(sys.stdin.readline()))
         return
     for name in ("examples", "doc_tokens", "reps"):
         if getattr(args, name) <= 0:

@@ -36,7 +36,7 @@ from __future__ import annotations
 import functools
 import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, List, Mapping, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Callable, List, Mapping, Optional, Sequence, Tuple
 
 if TYPE_CHECKING:
     import torch
@@ -356,6 +356,18 @@ def find_causal_lm(forward_context: Optional["ForwardContext"]) -> Any:
             if len(layers) and getattr(layers[obj.model.start_layer].self_attn, "attn", None) is first_attention:
                 return obj
     raise RuntimeError("CacheBlend: no LlamaForCausalLM in this process owns the attention layers vLLM runs")
+
+
+def fused_forward(custom_op: Any) -> Callable[..., Any]:
+    """The fused-kernel forward of one of vLLM 0.9.2's custom-op modules (RMSNorm, SiluAndMul,
+    RotaryEmbedding), for calling it eagerly.
+
+    Under torch.compile vLLM's CPU platform turns custom ops off (`custom_ops=["none"]`: each
+    module runs its native form, several torch passes, and inductor fuses them). CacheBlend calls
+    the modules one layer at a time outside the compiled graph, where the native forms stay
+    unfused, so it takes `forward_cuda`: the `_C` kernels, which the CPU build implements.
+    RMSNorm with a residual and RotaryEmbedding work in place, like in vLLM's own forward."""
+    return custom_op.forward_cuda
 
 
 def rotary_inv_freq(rotary_emb: Any) -> "torch.Tensor":
