@@ -13,7 +13,8 @@ Workloads (issue 8):
   then `query` sends them in shuffled rounds, each followed by a fresh short question. vLLM's
   own cache mostly misses (the LRU space holds ~1-2 documents); ours hits from its tier.
 - `unique`: prompts sharing nothing, sent in passes of P at fixed concurrency: our overhead on pure
-  misses (the median pass smooths out other work on a shared machine).
+  misses. `bench_serving` sends each pass to one of our servers and to a vLLM alone running beside
+  it, in turn (A B, B A, ...), and takes the median pass pair's ratio.
 - `restart`: `repeat`'s prompts replayed on a new server process over the same disk/remote tier.
 - `interference` (issue 12): per round: clear, `store` a long prefix into our (slow) tier, clear,
   stream a short request `alone`, then stream another (`stream`) and, once it has streamed a few

@@ -151,13 +151,14 @@ def test_summary_ratios_and_targets_from_known_numbers(tmp_path):
     recs = [record("vllm", "repeat", "first", 6.0), record("vllm", "repeat", "second", 6.0),
             record("vllm", "repeat", "limit", 0.1),
             record("vllm", "beyond", "query", 6.0, i=0), record("vllm", "beyond", "query", 4.0, i=1),
-            record("vllm", "unique", "unique", 3.0),
+            record("vllm-beside-lmcache-cpu", "unique", "unique", 3.0),
             record("lmcache-cpu", "repeat", "first", 6.0, hit=0), record("lmcache-cpu", "repeat", "second", 0.2, hit=1000),
             record("lmcache-cpu", "repeat", "limit", 0.1, hit=1000),
             record("lmcache-cpu", "beyond", "query", 0.5, hit=900, i=0),
             record("lmcache-cpu", "beyond", "query", 1.5, hit=900, i=1),
             record("lmcache-cpu", "unique", "unique", 3.0, hit=0)]
-    totals = {"vllm": {("unique", "unique"): PhaseTotals(10.0, PrefixCounters(1000, 0), [90.0, 100.0, 300.0])},
+    totals = {"vllm-beside-lmcache-cpu": {("unique", "unique"): PhaseTotals(10.0, PrefixCounters(1000, 0),
+                                                                            [90.0, 100.0, 300.0])},
               "lmcache-cpu": {("unique", "unique"): PhaseTotals(12.5, PrefixCounters(1000, 0), [80.0, 50.0, 90.0])}}
     s = summarize(recs, totals)
     beyond = s["lmcache-cpu"]["beyond"]["query"]
@@ -165,17 +166,18 @@ def test_summary_ratios_and_targets_from_known_numbers(tmp_path):
     assert beyond["ttft_p50_s"] == pytest.approx(1.0) and beyond["ttft_p90_s"] == pytest.approx(1.4)
     assert beyond["lmcache_hit_rate"] == pytest.approx(0.9)
     assert s["vllm"]["beyond"]["query"]["lmcache_hit_rate"] is None
-    assert s["vllm"]["unique"]["unique"]["throughput_tok_s"] == pytest.approx(100.8)
-    assert s["vllm"]["unique"]["unique"]["throughput_tok_s_median"] == pytest.approx(100.0)
+    alone = s["vllm-beside-lmcache-cpu"]["unique"]["unique"]
+    assert alone["throughput_tok_s"] == pytest.approx(100.8) and alone["throughput_tok_s_median"] == pytest.approx(100.0)
     assert s["vllm"]["beyond"]["query"]["throughput_tok_s_passes"] == []
-    assert s["vllm"]["unique"]["unique"]["vllm_prefix_hit_rate"] == 0.0
+    assert alone["vllm_prefix_hit_rate"] == 0.0
     r = ratios(s)
     assert set(r) == {"lmcache-cpu"}
     cpu = r["lmcache-cpu"]
     assert cpu["beyond_query_ttft"] == pytest.approx(5.0)
     assert cpu["repeat_second_ttft"] == pytest.approx(30.0)
     assert cpu["hit_over_limit"] == pytest.approx(2.0)
-    assert cpu["unique_throughput"] == pytest.approx(1.25)
+    # side by side: the median of the pass pairs' ratios 90/80, 100/50, 300/90
+    assert cpu["unique_throughput"] == pytest.approx(2.0)
     assert cpu["restart_first_ttft"] is None
     verdicts = {t["target"].split(":")[0]: t["met"] for t in targets(r)}
     assert verdicts == {"beyond": True, "repeat": False, "unique": False}
@@ -226,7 +228,11 @@ def test_quick_run_on_a_real_server_writes_sane_json_and_png(tmp_path):
     assert summary["repeat"]["limit"]["vllm_prefix_hit_rate"] > 0.0
     assert len(result["requests"]) == sum(x["n"] for server in result["summary"].values() for p in server.values()
                                           for x in p.values())
-    assert len(result["processes"]["lmcache-disk"]) == 2  # the restart ran on a second process
+    # the restart ran on a second process, `unique` on a third beside a vLLM alone (passes in turn)
+    assert len(result["processes"]["lmcache-disk"]) == 3 and len(result["processes"]["vllm"]) == 1
+    alone = result["summary"]["vllm-beside-lmcache-disk"]["unique"]["unique"]
+    assert alone["n"] == summary["unique"]["unique"]["n"] and alone["lmcache_hit_tokens"] is None
+    assert result["ratios_vllm_over_ours"]["lmcache-disk"]["unique_throughput"] > 0
     assert len(result["processes"]["lmcache-remote-slow-async"]) == 1
     for runs in result["processes"].values():
         for run in runs:
