@@ -107,6 +107,8 @@ class Step:
     reset: bool = False
     concurrency: int = 1
     overlap: Optional[BenchRequest] = None
+    # A throughput pass: its tokens/s is recorded, even when it holds a single request.
+    timed_pass: bool = False
 
 
 @dataclass
@@ -204,7 +206,7 @@ def unique_plan(s: WorkloadSizes) -> list[Step]:
                          s.unique_max_tokens)
             for i in range(k * s.unique_prompts, (k + 1) * s.unique_prompts)
         )
-        steps.append(Step(batch, concurrency=s.concurrency))
+        steps.append(Step(batch, concurrency=s.concurrency, timed_pass=True))
     return steps
 
 
@@ -281,7 +283,7 @@ class PlanRunner:
                     await reset_prefix_cache(session, self.base_url)
                 elif step.overlap is not None:
                     await self._run_overlapped(session, step.requests[0], step.overlap)
-                elif len(step.requests) == 1:
+                elif len(step.requests) == 1 and not step.timed_pass:
                     await self._run_one(session, step.requests[0])
                 else:
                     await self._run_batch(session, step)

@@ -81,7 +81,10 @@ def test_beyond_warms_every_document_then_queries_shuffled_rounds_with_fresh_que
 def test_unique_prompts_differ_from_their_first_tokens_and_run_in_concurrent_passes():
     steps = build_plan("unique", SMALL)
     assert steps[0].reset and len(steps) == 1 + SMALL.unique_passes
-    assert all(len(st.requests) == 4 and st.concurrency == 2 for st in steps[1:])
+    assert all(len(st.requests) == 4 and st.concurrency == 2 and st.timed_pass for st in steps[1:])
+    # a pass of one request is still a timed pass (its tokens/s feeds the side-by-side ratio)
+    single = build_plan("unique", WorkloadSizes(**{**SMALL.__dict__, "unique_prompts": 1, "concurrency": 1}))
+    assert all(st.timed_pass and len(st.requests) == 1 for st in single[1:])
     prompts = [r.prompt for r in requests_of(steps)]
     assert len({p[:8] for p in prompts}) == len(prompts) == 4 * SMALL.unique_passes
     assert [r.index for r in requests_of(steps)] == list(range(len(prompts)))
