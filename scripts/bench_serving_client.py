@@ -16,7 +16,7 @@ import json
 import re
 import time
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Optional, Sequence
 
 import aiohttp
 
@@ -37,6 +37,8 @@ class Completion:
     ttft_s: float  # request sent -> first token chunk received
     latency_s: float  # request sent -> stream finished
     start_s: float
+    # (arrival from the run's clock, tokens generated so far) for every chunk that carried tokens
+    token_times: tuple[tuple[float, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -63,8 +65,11 @@ async def stream_completion(
     max_tokens: int,
     header_id: str,
     clock_zero: float,
+    progress: Optional[Callable[[int], None]] = None,
 ) -> Completion:
-    """Send one greedy streamed completion and time it."""
+    """Send one greedy streamed completion and time it; `progress(n)` hears each chunk's token count
+    so far. vLLM may merge tokens into one chunk when its output loop falls behind, so the count
+    comes from the usage vLLM sends with every chunk (`continuous_usage_stats`)."""
     body = {
         "model": model,
         "prompt": list(prompt),
@@ -72,11 +77,12 @@ async def stream_completion(
         "temperature": 0.0,
         "ignore_eos": True,
         "stream": True,
-        "stream_options": {"include_usage": True},
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
     }
     start = time.perf_counter()
     ttft = None
     usage: dict = {}
+    token_times: list[tuple[float, int]] = []
     async with session.post(
         f"{base_url}/v1/completions", json=body, headers={"X-Request-Id": header_id}
     ) as resp:
@@ -92,10 +98,15 @@ async def stream_completion(
             chunk = json.loads(payload)
             if "error" in chunk:
                 raise RequestFailed(f"{header_id}: error in stream: {chunk['error']}")
-            if ttft is None and chunk.get("choices"):
-                ttft = time.perf_counter() - start
+            now = time.perf_counter()
             if chunk.get("usage"):
                 usage = chunk["usage"]
+            if chunk.get("choices"):
+                ttft = now - start if ttft is None else ttft
+                generated = int(usage.get("completion_tokens", len(token_times) + 1))
+                token_times.append((now - clock_zero, generated))
+                if progress is not None:
+                    progress(generated)
     latency = time.perf_counter() - start
     if ttft is None:
         raise RequestFailed(f"{header_id}: the stream ended without a token")
@@ -106,6 +117,7 @@ async def stream_completion(
         ttft_s=ttft,
         latency_s=latency,
         start_s=start - clock_zero,
+        token_times=tuple(token_times),
     )
 
 

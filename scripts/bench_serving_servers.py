@@ -7,6 +7,10 @@ Kinds:
   connector, started as `lmcache_vllm serve` (or, with door `v1`, as vLLM's own server with
   `--kv-transfer-config` naming `LMCacheConnectorV1`), holding chunks in one tier each: host RAM, a
   local directory, or an `lm://` server that this module also starts (`python -m lmcache.server`).
+- `lmcache-cpu-layerwise`, `lmcache-disk-async`: a tier with `use_layerwise` / `enable_async_loading`.
+- `lmcache-remote-slow` / `lmcache-remote-slow-async`: the remote tier on an `lm://` server that
+  answers every GET `slow_remote_delay_ms` late (`--delay-ms`), with asynchronous loading off / on:
+  the `interference` workload's slow tier (and the only workload they run).
 
 Every server gets the same vLLM flags (model, dtype, seed, block size and a fixed number of KV blocks,
 so vLLM's own KV space is the same small size everywhere) and the development endpoints
@@ -41,7 +45,11 @@ VLLM_KIND = "vllm"
 MODE_KINDS = {
     "lmcache-cpu-layerwise": ("lmcache-cpu", {"LMCACHE_USE_LAYERWISE": "True"}),
     "lmcache-disk-async": ("lmcache-disk", {"LMCACHE_ENABLE_ASYNC_LOADING": "True"}),
+    "lmcache-remote-slow": ("lmcache-remote", {}),
+    "lmcache-remote-slow-async": ("lmcache-remote", {"LMCACHE_ENABLE_ASYNC_LOADING": "True"}),
 }
+# Kinds whose lm:// server answers slowly: they run the `interference` workload and nothing else.
+SLOW_REMOTE_KINDS = ("lmcache-remote-slow", "lmcache-remote-slow-async")
 OUR_KINDS = ("lmcache-cpu", "lmcache-disk", "lmcache-remote", *MODE_KINDS)
 ALL_KINDS = (VLLM_KIND, *OUR_KINDS)
 # Kinds whose cache outlives the vLLM process, so the restart workload means something for them.
@@ -81,6 +89,7 @@ class ServerSettings:
     remote_tier_gb: float  # the lm:// server's memory
     disk_dir: str  # where the disk tier keeps chunks
     door: str = "wrapper"  # "wrapper": `lmcache_vllm serve`; "v1": vLLM's own server + our connector
+    slow_remote_delay_ms: float = 100.0  # the lm:// server's delay per GET for SLOW_REMOTE_KINDS
     extra_vllm_args: tuple[str, ...] = ()
 
 
@@ -124,6 +133,11 @@ def vllm_args(settings: ServerSettings, port: int, positional_model: bool = Fals
         *request_log_flags(),
         *settings.extra_vllm_args,
     ]
+
+
+def tier_of(kind: str) -> str:
+    """The plain tier kind under a mode kind (a plain kind is its own tier)."""
+    return MODE_KINDS[kind][0] if kind in MODE_KINDS else kind
 
 
 def tier_env(kind: str, settings: ServerSettings, remote_port: Optional[int]) -> dict[str, str]:
@@ -186,11 +200,12 @@ def server_launch(
     return LaunchSpec(kind, argv, env, log_path, health_url=f"http://127.0.0.1:{port}/health")
 
 
-def remote_server_launch(port: int, settings: ServerSettings, log_path: Path) -> LaunchSpec:
-    """How to start the `lm://` server the remote tier talks to."""
+def remote_server_launch(kind: str, port: int, settings: ServerSettings, log_path: Path) -> LaunchSpec:
+    """How to start the `lm://` server the remote tier of `kind` talks to."""
     argv = [
         sys.executable, "-m", "lmcache.server", "127.0.0.1", str(port),
         "--max-size-gb", f"{settings.remote_tier_gb:g}",
+        *(["--delay-ms", f"{settings.slow_remote_delay_ms:g}"] if kind in SLOW_REMOTE_KINDS else []),
     ]
     return LaunchSpec("lm-server", argv, {"LMCACHE_LOG_LEVEL": "INFO"}, log_path)
 

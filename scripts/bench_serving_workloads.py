@@ -13,8 +13,14 @@ Workloads (issue 8):
   then `query` sends them in shuffled rounds, each followed by a fresh short question. vLLM's
   own cache mostly misses (the LRU space holds ~1-2 documents); ours hits from its tier.
 - `unique`: prompts sharing nothing, sent in passes of P at fixed concurrency: our overhead on pure
-  misses (the median pass smooths out other work on a shared machine).
+  misses. `bench_serving` sends each pass to one of our servers and to a vLLM alone running beside
+  it, in turn (A B, B A, ...), and takes the median pass pair's ratio.
 - `restart`: `repeat`'s prompts replayed on a new server process over the same disk/remote tier.
+- `interference` (issue 12): per round: clear, `store` a long prefix into our (slow) tier, clear,
+  stream a short request `alone`, then stream another (`stream`) and, once it has streamed a few
+  tokens, send the long prefix again (`load`: it now loads from the slow tier). The streaming
+  request's inter-token latency while the load is in flight over its latency alone tells whether
+  a slow load stalls everyone else's decoding (`bench_serving_report.interference`).
 """
 
 from __future__ import annotations
@@ -27,10 +33,14 @@ from typing import Callable, Optional, Sequence
 
 import aiohttp
 
-from bench_serving_client import PrefixCounters, prefix_cache_counters, reset_prefix_cache, stream_completion
+from bench_serving_client import (
+    PrefixCounters, RequestFailed, prefix_cache_counters, reset_prefix_cache, stream_completion,
+)
 
-WORKLOADS = ("repeat", "beyond", "unique", "restart")
+WORKLOADS = ("repeat", "beyond", "unique", "restart", "interference")
 FIRST_ORDINARY_TOKEN = 4  # ids 0-3 are <unk> <s> </s> <pad> in make_tiny_model's tokenizer
+# `interference`: the load is sent once the streaming request has this many tokens (it decodes).
+OVERLAP_AFTER_TOKENS = 4
 
 
 @dataclass(frozen=True)
@@ -51,20 +61,29 @@ class WorkloadSizes:
     concurrency: int = 2
     max_tokens: int = 8  # generated tokens per TTFT request
     unique_max_tokens: int = 32  # generated tokens per `unique` request (throughput)
+    interference_rounds: int = 3
+    interference_prefix_tokens: int = 3072  # the prefix loaded from the slow tier (whole chunks)
+    stream_tokens: int = 64  # prompt of the streaming request
+    stream_max_tokens: int = 160  # its generated tokens: enough to outlast the load
 
     def validate(self, max_model_len: int) -> None:
         for name in ("repeat_prompts", "prompt_tokens", "docs", "doc_tokens", "question_tokens",
                      "rounds", "unique_prompts", "unique_passes", "unique_tokens", "concurrency", "max_tokens",
-                     "unique_max_tokens"):
+                     "unique_max_tokens", "interference_rounds", "interference_prefix_tokens", "stream_tokens",
+                     "stream_max_tokens"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
         longest = max(
             self.prompt_tokens + self.max_tokens,
             self.doc_tokens + self.question_tokens + self.max_tokens,
             self.unique_tokens + self.unique_max_tokens,
+            self.interference_prefix_tokens + self.max_tokens,
+            self.stream_tokens + self.stream_max_tokens,
         )
         if longest > max_model_len:
             raise ValueError(f"the longest request needs {longest} tokens > --max-model-len {max_model_len}")
+        if self.stream_max_tokens <= OVERLAP_AFTER_TOKENS + 1:
+            raise ValueError(f"--stream-max-tokens must be above {OVERLAP_AFTER_TOKENS + 1}, got {self.stream_max_tokens}")
         if self.vocab <= FIRST_ORDINARY_TOKEN + 1:
             raise ValueError(f"vocab {self.vocab} leaves no ordinary token ids")
 
@@ -81,11 +100,15 @@ class BenchRequest:
 
 @dataclass(frozen=True)
 class Step:
-    """`reset` (clear vLLM's own prefix cache), or requests: one alone, or several at `concurrency`."""
+    """`reset` (clear vLLM's own prefix cache), or requests: one alone, or several at `concurrency`;
+    with `overlap`, that request is sent once the single request has streamed OVERLAP_AFTER_TOKENS."""
 
     requests: tuple[BenchRequest, ...] = ()
     reset: bool = False
     concurrency: int = 1
+    overlap: Optional[BenchRequest] = None
+    # A throughput pass: its tokens/s is recorded, even when it holds a single request.
+    timed_pass: bool = False
 
 
 @dataclass
@@ -108,6 +131,8 @@ class RequestRecord:
     lmcache_hit_tokens: Optional[int] = None  # our cached prefix at lookup
     lmcache_loaded_tokens: Optional[int] = None  # tokens copied from our tier into vLLM's cache
     lmcache_stored_tokens: Optional[int] = None
+    # (arrival on the run's clock, tokens so far) per streamed chunk; kept for `interference` only.
+    token_times: list[tuple[float, int]] = field(default_factory=list)
 
 
 @dataclass
@@ -181,7 +206,21 @@ def unique_plan(s: WorkloadSizes) -> list[Step]:
                          s.unique_max_tokens)
             for i in range(k * s.unique_prompts, (k + 1) * s.unique_prompts)
         )
-        steps.append(Step(batch, concurrency=s.concurrency))
+        steps.append(Step(batch, concurrency=s.concurrency, timed_pass=True))
+    return steps
+
+
+def interference_plan(s: WorkloadSizes) -> list[Step]:
+    """Per round: clear, store the prefix, clear, a stream alone, a stream with the prefix's load."""
+    steps: list[Step] = []
+    for i in range(s.interference_rounds):
+        prefix = token_ids(s.interference_prefix_tokens, s.vocab, s.seed, "interference", i)
+        alone, during = (BenchRequest("interference", phase, i,
+                                      token_ids(s.stream_tokens, s.vocab, s.seed, "stream", phase, i),
+                                      s.stream_max_tokens) for phase in ("alone", "stream"))
+        steps += [Step(reset=True), Step((BenchRequest("interference", "store", i, prefix, s.max_tokens),)),
+                  Step(reset=True), Step((alone,)),
+                  Step((during,), overlap=BenchRequest("interference", "load", i, prefix, s.max_tokens))]
     return steps
 
 
@@ -192,11 +231,13 @@ def build_plan(workload: str, s: WorkloadSizes) -> list[Step]:
         return beyond_plan(s)
     if workload == "unique":
         return unique_plan(s)
+    if workload == "interference":
+        return interference_plan(s)
     raise ValueError(f"workload {workload!r} is not one of {', '.join(WORKLOADS)}")
 
 
 def count_requests(steps: Sequence[Step]) -> int:
-    return sum(len(step.requests) for step in steps)
+    return sum(len(step.requests) + (step.overlap is not None) for step in steps)
 
 
 @dataclass
@@ -218,6 +259,7 @@ class PlanRunner:
         rec = RequestRecord(
             self.server, req.workload, req.phase, req.index, req.doc, comp.request_id,
             comp.prompt_tokens, comp.output_tokens, comp.ttft_s, comp.latency_s, comp.start_s, vllm_hits,
+            token_times=list(comp.token_times) if req.workload == "interference" else [],
         )
         self.records.append(rec)
         self.on_done(rec)
@@ -226,10 +268,11 @@ class PlanRunner:
     def _phase(self, req: BenchRequest) -> PhaseTotals:
         return self.totals.setdefault((req.workload, req.phase), PhaseTotals())
 
-    async def _send(self, session: aiohttp.ClientSession, req: BenchRequest):
+    async def _send(self, session: aiohttp.ClientSession, req: BenchRequest,
+                    progress: Optional[Callable[[int], None]] = None):
         return await stream_completion(
             session, self.base_url, self.model, req.prompt, req.max_tokens, self._header_id(req),
-            self.clock_zero,
+            self.clock_zero, progress,
         )
 
     async def run(self, steps: Sequence[Step]) -> None:
@@ -238,7 +281,9 @@ class PlanRunner:
             for step in steps:
                 if step.reset:
                     await reset_prefix_cache(session, self.base_url)
-                elif len(step.requests) == 1:
+                elif step.overlap is not None:
+                    await self._run_overlapped(session, step.requests[0], step.overlap)
+                elif len(step.requests) == 1 and not step.timed_pass:
                     await self._run_one(session, step.requests[0])
                 else:
                     await self._run_batch(session, step)
@@ -249,6 +294,27 @@ class PlanRunner:
         delta = (await prefix_cache_counters(session, self.base_url)).minus(before)
         self._record(req, comp, delta.hits)
         self._phase(req).add(comp.latency_s, delta)
+
+    async def _run_overlapped(self, session: aiohttp.ClientSession, stream: BenchRequest,
+                              overlap: BenchRequest) -> None:
+        """`stream`, and `overlap` sent once `stream` is decoding (both recorded; vLLM's prefix
+        counters are not split between the two, so neither gets them)."""
+        decoding = asyncio.Event()
+
+        def progress(generated: int) -> None:
+            if generated >= OVERLAP_AFTER_TOKENS:
+                decoding.set()
+
+        streaming = asyncio.ensure_future(self._send(session, stream, progress))
+        waiting = asyncio.ensure_future(decoding.wait())
+        await asyncio.wait((streaming, waiting), return_when=asyncio.FIRST_COMPLETED)
+        waiting.cancel()
+        if streaming.done():
+            streaming.result()  # its error, if it failed
+            raise RequestFailed(f"{self._header_id(stream)} ended before {OVERLAP_AFTER_TOKENS} tokens")
+        loaded = await self._send(session, overlap)
+        self._record(stream, await streaming, None)
+        self._record(overlap, loaded, None)
 
     async def _run_batch(self, session: aiohttp.ClientSession, step: Step) -> None:
         gate = asyncio.Semaphore(step.concurrency)

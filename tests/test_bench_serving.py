@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -19,13 +20,16 @@ from conftest import ROOT, VLLM_TEST_ENV
 sys.path.insert(0, str(ROOT / "scripts"))
 
 from bench_serving_client import PrefixCounters, parse_prefix_counters  # noqa: E402
-from bench_serving_report import attach_lmcache_hits, percentile, plot, ratios, summarize, targets  # noqa: E402
+from bench_serving_report import (  # noqa: E402
+    attach_lmcache_hits, decode_itl, interference, itl_during, percentile, plot, ratios, summarize, targets,
+)
 from bench_serving_workloads import (  # noqa: E402
     FIRST_ORDINARY_TOKEN, PhaseTotals, RequestRecord, WorkloadSizes, build_plan, query_order,
 )
 
 SMALL = WorkloadSizes(vocab=1024, repeat_prompts=3, prompt_tokens=50, docs=5, doc_tokens=40, question_tokens=4,
-                      rounds=3, unique_prompts=4, unique_tokens=30, concurrency=2)
+                      rounds=3, unique_prompts=4, unique_tokens=30, concurrency=2, interference_rounds=2,
+                      interference_prefix_tokens=60, stream_tokens=6, stream_max_tokens=20)
 
 
 def requests_of(steps):
@@ -77,10 +81,25 @@ def test_beyond_warms_every_document_then_queries_shuffled_rounds_with_fresh_que
 def test_unique_prompts_differ_from_their_first_tokens_and_run_in_concurrent_passes():
     steps = build_plan("unique", SMALL)
     assert steps[0].reset and len(steps) == 1 + SMALL.unique_passes
-    assert all(len(st.requests) == 4 and st.concurrency == 2 for st in steps[1:])
+    assert all(len(st.requests) == 4 and st.concurrency == 2 and st.timed_pass for st in steps[1:])
+    # a pass of one request is still a timed pass (its tokens/s feeds the side-by-side ratio)
+    single = build_plan("unique", WorkloadSizes(**{**SMALL.__dict__, "unique_prompts": 1, "concurrency": 1}))
+    assert all(st.timed_pass and len(st.requests) == 1 for st in single[1:])
     prompts = [r.prompt for r in requests_of(steps)]
     assert len({p[:8] for p in prompts}) == len(prompts) == 4 * SMALL.unique_passes
     assert [r.index for r in requests_of(steps)] == list(range(len(prompts)))
+
+
+def test_interference_stores_the_prefix_then_loads_it_while_another_request_streams():
+    steps = build_plan("interference", SMALL)
+    shape = ["reset" if s.reset else s.requests[0].phase + ("+" + s.overlap.phase if s.overlap else "") for s in steps]
+    assert shape == ["reset", "store", "reset", "alone", "stream+load"] * 2
+    for i in range(2):
+        store, alone, during = (steps[5 * i + k] for k in (1, 3, 4))
+        assert during.overlap.prompt == store.requests[0].prompt and len(store.requests[0].prompt) == 60
+        assert len({alone.requests[0].prompt, during.requests[0].prompt, store.requests[0].prompt}) == 3
+        assert alone.requests[0].max_tokens == during.requests[0].max_tokens == 20
+    assert steps[1].requests[0].prompt != steps[6].requests[0].prompt
 
 
 def test_sizes_refuse_requests_longer_than_the_model_length():
@@ -135,13 +154,14 @@ def test_summary_ratios_and_targets_from_known_numbers(tmp_path):
     recs = [record("vllm", "repeat", "first", 6.0), record("vllm", "repeat", "second", 6.0),
             record("vllm", "repeat", "limit", 0.1),
             record("vllm", "beyond", "query", 6.0, i=0), record("vllm", "beyond", "query", 4.0, i=1),
-            record("vllm", "unique", "unique", 3.0),
+            record("vllm-beside-lmcache-cpu", "unique", "unique", 3.0),
             record("lmcache-cpu", "repeat", "first", 6.0, hit=0), record("lmcache-cpu", "repeat", "second", 0.2, hit=1000),
             record("lmcache-cpu", "repeat", "limit", 0.1, hit=1000),
             record("lmcache-cpu", "beyond", "query", 0.5, hit=900, i=0),
             record("lmcache-cpu", "beyond", "query", 1.5, hit=900, i=1),
             record("lmcache-cpu", "unique", "unique", 3.0, hit=0)]
-    totals = {"vllm": {("unique", "unique"): PhaseTotals(10.0, PrefixCounters(1000, 0), [90.0, 100.0, 300.0])},
+    totals = {"vllm-beside-lmcache-cpu": {("unique", "unique"): PhaseTotals(10.0, PrefixCounters(1000, 0),
+                                                                            [90.0, 100.0, 300.0])},
               "lmcache-cpu": {("unique", "unique"): PhaseTotals(12.5, PrefixCounters(1000, 0), [80.0, 50.0, 90.0])}}
     s = summarize(recs, totals)
     beyond = s["lmcache-cpu"]["beyond"]["query"]
@@ -149,17 +169,18 @@ def test_summary_ratios_and_targets_from_known_numbers(tmp_path):
     assert beyond["ttft_p50_s"] == pytest.approx(1.0) and beyond["ttft_p90_s"] == pytest.approx(1.4)
     assert beyond["lmcache_hit_rate"] == pytest.approx(0.9)
     assert s["vllm"]["beyond"]["query"]["lmcache_hit_rate"] is None
-    assert s["vllm"]["unique"]["unique"]["throughput_tok_s"] == pytest.approx(100.8)
-    assert s["vllm"]["unique"]["unique"]["throughput_tok_s_median"] == pytest.approx(100.0)
+    alone = s["vllm-beside-lmcache-cpu"]["unique"]["unique"]
+    assert alone["throughput_tok_s"] == pytest.approx(100.8) and alone["throughput_tok_s_median"] == pytest.approx(100.0)
     assert s["vllm"]["beyond"]["query"]["throughput_tok_s_passes"] == []
-    assert s["vllm"]["unique"]["unique"]["vllm_prefix_hit_rate"] == 0.0
+    assert alone["vllm_prefix_hit_rate"] == 0.0
     r = ratios(s)
     assert set(r) == {"lmcache-cpu"}
     cpu = r["lmcache-cpu"]
     assert cpu["beyond_query_ttft"] == pytest.approx(5.0)
     assert cpu["repeat_second_ttft"] == pytest.approx(30.0)
     assert cpu["hit_over_limit"] == pytest.approx(2.0)
-    assert cpu["unique_throughput"] == pytest.approx(1.25)
+    # side by side: the median of the pass pairs' ratios 90/80, 100/50, 300/90
+    assert cpu["unique_throughput"] == pytest.approx(2.0)
     assert cpu["restart_first_ttft"] is None
     verdicts = {t["target"].split(":")[0]: t["met"] for t in targets(r)}
     assert verdicts == {"beyond": True, "repeat": False, "unique": False}
@@ -170,11 +191,12 @@ def test_summary_ratios_and_targets_from_known_numbers(tmp_path):
 
 @pytest.mark.vllm
 def test_quick_run_on_a_real_server_writes_sane_json_and_png(tmp_path):
-    """`--quick`: tiny model, our server with the disk tier, every workload including the restart."""
+    """`--quick`: tiny model, our server with the disk tier, every workload including the restart;
+    and `interference` on the slow lm:// tier with asynchronous loading."""
     env = {**os.environ, **VLLM_TEST_ENV, "OMP_NUM_THREADS": "2"}
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_serving.py"), "--quick",
-                           "--out-dir", str(tmp_path)], capture_output=True, text=True, env=env, cwd=str(ROOT),
-                          timeout=900)
+                           "--servers", "lmcache-disk,lmcache-remote-slow-async", "--out-dir", str(tmp_path)],
+                          capture_output=True, text=True, env=env, cwd=str(ROOT), timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     stamped = sorted(tmp_path.glob("serving-*.json"))
     assert len(stamped) == 1 and (tmp_path / "latest.json").read_text() == stamped[0].read_text()
@@ -182,7 +204,7 @@ def test_quick_run_on_a_real_server_writes_sane_json_and_png(tmp_path):
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     result = json.loads(stamped[0].read_text())
     assert result["schema"] == "lmcache-bench-serving/1" and result["errors"] == {}
-    assert result["servers"] == ["lmcache-disk"]
+    assert result["servers"] == ["lmcache-disk", "lmcache-remote-slow-async"]
     summary = result["summary"]["lmcache-disk"]
     expected = {"repeat": {"first", "second", "limit"}, "beyond": {"warmup", "query"}, "unique": {"unique"},
                 "restart": {"first", "second", "limit"}}
@@ -207,17 +229,64 @@ def test_quick_run_on_a_real_server_writes_sane_json_and_png(tmp_path):
     assert summary["restart"]["first"]["lmcache_hit_rate"] >= 0.9
     assert summary["repeat"]["second"]["vllm_prefix_hit_rate"] == 0.0
     assert summary["repeat"]["limit"]["vllm_prefix_hit_rate"] > 0.0
-    assert len(result["requests"]) == sum(x["n"] for p in summary.values() for x in p.values())
+    assert len(result["requests"]) == sum(x["n"] for server in result["summary"].values() for p in server.values()
+                                          for x in p.values())
+    # the restart ran on a second process, `unique` on a third beside a vLLM alone (passes in turn)
+    assert len(result["processes"]["lmcache-disk"]) == 3 and len(result["processes"]["vllm"]) == 1
+    alone = result["summary"]["vllm-beside-lmcache-disk"]["unique"]["unique"]
+    assert alone["n"] == summary["unique"]["unique"]["n"] and alone["lmcache_hit_tokens"] is None
+    assert result["ratios_vllm_over_ours"]["lmcache-disk"]["unique_throughput"] > 0
+    assert len(result["processes"]["lmcache-remote-slow-async"]) == 1
     for runs in result["processes"].values():
-        assert len(runs) == 2  # the restart ran on a second process
         for run in runs:
             assert run["exit_code"] is not None and run["ready_s"] > 0
             cpu = run["cpu_while_measured"]
             assert cpu["our_cpu_s"] > 0 and 0.0 <= cpu["foreign_share"] <= 1.0
+    # interference: the prefix stored by the first send loads from the slow lm:// tier, in the
+    # background (the worker's loader thread), while the other request streams.
+    slow = result["summary"]["lmcache-remote-slow-async"]
+    assert {w: set(p) for w, p in slow.items()} == {"interference": {"store", "alone", "stream", "load"}}
+    assert slow["interference"]["store"]["lmcache_hit_tokens"] == 0
+    assert slow["interference"]["load"]["lmcache_hit_rate"] >= 0.9 and slow["interference"]["load"]["lmcache_loaded_tokens"] > 0
+    (round_,) = result["interference"]["lmcache-remote-slow-async"]["rounds"]
+    assert round_["itl_alone_s"] > 0 and round_["itl_with_load_s"] > 0 and round_["load_hit_tokens"] == 512
+    log = open(result["processes"]["lmcache-remote-slow-async"][0]["log"]).read()
+    assert re.search(r"background load done, (\d+) leading tokens ready of \1 promised", log), log[-3000:]
+    assert [t["met"] is not None for t in result["targets"] if t["target"].startswith("interference")] == [True]
+
+
+def test_inter_token_latency_alone_and_across_a_load_window():
+    times = [(1.0, 1), (1.1, 2), (1.2, 3), (2.0, 5), (2.1, 6)]  # two tokens merged into one chunk at 2.0
+    assert decode_itl(times) == pytest.approx(1.1 / 5)
+    # A load from 1.15 s to 1.9 s: from the chunk at 1.1 to the first one at or after 1.9 (2.0): 0.9 s / 3.
+    assert itl_during(times, 1.15, 1.9) == (pytest.approx(0.3), True)
+    assert itl_during(times, 1.15, 3.0) == (pytest.approx(1.0 / 4), False)  # the stream ended first
+    with pytest.raises(ValueError):
+        decode_itl([(1.0, 1)])
+
+
+def test_interference_rounds_ratios_and_target():
+    def rec(server, phase, i, start, ttft, times, hit=None):
+        return RequestRecord(server, "interference", phase, i, None, f"cmpl-{server}-{phase}-{i}-0", 60, 20, ttft,
+                             ttft + 1, start, None, hit, hit, 0, token_times=times)
+
+    alone = [(0.0, 1), (1.0, 11)]  # 0.1 s per token
+    records = []
+    for server, stall in (("lmcache-remote-slow", 1.0), ("lmcache-remote-slow-async", 0.0)):
+        for i in range(3):
+            stream = [(10.0, 1), (10.5, 5), (10.5 + 0.1 * 6 + stall, 11)]  # load window 10.6 - 11.0
+            records += [rec(server, "store", i, 0.0, 5.0, [(5.0, 1)]), rec(server, "alone", i, 6.0, 0.05, alone),
+                        rec(server, "stream", i, 9.9, 0.1, stream), rec(server, "load", i, 10.6, 0.4, [], hit=60)]
+    itl = interference(records)
+    slow, fast = itl["lmcache-remote-slow"], itl["lmcache-remote-slow-async"]
+    assert fast["ratio_median"] == pytest.approx(1.0) and slow["ratio_median"] == pytest.approx(16 / 6 / 1.0)
+    assert [r["covered"] for r in fast["rounds"]] == [True] * 3 and fast["rounds"][0]["load_hit_tokens"] == 60
+    verdict = [t for t in targets({}, itl) if t["target"].startswith("interference")]
+    assert [(t["server"], t["met"]) for t in verdict] == [("lmcache-remote-slow-async", True)]
 
 
 def test_mode_kinds_add_their_switch_to_their_tier_and_keep_a_disk_of_their_own():
-    from bench_serving_servers import ServerSettings, tier_env
+    from bench_serving_servers import ServerSettings, remote_server_launch, tier_env
 
     settings = ServerSettings(model="m", max_model_len=1024, block_size=16, num_kv_blocks=8, chunk_size=256,
                               cpu_tier_gb=1, disk_tier_gb=1, remote_tier_gb=1, disk_dir="/d")
@@ -226,3 +295,9 @@ def test_mode_kinds_add_their_switch_to_their_tier_and_keep_a_disk_of_their_own(
     disk, disk_async = tier_env("lmcache-disk", settings, None), tier_env("lmcache-disk-async", settings, None)
     assert disk_async["LMCACHE_ENABLE_ASYNC_LOADING"] == "True"
     assert disk_async["LMCACHE_LOCAL_DISK"] == "file:///d/lmcache-disk-async" != disk["LMCACHE_LOCAL_DISK"]
+    slow, slow_async = (tier_env(k, settings, 5555) for k in ("lmcache-remote-slow", "lmcache-remote-slow-async"))
+    assert slow == tier_env("lmcache-remote", settings, 5555) and slow["LMCACHE_REMOTE_URL"] == "lm://127.0.0.1:5555"
+    assert slow_async == {**slow, "LMCACHE_ENABLE_ASYNC_LOADING": "True"}
+    argv = remote_server_launch("lmcache-remote-slow-async", 5555, settings, None).argv
+    assert argv[argv.index("--delay-ms") + 1] == "100"  # only the slow kinds' lm:// server answers late
+    assert "--delay-ms" not in remote_server_launch("lmcache-remote", 5555, settings, None).argv

@@ -269,3 +269,34 @@ def test_console_script_runs() -> None:
         pytest.skip("lmcache_server console script not installed (pip install -e . not run)")
     out = subprocess.run([exe, "--help"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and "--max-size-gb" in out.stdout
+
+
+def test_delay_ms_holds_every_get_and_only_that_connection(capsys) -> None:
+    # `--delay-ms`: the slow remote tier of the serving benchmark's interference workload.
+    assert _parse_args(["1", "--delay-ms", "250"]).get_delay_s == 0.25
+    assert _parse_args(["1"]).get_delay_s == 0.0
+    for bad in ("-1", "60001", "nan"):
+        with pytest.raises(SystemExit):
+            _parse_args(["1", "--delay-ms", bad])
+        assert "--delay-ms must be in 0..60000" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="get_delay_s"):
+        ServerConfig(get_delay_s=61)
+    srv = LMCacheServer(ServerConfig(port=0, get_delay_s=0.4))
+    srv.start_in_thread()
+    slow = LMServerConnector(*srv.address, timeout=10, lookup_timeout=5)
+    other = LMServerConnector(*srv.address, timeout=10, lookup_timeout=5)
+    try:
+        assert slow.put("k", b"v")
+        order = []
+        started = time.monotonic()
+        reader = threading.Thread(target=lambda: order.append(("get", bytes(slow.get("k")), time.monotonic() - started)))
+        reader.start()
+        time.sleep(0.1)
+        assert other.exists("k")  # another connection's lookup is answered while the GET is held
+        order.append(("exists",))
+        reader.join()
+        assert order[0] == ("exists",) and order[1][:2] == ("get", b"v") and order[1][2] >= 0.4
+    finally:
+        slow.close()
+        other.close()
+        srv.shutdown()

@@ -260,10 +260,13 @@ def test_layerwise_matches_cache_off_and_a_whole_chunk_reader_hits_its_entries(t
 ASYNC_DONE_RE = re.compile(r"request \S+: background load done, (\d+) leading tokens ready of (\d+) promised")
 
 
-def test_async_loading_from_disk_and_a_chunk_unreadable_after_the_lookup_is_recomputed(tiny_model, baseline, tmp_path):
+def test_async_and_layerwise_loading_from_disk_and_a_chunk_unreadable_after_the_lookup_is_recomputed(
+        tiny_model, baseline, tmp_path):
     # A writer fills the disk tier; a second process (through lmcache_vllm, whose patched shell
     # passes the "load in the background" answer to vLLM) finds the prefixes on disk only, so
-    # each request waits in WAITING_FOR_REMOTE_KVS while the worker reads and copies it.
+    # each request waits in WAITING_FOR_REMOTE_KVS while the worker reads and copies it. The
+    # reader also runs use_layerwise: a prompt it stores itself (P_OTHER) is stored layer by layer
+    # and, in the second round, loaded layer by layer from its CPU tier in the step.
     disk = {**LMCACHE_ENV, "LMCACHE_LOCAL_DISK": str(tmp_path / "disk"), "LMCACHE_MAX_LOCAL_DISK_SIZE": "1"}
     writer = run(tiny_model, [P_SHARED_A, P_LONG], connector_kwargs(prefix_caching=False), disk)
     assert hits(writer.lines) == [(1424, 0, 0, 0, 1424), (1500, 0, 0, 0, 1500)]
@@ -273,10 +276,16 @@ def test_async_loading_from_disk_and_a_chunk_unreadable_after_the_lookup_is_reco
         f.seek(-64, os.SEEK_END)
         f.write(bytes(64))
 
-    kwargs = connector_kwargs(prefix_caching=False, extra={"lmcache.enable_async_loading": True})
-    prompts = [P_LONG, P_SHARED_A]
-    reader = run(tiny_model, prompts, kwargs, disk, vllm_module="lmcache_vllm.vllm")
+    kwargs = connector_kwargs(prefix_caching=False, extra={"lmcache.enable_async_loading": True,
+                                                           "lmcache.use_layerwise": True})
+    prompts = [P_LONG, P_SHARED_A, P_OTHER]
+    reader = run(tiny_model, prompts, kwargs, disk, rounds=2, vllm_module="lmcache_vllm.vllm")
     assert_same_as_baseline(reader, prompts, baseline)  # the unreadable chunk's tokens were computed
-    assert hits(reader.lines) == [(1500, 0, 1500, 512, 0), (1424, 0, 1424, 1424, 0)]
+    lines = hits(reader.lines)
+    assert lines[:3] == [(1500, 0, 1500, 512, 0), (1424, 0, 1424, 1424, 0), (1100, 0, 0, 0, 1100)]
+    # Round 2: what round 1 read from disk was promoted into the CPU tier and the unreadable file
+    # deleted, so P_LONG hits its first 512 tokens and stores the rest; every load now comes from
+    # CPU memory, in the step and layer by layer (still only round 1's two background loads).
+    assert lines[3:] == [(1500, 0, 512, 512, 988), (1424, 0, 1424, 1424, 0), (1100, 0, 1100, 1100, 0)]
     assert sorted(ASYNC_DONE_RE.findall(reader.log)) == [("1424", "1424"), ("512", "1500")]
     assert_no_pins_left(reader)

@@ -18,7 +18,7 @@ from lmcache.logging import init_logger
 from lmcache.server.protocol import DEFAULT_MAX_PAYLOAD_BYTES, HARD_MAX_PAYLOAD_BYTES
 from lmcache.server.metrics import METRICS_HOST, serve_metrics
 from lmcache.server.security import SERVER_TOKEN_ENV, read_token_file
-from lmcache.server.server import LMCacheServer, ServerConfig
+from lmcache.server.server import MAX_GET_DELAY_S, LMCacheServer, ServerConfig
 
 logger = init_logger(__name__)
 
@@ -57,6 +57,13 @@ def _parse_args(argv: Optional[Sequence[str]]) -> ServerConfig:
     _add_limit_arguments(parser)
     _add_security_arguments(parser)
     parser.add_argument(
+        "--delay-ms",
+        type=float,
+        default=0.0,
+        help="answer every GET this many milliseconds late (a slow remote tier for tests and "
+        f"benchmarks; 0..{MAX_GET_DELAY_S * 1000:.0f}, default 0: off)",
+    )
+    parser.add_argument(
         "--metrics-port",
         type=int,
         default=None,
@@ -72,6 +79,8 @@ def _parse_args(argv: Optional[Sequence[str]]) -> ServerConfig:
         )
     if args.max_size_gb <= 0:
         parser.error(f"--max-size-gb must be positive, got {args.max_size_gb}")
+    if not 0 <= args.delay_ms <= MAX_GET_DELAY_S * 1000:
+        parser.error(f"--delay-ms must be in 0..{MAX_GET_DELAY_S * 1000:.0f}, got {args.delay_ms}")
     try:
         return ServerConfig(
             host=host,
@@ -84,6 +93,7 @@ def _parse_args(argv: Optional[Sequence[str]]) -> ServerConfig:
             max_pending_bytes=None if args.max_pending_mb is None else int(args.max_pending_mb * (1 << 20)),
             **_security_options(args),
             metrics_port=args.metrics_port,
+            get_delay_s=args.delay_ms / 1000,
         )
     except ValueError as err:
         parser.error(str(err))

@@ -77,6 +77,8 @@ _MAX_RECV_STEP = 8 << 20
 _HUGE_PAGES_FROM = 2 << 20
 # Log one line per this many connections closed to make room, so an attack does not flood the log.
 _REAP_LOG_EVERY = 100
+# The longest a GET answer may be held (`ServerConfig.get_delay_s`): past every client timeout.
+MAX_GET_DELAY_S = 60.0
 
 
 class FrameDeadline(Exception):
@@ -107,6 +109,8 @@ class ServerConfig:
     no_auth: bool = False
     # Serve the counters on http://127.0.0.1:<port>/metrics (`metrics.py`); None = off.
     metrics_port: Optional[int] = None
+    # Hold every GET answer this long: a slow remote tier for tests and benchmarks (`--delay-ms`).
+    get_delay_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -133,6 +137,8 @@ class ServerConfig:
             )
         if self.metrics_port is not None and not 0 < self.metrics_port <= 65535:
             raise ValueError(f"metrics_port must be in 1..65535, got {self.metrics_port}")
+        if not 0 <= self.get_delay_s <= MAX_GET_DELAY_S:
+            raise ValueError(f"get_delay_s must be in 0..{MAX_GET_DELAY_S:g} s, got {self.get_delay_s}")
         self._check_security()
 
     def _check_security(self) -> None:
@@ -269,6 +275,8 @@ class LMCacheServer:
             "token required" if cfg.token is not None else "no authentication",
             "TLS" if self._tls is not None else "plaintext",
         )
+        if cfg.get_delay_s:
+            logger.warning("every GET is answered %.0f ms late (--delay-ms)", cfg.get_delay_s * 1000)
         return host, port
 
     def serve_forever(self) -> None:
@@ -537,6 +545,8 @@ class LMCacheServer:
         if op == Op.PUT:
             self._put(conn, key, header.payload_len, deadline)
         elif op == Op.GET:
+            if self.config.get_delay_s:
+                time.sleep(self.config.get_delay_s)  # this connection only; others are served meanwhile
             found = self.store.get(key)
             if found is None:
                 send_frame(conn, op, Status.NOT_FOUND)
