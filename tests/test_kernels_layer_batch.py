@@ -51,10 +51,15 @@ def _same(got: torch.Tensor, want: torch.Tensor) -> None:
     assert torch.equal(bits(got), bits(want))
 
 
+@pytest.mark.parametrize("to_cache", [False, True], ids=["store", "retrieve"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("layout", list(KVLayout), ids=lambda layout: layout.name)
-def test_store_one_layer_matches_reference(layout: KVLayout, dtype: torch.dtype) -> None:
+def test_one_layer_matches_reference(layout: KVLayout, dtype: torch.dtype, to_cache: bool) -> None:
     c = _case(layout, dtype)
+    (_check_retrieve if to_cache else _check_store)(c)
+
+
+def _check_store(c: Case) -> None:
     objs = _objects(c, seed=1)
     want = [o.clone() for o in objs]
     _call(c, objs, LAYER, c.keys, c.values, _slots(c), False)
@@ -70,10 +75,7 @@ def test_store_one_layer_matches_reference(layout: KVLayout, dtype: torch.dtype)
         _same(got, exp)  # layer LAYER as the oracle says, every other layer as it was
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("layout", list(KVLayout), ids=lambda layout: layout.name)
-def test_retrieve_one_layer_matches_reference(layout: KVLayout, dtype: torch.dtype) -> None:
-    c = _case(layout, dtype)
+def _check_retrieve(c: Case) -> None:
     objs = _objects(c, seed=2)
     snapshot = [o.clone() for o in objs]
     got_k, got_v = clone_caches(c)
