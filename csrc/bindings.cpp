@@ -94,11 +94,13 @@ struct Prepared {
 };
 
 // Every check of the single-, multi-layer and batch entry points. `obj` is [num_kv, L, T, hidden].
+// layer < 0 moves every layer (key_caches / value_caches hold L caches each); layer >= 0 moves
+// that layer of obj only (they hold that layer's one cache each, named without an index).
 Prepared prepare(const at::Tensor& obj, const std::vector<at::Tensor>& key_caches,
                  const std::vector<at::Tensor>& value_caches, const at::Tensor& slot_mapping,
                  int64_t layout, int64_t block_size, int64_t num_heads, bool to_cache,
                  const std::string& obj_name, const char* keys_name, const char* values_name,
-                 const std::string& slots_name) {
+                 const std::string& slots_name, int64_t layer = -1) {
   Prepared out;
   TORCH_CHECK(layout >= 0 && layout < kNumLayouts, "layout must be 0 (FLASH), 1 (CPU_IPEX), ",
               "2 (CPU_PACKED), 3 (MLA) or 4 (CPU_ATTN), got ", layout);
@@ -128,13 +130,17 @@ Prepared prepare(const at::Tensor& obj, const std::vector<at::Tensor>& key_cache
   TORCH_CHECK(head_size % g.pack == 0, "layout CPU_PACKED needs head_size (", head_size,
               ") to be a multiple of x = 16 / element_size = ", g.pack);
 
-  TORCH_CHECK(static_cast<int64_t>(key_caches.size()) == num_layers, keys_name, " has ",
+  const bool one_layer = layer >= 0;
+  TORCH_CHECK(!one_layer || layer < num_layers, "layer ", layer, " is out of range for ",
+              obj_name, " of shape ", shape_str(obj.sizes()), " (", num_layers, " layers)");
+  const int64_t moved_layers = one_layer ? 1 : num_layers;
+  TORCH_CHECK(static_cast<int64_t>(key_caches.size()) == moved_layers, keys_name, " has ",
               key_caches.size(), " layers but ", obj_name, " has ", num_layers);
   if (mla) {
     TORCH_CHECK(value_caches.empty(), values_name, " must be empty for layout MLA, got ",
                 value_caches.size(), " tensors");
   } else {
-    TORCH_CHECK(static_cast<int64_t>(value_caches.size()) == num_layers, values_name, " has ",
+    TORCH_CHECK(static_cast<int64_t>(value_caches.size()) == moved_layers, values_name, " has ",
                 value_caches.size(), " layers but ", obj_name, " has ", num_layers);
   }
 
@@ -144,32 +150,34 @@ Prepared prepare(const at::Tensor& obj, const std::vector<at::Tensor>& key_cache
               slots_name, " has shape ", shape_str(slot_mapping.sizes()), " but ", obj_name,
               " has ", num_tokens, " tokens");
 
-  const at::Device device = num_layers > 0 ? key_caches[0].device() : obj.device();
+  const at::Device device = moved_layers > 0 ? key_caches[0].device() : obj.device();
+  const std::string first_key = std::string(keys_name) + (one_layer ? "" : "[0]");
   CachePointers& caches = out.caches;
-  caches.resize(static_cast<size_t>(num_kv * num_layers));
+  caches.resize(static_cast<size_t>(num_kv * moved_layers));
   int64_t num_slots = -1;
   for (int kv = 0; kv < num_kv; ++kv) {
     const std::vector<at::Tensor>& list = kv == kKey ? key_caches : value_caches;
     const char* list_name = kv == kKey ? keys_name : values_name;
-    for (int64_t l = 0; l < num_layers; ++l) {
-      const std::string name = std::string(list_name) + "[" + std::to_string(l) + "]";
+    for (int64_t l = 0; l < moved_layers; ++l) {
+      const std::string name =
+          std::string(list_name) + (one_layer ? "" : "[" + std::to_string(l) + "]");
       const at::Tensor& c = list[l];
       const int64_t slots = check_cache(c, name, obj, g, kv);
-      TORCH_CHECK(c.device() == device, name, " is on ", c.device(), " but ", keys_name,
-                  "[0] is on ", device);
+      TORCH_CHECK(c.device() == device, name, " is on ", c.device(), " but ", first_key,
+                  " is on ", device);
       TORCH_CHECK(num_slots < 0 || slots == num_slots, name, " holds ", slots,
-                  " slots but ", keys_name, "[0] holds ", num_slots);
+                  " slots but ", first_key, " holds ", num_slots);
       num_slots = slots;
-      caches[kv * num_layers + l] = static_cast<char*>(c.data_ptr());
+      caches[kv * moved_layers + l] = static_cast<char*>(c.data_ptr());
     }
   }
   out.device = device;
-  out.empty = num_layers == 0 || num_tokens == 0;
+  out.empty = moved_layers == 0 || num_tokens == 0;
   if (out.empty) return out;
 
   TransferPlan& plan = out.plan;
   plan.cache = g;
-  plan.object = ObjectGeometry{num_layers, num_tokens, hidden};
+  plan.object = ObjectGeometry{num_layers, num_tokens, hidden, one_layer ? layer : 0, moved_layers};
   plan.num_kv = num_kv;
   plan.element_size = element_size;
   plan.num_slots = num_slots;
@@ -257,6 +265,31 @@ void multi_layer_kv_transfer_batch(const std::vector<at::Tensor>& objs,
     prepared.push_back(prepare(objs[i], key_caches, value_caches, slot_mappings[i], layout,
                                block_size, num_heads, to_cache, "objs" + idx, "key_caches",
                                "value_caches", "slot_mappings" + idx));
+  }
+  if (!prepared.empty()) run(prepared);
+}
+
+// Layer `layer` of several whole objects [num_kv, L, T_i, hidden] (a request's chunks) against
+// that layer's caches, straight from / into the objects: one parallel loop on the CPU.
+void layer_kv_transfer_batch(const std::vector<at::Tensor>& objs, int64_t layer,
+                             const at::Tensor& key_cache,
+                             const c10::optional<at::Tensor>& value_cache,
+                             const std::vector<at::Tensor>& slot_mappings, int64_t layout,
+                             int64_t block_size, int64_t num_heads, bool to_cache) {
+  TORCH_CHECK(objs.size() == slot_mappings.size(), "objs has ", objs.size(),
+              " objects but slot_mappings has ", slot_mappings.size());
+  TORCH_CHECK(layer >= 0, "layer must be >= 0, got ", layer);
+  std::vector<at::Tensor> values;
+  if (value_cache.has_value() && value_cache->defined()) values.push_back(*value_cache);
+  TORCH_CHECK(layout == kLayoutMla || !values.empty(),
+              "value_cache is required for every layout but MLA");
+  std::vector<Prepared> prepared;
+  prepared.reserve(objs.size());
+  for (size_t i = 0; i < objs.size(); ++i) {
+    const std::string idx = "[" + std::to_string(i) + "]";
+    prepared.push_back(prepare(objs[i], {key_cache}, values, slot_mappings[i], layout, block_size,
+                               num_heads, to_cache, "objs" + idx, "key_cache", "value_cache",
+                               "slot_mappings" + idx, layer));
   }
   if (!prepared.empty()) run(prepared);
 }
@@ -349,6 +382,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "caches, slot_mappings[i] for objs[i]: one parallel loop on the CPU. Every argument is "
         "checked before anything is copied.",
         py::arg("objs"), py::arg("key_caches"), py::arg("value_caches"),
+        py::arg("slot_mappings"), py::arg("layout"), py::arg("block_size"), py::arg("num_heads"),
+        py::arg("to_cache"), py::call_guard<py::gil_scoped_release>());
+  m.def("layer_kv_transfer_batch", &lmcache::layer_kv_transfer_batch,
+        "One layer of multi_layer_kv_transfer_batch: layer `layer` of every whole object "
+        "objs[i] ([2, layers, tokens_i, hidden], [1, ...] for MLA with value_cache None) "
+        "against that layer's key_cache / value_cache, with no staging copy: one parallel loop "
+        "on the CPU. Every argument is checked before anything is copied.",
+        py::arg("objs"), py::arg("layer"), py::arg("key_cache"), py::arg("value_cache"),
         py::arg("slot_mappings"), py::arg("layout"), py::arg("block_size"), py::arg("num_heads"),
         py::arg("to_cache"), py::call_guard<py::gil_scoped_release>());
   m.def("single_layer_kv_transfer", &lmcache::single_layer_kv_transfer,

@@ -116,17 +116,30 @@ LMC_HD int64_t cache_run_elems(const PagedGeometry& g, int kv) {
 // right after this one's: the stride is the run length.
 LMC_HD int64_t cache_token_stride(const PagedGeometry& g, int kv) { return cache_run_elems(g, kv); }
 
-// Shape of the contiguous object [num_kv, num_layers, num_tokens, hidden].
+// Shape of the contiguous object [num_kv, num_layers, num_tokens, hidden], and the layers a
+// transfer moves: [first_layer, first_layer + moved_layers). num_layers is the object's own
+// layer count (it sets the offsets); a transfer of every layer has first_layer 0 and
+// moved_layers == num_layers, a layer-wise one moves a single layer of a whole object.
 struct ObjectGeometry {
   int64_t num_layers;
   int64_t num_tokens;
   int64_t hidden;
+  int64_t first_layer;
+  int64_t moved_layers;
 };
 
 // Element offset of (kv, layer, token, flat hidden index i = h * head_size + d) in the object.
 LMC_HD int64_t object_offset(const ObjectGeometry& o, int kv, int64_t layer, int64_t token,
                              int64_t i) {
   return ((kv * o.num_layers + layer) * o.num_tokens + token) * o.hidden + i;
+}
+
+// A transfer's planes are its moved (kv, layer) pairs, plane = kv * moved_layers + j for the
+// j-th moved layer; the caches it is given are indexed the same way. The object layer of
+// plane j is first_layer + j.
+LMC_HD int64_t plane_kv(const ObjectGeometry& o, int64_t plane) { return plane / o.moved_layers; }
+LMC_HD int64_t plane_layer(const ObjectGeometry& o, int64_t plane) {
+  return o.first_layer + plane % o.moved_layers;
 }
 
 }  // namespace lmcache

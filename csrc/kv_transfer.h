@@ -11,14 +11,15 @@ namespace lmcache {
 
 struct TransferPlan {
   PagedGeometry cache;     // per-layer K/V cache geometry
-  ObjectGeometry object;   // [num_kv, num_layers, num_tokens, hidden]
+  ObjectGeometry object;   // [num_kv, num_layers, num_tokens, hidden] and the layers moved
   int num_kv;              // 2 (K and V) or 1 (MLA)
   int64_t element_size;    // bytes per element; data moves as bytes of this width
   int64_t num_slots;       // slots per layer cache (num_blocks * block_size)
   bool to_cache;           // true: object -> cache (retrieve); false: cache -> object (store)
 };
 
-// Base pointers of every layer's caches: ptrs[kv * num_layers + layer].
+// Base pointers of the moved layers' caches, one per plane: ptrs[kv * moved_layers + j] for the
+// j-th moved layer (kv_layout.h: plane_kv, plane_layer).
 using CachePointers = std::vector<char*>;
 
 // One object of a CPU transfer: its plan, its bytes and its slots (plan.object.num_tokens

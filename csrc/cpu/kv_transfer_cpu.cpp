@@ -1,7 +1,7 @@
-// CPU kernels: paged KV cache <-> contiguous object, all layers in one parallel loop.
+// CPU kernels: paged KV cache <-> contiguous object, all moved layers in one parallel loop.
 //
 // The tokens are cut into runs of consecutive slots inside one block. A work item is one
-// (object, layer, run, kv); the items of every object of a call are spread over torch's
+// (object, moved layer, run, kv); the items of every object of a call are spread over torch's
 // intra-op threads in one parallel loop. Addresses come from
 // kv_layout.h; what moves per item depends on the layout:
 //   FLASH / MLA   a run of n tokens is n whole rows in both cache and object: one memcpy
@@ -154,15 +154,16 @@ void transfer(const std::vector<JobRuns>& jobs, int64_t items, const CachePointe
     for (int64_t it = begin; it < end; ++it) {
       while (j + 1 < jobs.size() && jobs[j + 1].first_item <= it) ++j;
       const TransferPlan& p = jobs[j].job->plan;
-      const int64_t num_layers = p.object.num_layers;
       const int64_t num_runs = static_cast<int64_t>(jobs[j].runs.size());
       const int64_t local = it - jobs[j].first_item;
       const int kv = static_cast<int>(local % p.num_kv);
-      const int64_t rest = local / p.num_kv;  // layer * num_runs + run
-      const int64_t layer = rest / num_runs;
-      const Run& run = jobs[j].runs[rest - layer * num_runs];
-      char* obj = jobs[j].job->object + object_offset(p.object, kv, layer, 0, 0) * ES;
-      copy_run<ES>(p, kv, caches[kv * num_layers + layer], obj, run);
+      const int64_t rest = local / p.num_kv;  // moved layer * num_runs + run
+      const int64_t moved = rest / num_runs;
+      const Run& run = jobs[j].runs[rest - moved * num_runs];
+      const int64_t plane = kv * p.object.moved_layers + moved;
+      char* obj = jobs[j].job->object +
+                  object_offset(p.object, kv, plane_layer(p.object, plane), 0, 0) * ES;
+      copy_run<ES>(p, kv, caches[plane], obj, run);
     }
     cpu::stream_fence();
   });
@@ -176,7 +177,7 @@ void kv_transfer_cpu(const std::vector<CpuJob>& jobs, const CachePointers& cache
   for (const CpuJob& job : jobs) {
     std::vector<Run> runs = make_runs(job.slots, job.plan.object.num_tokens, job.plan.cache.block_size);
     if (runs.empty()) continue;
-    const int64_t n = job.plan.num_kv * job.plan.object.num_layers * static_cast<int64_t>(runs.size());
+    const int64_t n = job.plan.num_kv * job.plan.object.moved_layers * static_cast<int64_t>(runs.size());
     planned.push_back(JobRuns{&job, std::move(runs), items});
     items += n;
   }

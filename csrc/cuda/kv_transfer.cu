@@ -1,6 +1,6 @@
 // CUDA kernels: paged KV cache <-> contiguous object, every layer in one launch.
 //
-// Grid: x = token, y = kv * num_layers + layer. The threads of a CUDA block walk the token's
+// Grid: x = token, y = plane = kv * moved_layers + j, the j-th moved layer (kv_layout.h). The threads of a CUDA block walk the token's
 // hidden row in units of up to 16 bytes; the unit never spans two contiguous runs of the
 // cache (kv_layout.h: cache_run_elems), so one unit is one aligned vector load and store.
 // FLASH, MLA and CPU_IPEX rows are contiguous on both sides, so consecutive threads touch
@@ -29,12 +29,12 @@ __global__ void kv_transfer_kernel(TransferPlan p, char* __restrict__ object,
                                    char* const* __restrict__ caches,
                                    const int64_t* __restrict__ slots) {
   const int64_t token = blockIdx.x;
-  const int64_t plane = blockIdx.y;  // kv * num_layers + layer
+  const int64_t plane = blockIdx.y;  // kv * moved_layers + j
   const int64_t slot = slots[token];
   if (slot < 0 || slot >= p.num_slots) return;
 
-  const int kv = static_cast<int>(plane / p.object.num_layers);
-  const int64_t layer = plane - kv * p.object.num_layers;
+  const int kv = static_cast<int>(plane_kv(p.object, plane));
+  const int64_t layer = plane_layer(p.object, plane);
   const PagedGeometry& g = p.cache;
   const int64_t es = p.element_size;
   const int64_t unit_elems = static_cast<int64_t>(sizeof(U)) / es;
@@ -62,7 +62,7 @@ void launch(const TransferPlan& p, char* object, char* const* caches, const int6
   const int64_t warps = (units + 31) / 32;
   const int threads = static_cast<int>(std::min<int64_t>(512, std::max<int64_t>(32, warps * 32)));
   const dim3 grid(static_cast<unsigned>(p.object.num_tokens),
-                  static_cast<unsigned>(p.num_kv * p.object.num_layers));
+                  static_cast<unsigned>(p.num_kv * p.object.moved_layers));
   kv_transfer_kernel<U><<<grid, threads, 0, stream>>>(p, object, caches, slots);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
@@ -75,8 +75,8 @@ bool aligned(const void* ptr, int64_t bytes) {
 
 void kv_transfer_cuda(const TransferPlan& plan, char* object, const CachePointers& caches,
                       const at::Tensor& slot_mapping) {
-  TORCH_CHECK(plan.num_kv * plan.object.num_layers <= 65535,
-              "too many layers for one launch: ", plan.object.num_layers);
+  TORCH_CHECK(plan.num_kv * plan.object.moved_layers <= 65535,
+              "too many layers for one launch: ", plan.object.moved_layers);
   const c10::cuda::CUDAGuard guard(slot_mapping.device());
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
 

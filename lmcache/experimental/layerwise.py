@@ -3,14 +3,14 @@
 `LMCacheEngine.store_layer` / `retrieve_layer` keep the chunks exactly as the whole-chunk
 `store` / `retrieve` do (`KV_BLOB` objects `[2, L, T, hidden]` under the same keys), so each path
 reads what the other wrote; only the copy is split by layer. A `LayerCopier` moves one layer of
-every chunk of a request with ONE `c_ops.single_layer_kv_transfer` call through a contiguous
-staging buffer `[2, tokens, hidden]` (`[1, ...]` for MLA): a layer of a chunk object is a strided
-view, which the kernel does not take.
+every chunk of a request with ONE `c_ops.layer_kv_transfer_batch` call, straight between the
+whole chunk objects (`[1, L, T, H]` for MLA) and that layer's cache: no staging copy, so each
+layer's bytes move once, as in the whole-chunk path.
 
 ```
   chunk objects   [2, L, T0, H]  [2, L, T1, H]  ...       (one per chunk of the request)
-  layer l views    [:, l]         [:, l]
-  staging         [2, T0 + T1 + ..., H]  <-- one kernel call per layer --> vLLM's layer-l cache
+  layer l          [:, l]         [:, l]
+                   <-- one layer_kv_transfer_batch(objs, l, ...) per layer --> vLLM's layer-l cache
 ```
 """
 
@@ -87,26 +87,20 @@ class LayerCopier:
         self.storing = storing
         device = self.keys[0].device
         self.slots = slots.to(device)
-        kinds, hidden = (1 if paged.use_mla else 2), paged.hidden_dim_size
-        dtype = self.spans[0].obj.metadata.dtype if self.spans else self.keys[0].dtype
-        self.staging = torch.empty((kinds, int(self.slots.numel()), hidden), dtype=dtype, device=device)
+        lengths = [span.end - span.start for span in self.spans]
+        if sum(lengths) != self.slots.numel():
+            raise ValueError(f"'slots' has {self.slots.numel()} entries, the spans cover {sum(lengths)} tokens")
+        self.slot_parts = list(torch.split(self.slots, lengths)) if self.spans else []
+        self.objs: List[torch.Tensor] = []
         for span in self.spans:
             expected = paged.get_shape(span.end - span.start)
             if span.obj.tensor is None or span.obj.tensor.shape != expected:
                 raise ValueError(f"chunk [{span.start}, {span.end}) object is not a {list(expected)} tensor")
+            self.objs.append(span.obj.tensor)
 
     @property
     def num_layers(self) -> int:
         return len(self.keys)
-
-    def _views(self, layer: int) -> List[tuple]:
-        views, offset = [], 0
-        for span in self.spans:
-            n = span.end - span.start
-            assert span.obj.tensor is not None
-            views.append((span.obj.tensor[:, layer], self.staging[:, offset : offset + n]))
-            offset += n
-        return views
 
     def copy_layer(self, layer: int) -> None:
         """Move layer `layer` of every span (in the direction given at construction)."""
@@ -114,14 +108,7 @@ class LayerCopier:
             return
         value: Optional[torch.Tensor] = self.values[layer] if self.values else None
         geo = self.geometry
-        views = self._views(layer)
-        if not self.storing:
-            for obj_layer, staged in views:
-                staged.copy_(obj_layer)
-        c_ops.single_layer_kv_transfer(
-            self.staging, self.keys[layer], value, self.slots, int(geo.layout), geo.block_size, geo.num_heads,
-            not self.storing,
+        c_ops.layer_kv_transfer_batch(
+            self.objs, layer, self.keys[layer], value, self.slot_parts, int(geo.layout), geo.block_size,
+            geo.num_heads, not self.storing,
         )
-        if self.storing:
-            for obj_layer, staged in views:
-                obj_layer.copy_(staged)
