@@ -14,7 +14,7 @@ from redis_fixture import RedisServer, free_port, lmcache_log, redis_cluster, re
 from lmcache.experimental.remote import create_connector
 from lmcache.experimental.remote.connector import RemoteUnavailableError
 from lmcache.experimental.remote.redis_connector import RedisConnector
-from lmcache.experimental.remote.resp_get import PIECE, ValueChanged
+from lmcache.experimental.remote.resp_get import PIECE, ValueChanged, _read_length
 
 
 def _connector(server: RedisServer, **kwargs) -> RedisConnector:
@@ -165,3 +165,12 @@ def test_rediss_connects_over_tls(tmp_path, monkeypatch) -> None:
             plain.exists("k")
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize("reply", [b":-5\r\n", b":12x\r\n", b"+OK\r\n"])
+def test_strlen_reply_out_of_step_is_unavailable_not_a_read(reply: bytes) -> None:
+    ours, peer = socket.socketpair()
+    with ours, peer:
+        peer.sendall(reply)
+        with pytest.raises(RemoteUnavailableError):
+            _read_length(ours, "k", "redis://test")

@@ -81,7 +81,10 @@ def _read_length(sock: socket.socket, key: str, where: str) -> int:
         return 0
     if line[:1] != b":":
         raise RemoteUnavailableError(f"{where}: unexpected reply to STRLEN: {bytes(line[:40])!r}")
-    return _number(line, where)
+    size = _number(line, where)
+    if size < 0:  # never from Redis; a peer out of step must not become a reader of negative length
+        raise RemoteUnavailableError(f"{where}: negative length in reply to STRLEN: {bytes(line[:40])!r}")
+    return size
 
 
 class _Pieces:
