@@ -228,6 +228,8 @@ def ratios(s: Summaries) -> dict[str, dict[str, Optional[float]]]:
             "restart_first_ttft": _div(v("repeat", "first", "ttft_mean_s"), o("restart", "first", "ttft_mean_s")),
             # ours over the floor: our reload TTFT / vLLM's own prefix-cache hit TTFT (1.0 = free)
             "hit_over_limit": _div(o("repeat", "second", "ttft_mean_s"), v("repeat", "limit", "ttft_mean_s")),
+            # our hit TTFT itself (s), for comparing two of our kinds without a vLLM-alone run
+            "hit_ttft_s": o("repeat", "second", "ttft_mean_s"),
         }
     return out
 
@@ -251,9 +253,9 @@ def targets(r: Mapping[str, Mapping[str, Optional[float]]], itl: Optional[Mappin
         # Issue 12: vLLM alone / ours <= 1.02, side by side (being faster also passes).
         row("unique: vLLM throughput / ours (side by side, median pass pair)", kind, tput, "<=", 1.02)
     if "lmcache-cpu" in r and "lmcache-cpu-layerwise" in r:
-        # Both over the same floor: layer-wise hit TTFT / whole-chunk hit TTFT, side by side in one run.
+        # Layer-wise hit TTFT / whole-chunk hit TTFT in one run (no vLLM-alone run needed).
         row("repeat: layer-wise hit TTFT / without", "lmcache-cpu-layerwise",
-            _div(r["lmcache-cpu-layerwise"]["hit_over_limit"], r["lmcache-cpu"]["hit_over_limit"]), "<=", 1.0)
+            _div(r["lmcache-cpu-layerwise"]["hit_ttft_s"], r["lmcache-cpu"]["hit_ttft_s"]), "<=", 1.0)
     if itl and "lmcache-remote-slow-async" in itl:
         row("interference: ITL while a slow-tier load is in flight / alone (async loading, median round)",
             "lmcache-remote-slow-async", itl["lmcache-remote-slow-async"]["ratio_median"], "<=", 1.2)
@@ -352,7 +354,7 @@ def plot(s: Summaries, r: Mapping[str, Mapping[str, Optional[float]]], title: st
         lines.append(f"{kind}: ITL with load / alone, per round: "
                      + ", ".join(f"{x['ratio']:.2f}" for x in itl[kind]["rounds"]))
     if lines:
-        fig.text(0.01, 0.005, "vLLM alone / ours (hit_over_limit = ours / vLLM prefix hit)\n" + "\n".join(lines),
+        fig.text(0.01, 0.005, "vLLM alone / ours (hit_over_limit = ours / vLLM prefix hit; hit_ttft_s = our hit TTFT, s)\n" + "\n".join(lines),
                  fontsize=7, family="monospace", va="bottom")
     fig.tight_layout(rect=(0, 0.08 if lines else 0, 1, 0.96))
     fig.savefig(out, dpi=110)

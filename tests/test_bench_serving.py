@@ -189,6 +189,14 @@ def test_summary_ratios_and_targets_from_known_numbers(tmp_path):
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+
+def test_layerwise_target_compares_our_two_hits_without_a_vllm_alone_run():
+    recs = [record("lmcache-cpu", "repeat", "second", 0.05, hit=1000),
+            record("lmcache-cpu-layerwise", "repeat", "second", 0.04, hit=1000)]
+    r = ratios(summarize(recs, {}))
+    [layerwise] = [t for t in targets(r) if t["target"] == "repeat: layer-wise hit TTFT / without"]
+    assert layerwise["measured"] == pytest.approx(0.8) and layerwise["met"] is True
+
 @pytest.mark.vllm
 def test_quick_run_on_a_real_server_writes_sane_json_and_png(tmp_path):
     """`--quick`: tiny model, our server with the disk tier, every workload including the restart;
