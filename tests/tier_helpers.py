@@ -22,6 +22,9 @@ from lmcache.experimental.storage_backend.remote_backend import RemoteBackend, R
 
 REMOTE_LAYERS, REMOTE_HEADS, REMOTE_HEAD_SIZE, REMOTE_CHUNK = 4, 2, 64, 256
 FAST_REMOTE = RemoteBackendOptions(lookup_timeout_s=0.5, timeout_s=2.0, backoff_initial_s=0.05, backoff_max_s=0.2)
+# For tests about what is read back, not about timing: a lookup or get that times out on a loaded
+# machine would read as a miss (or mark the tier down) and fail them for the wrong reason.
+PATIENT_REMOTE = RemoteBackendOptions(lookup_timeout_s=10.0, timeout_s=10.0)
 
 
 def remote_metadata(layers: int = REMOTE_LAYERS, dtype: torch.dtype = torch.float16) -> LMCacheEngineMetadata:
