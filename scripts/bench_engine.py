@@ -172,6 +172,8 @@ class FileLimit:
         self.back[:] = self.view
 
     def write(self) -> float:
+        os.sync()  # start clean: the writeback of earlier rounds would throttle whoever writes next
+
         def run() -> None:
             off = 0
             for path, size in zip(self.write_paths, self.sizes):
@@ -263,6 +265,7 @@ def disk_rows(s: Setup, rounds: int, directory: Optional[str], seeds) -> List[Ro
 
         def store() -> float:
             p = prompt(s, next(seeds))
+            os.sync()  # start clean, like the file write: no earlier round's writeback to wait for
             return timed(lambda: (engine.store(p, **kv), disk.flush()))
 
         store()  # warm-up: directory created
