@@ -10,7 +10,8 @@ the rows with every round's time.
   vLLM's (whole blocks, in a random block order). The first store into a fresh engine (its pool
   still being faulted in) is reported apart from the steady state.
 - Disk tier (CPU tier off, so every retrieve reads files): store GB/s until the background writes
-  landed (copy out of the KV cache, checksum, write) vs writing files of the same sizes; retrieve
+  landed (copy out of the KV cache, checksum, write) vs writing files of the same sizes, and the
+  writer's share alone (filled chunks into new files: checksum, header, write); retrieve
   GB/s (read, checksum, copy into the KV cache, checked bit-exact) with the files in the page cache
   (warm) and evicted from it with posix_fadvise(DONTNEED) (cold) vs reading the tier's own chunk
   files the same ways: the limit is the file system delivering those bytes, nothing more.
@@ -260,7 +261,8 @@ def disk_rows(s: Setup, rounds: int, directory: Optional[str], seeds) -> List[Ro
     kv, kv_out = dict(kvcaches=source, slot_mapping=slots), dict(kvcaches=target, slot_mapping=slots)
     with tempfile.TemporaryDirectory(dir=directory) as tmp:
         disk_dir = os.path.join(tmp, "tier")
-        engine = make_engine(s, cpu_gb=1.5 * n / GB, local_cpu=False, local_disk=disk_dir, max_local_disk_size=3.5 * n / GB)
+        # room for the held chunks of the tier-write row beside one store's or read's objects
+        engine = make_engine(s, cpu_gb=2.5 * n / GB, local_cpu=False, local_disk=disk_dir, max_local_disk_size=3.5 * n / GB)
         disk = next(t for t in engine.storage_manager.tiers if t.tier_name == "LocalDiskBackend")
 
         def store() -> float:
@@ -298,11 +300,26 @@ def disk_rows(s: Setup, rounds: int, directory: Optional[str], seeds) -> List[Ro
 
             return timed(run)
 
+        held = [disk.get_blocking(key) for key in keys]  # filled, checked chunks, as a store hands them over
+
+        def tier_write() -> float:
+            """The disk writer's share of a store: filled memory objects into new chunk files."""
+            new_keys = [key for _, _, key in engine.token_database.process_tokens(prompt(s, next(seeds)))]
+            os.sync()  # start clean, like the file write
+
+            def run() -> None:
+                for key, obj in zip(new_keys, held):
+                    disk.submit_put_task(key, obj)
+                disk.flush()
+
+            return timed(run)
+
         times = interleaved(
             rounds,
             {
                 "file write": seq.write,
                 "store": store,
+                "tier write": tier_write,
                 "file read": seq.read,
                 "tier read": lambda: tier_read(False),
                 "memcpy": memcpy,
@@ -313,6 +330,8 @@ def disk_rows(s: Setup, rounds: int, directory: Optional[str], seeds) -> List[Ro
             },
         )
         assert engine.retrieve(tokens, **kv_out).all()
+        for obj in held:
+            obj.ref_count_down()
         engine.close()
     blocks = torch.unique(slots // s.block_size)
     for got, want in zip(target, source):  # what came back from disk is what was stored, bit for bit
@@ -320,6 +339,7 @@ def disk_rows(s: Setup, rounds: int, directory: Optional[str], seeds) -> List[Ro
     return [
         Row("file write, same sizes", n, times["file write"]),
         Row("disk tier store (until written)", n, times["store"], "file write, same sizes"),
+        Row("disk tier write from memory (the writer's share)", n, times["tier write"], "file write, same sizes"),
         Row("file write + memcpy", n, [w + c for w, c in zip(times["file write"], times["memcpy"])]),
         Row("disk tier store (vs write + memcpy)", n, times["store"], "file write + memcpy"),
         Row("file read, page cache", n, times["file read"]),
