@@ -3,8 +3,10 @@ can be measured without a model hub.
 
 The model is `make_tiny_model.py`'s (same tokenizer, config and safetensors format, so vLLM
 loads it), its random weights trained on the task until it answers the held-out set or the step
-budget runs out. Deterministic for a seed (one thread pool, seeded data and init); the result is
-cached under `.cache/` with its spec and reused when the spec matches.
+budget runs out. Deterministic for a seed (one thread, seeded data and init): the same install
+gives bit-identical weights; the record names the torch and transformers versions, since another
+build may round differently. The result is cached under `.cache/` with its spec and reused when
+the spec matches.
 
     python scripts/train_tiny_model.py [OUT_DIR] [--steps 3000 --seed 0 --layers 4]
 """
@@ -126,8 +128,12 @@ def train(out: Path, spec: TrainSpec, log=_print) -> dict:
                 break
     model.eval()
     model.save_pretrained(out, safe_serialization=True)
+    import transformers
+
+    # Bit-exact for a seed within one install; another torch build may sum in another order.
     record = {"spec": asdict(spec), "steps_run": step, "held_out_accuracy": acc,
-              "train_seconds": round(time.perf_counter() - started, 1)}
+              "train_seconds": round(time.perf_counter() - started, 1),
+              "versions": {"torch": torch.__version__, "transformers": transformers.__version__}}
     (out / MARKER).write_text(json.dumps(record, indent=1))
     return record
 
