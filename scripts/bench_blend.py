@@ -5,7 +5,12 @@ held-out example is first sent in an earlier prompt of its own (after another do
 shares one of its items: the context it was cached in), then the example's prompt with its
 documents in a shuffled order; the answer is the first greedy
 token. Three engines: cache off (full recompute), CacheBlend at the default ratio, and naive
-reuse (ratio 0: only the tokens no document covers are recomputed).
+reuse (ratio 0: only the tokens no document covers are computed, the documents' cached KV is used
+at every layer). `--layers` picks the trained model's depth (4: `.cache/blend-trained-model`).
+`--ablations` adds two CacheBlend engines whose token choice is replaced in their worker, to show
+what the choice contributes: `no_selection` (the first layer and the check layer in full as
+always, then none of the reused tokens) and `random_selection` (the default ratio's share of
+reused tokens drawn at random instead of the most deviating).
 
 TTFT: a random-weight model of benchmark size, a prompt of 4 documents of `--doc-tokens` tokens;
 cache off vs CacheBlend at the default ratio, the documents cached from a prompt with another
@@ -13,7 +18,7 @@ order first. TTFT is the time of a `generate` call for one token. Both engines s
 asked in turn, `--reps` times each (the machine is shared: load must fall on both sides alike);
 the medians and the median of the per-pair ratios are reported, with the load average.
 
-    python scripts/bench_blend.py [--examples 400] [--doc-tokens 1000] [--reps 6]
+    python scripts/bench_blend.py [--examples 400] [--layers 4] [--ablations] [--doc-tokens 1000] [--reps 6]
 
 Writes `bench/results/blend-<time>.json` and a plot beside it. Each engine runs in a child
 process (`--job`: the job's JSON on the first stdin line, then one prompt per line) because
@@ -52,10 +57,30 @@ DEFAULT_RATIO = 0.15
 
 # ----- one engine, in a child process -------------------------------------------------------------
 
+def replace_selection(ablation: str) -> None:
+    """Swap CacheBlend's token choice in this process (the engine core runs in it: see `Engine`)."""
+    import torch
+
+    from lmcache.experimental.blend.selection import select_recompute
+    from lmcache.integration.vllm import blend_runner
+
+    if ablation == "no_selection":
+        blend_runner.select_recompute = lambda deviation, reused, ratio: select_recompute(deviation, reused, 0.0)
+    elif ablation == "random_selection":
+        gen = torch.Generator().manual_seed(0)
+        blend_runner.select_recompute = lambda deviation, reused, ratio: select_recompute(
+            torch.rand(deviation.shape, generator=gen), reused, ratio)
+    else:
+        raise ValueError(f"unknown ablation {ablation!r}")
+
+
 def serve_job(job: dict) -> None:
     """The child: build the engine, send the warm-up prompts (not timed), then answer one prompt
     per stdin line with a RESULT line (first greedy token, seconds of the `generate` call)."""
     import vllm
+
+    if job.get("ablation"):
+        replace_selection(job["ablation"])
 
     llm = vllm.LLM(model=job["model"], dtype="float32", seed=0, max_model_len=job["max_model_len"],
                    enable_prefix_caching=False, **job.get("llm_kwargs", {}))
@@ -74,10 +99,13 @@ class Engine:
     """One engine in a child process (vLLM's v1 engine spawns its core process), kept up so two
     engines can be asked in turn: cache off (`blend` None) or CacheBlend with these LMCACHE_ settings."""
 
-    def __init__(self, model: Path, warm: list, blend: Optional[dict], max_model_len: int) -> None:
+    def __init__(self, model: Path, warm: list, blend: Optional[dict], max_model_len: int,
+                 ablation: Optional[str] = None) -> None:
         env = {k: v for k, v in os.environ.items() if not k.startswith("LMCACHE_")}
         env.update({"VLLM_USE_V1": "1", "VLLM_CPU_KVCACHE_SPACE": "2", "TOKENIZERS_PARALLELISM": "false"})
-        job = {"model": str(model), "warm": warm, "max_model_len": max_model_len}
+        job = {"model": str(model), "warm": warm, "max_model_len": max_model_len, "ablation": ablation}
+        if ablation:  # the replaced selection must run where the worker does: in this child
+            env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         if blend is not None:
             env.update({"LMCACHE_ENABLE_BLENDING": "true", "LMCACHE_USE_LAYERWISE": "true",
                         "LMCACHE_MAX_LOCAL_CPU_SIZE": "2", "LMCACHE_LOG_LEVEL": "INFO"})
@@ -121,9 +149,10 @@ class Engine:
 
 # ----- the two measurements -------------------------------------------------------------------------
 
-def quality(examples: int, seed: int) -> dict:
-    model = trained_model(spec=TrainSpec())
-    task = BlendTask(separator_ids(model), TrainSpec.num_docs, TrainSpec.items_per_doc)
+def quality(examples: int, seed: int, layers: int, ablations: bool) -> dict:
+    spec = TrainSpec(layers=layers)
+    model = trained_model(spec=spec)
+    task = BlendTask(separator_ids(model), spec.num_docs, spec.items_per_doc)
     rng = random.Random(f"bench-{seed}")  # not the training stream (seeded by the int seed)
     held_out = [task.sample(rng) for _ in range(examples)]
     warm = [task.earlier_context(doc, rng) for ex in held_out for doc in ex.docs]
@@ -134,10 +163,15 @@ def quality(examples: int, seed: int) -> dict:
         prompts.append(task.prompt(docs))
         answers.append(task.answer(docs))  # the later partner in this order
     blend = {"blend_separator": TASK_SEPARATOR, "blend_min_tokens": 1}
-    result: dict = {"quality_model": str(model.relative_to(ROOT)), "quality_examples": examples}
-    for name, settings in (("full_recompute", None), ("blend", {**blend, "blend_recompute_ratio": DEFAULT_RATIO}),
-                           ("naive_reuse", {**blend, "blend_recompute_ratio": 0.0})):
-        engine = Engine(model, [] if settings is None else warm, settings, 512)
+    result: dict = {"quality_model": str(model.relative_to(ROOT)), "quality_model_layers": layers,
+                    "quality_examples": examples}
+    at_default = {**blend, "blend_recompute_ratio": DEFAULT_RATIO}
+    runs = [("full_recompute", None, None), ("blend", at_default, None),
+            ("naive_reuse", {**blend, "blend_recompute_ratio": 0.0}, None)]
+    if ablations:
+        runs += [(name, at_default, name) for name in ("no_selection", "random_selection")]
+    for name, settings, ablation in runs:
+        engine = Engine(model, [] if settings is None else warm, settings, 512, ablation)
         right = sum(engine.ask(ids)[0] == answer for ids, answer in zip(prompts, answers))
         lines = engine.close()
         if settings is not None and len(lines) != len(prompts):
@@ -146,8 +180,8 @@ def quality(examples: int, seed: int) -> dict:
         result[f"accuracy_{name}"] = accuracy
         # Binomial standard error of one accuracy: a difference of two needs ~2x the larger.
         result[f"accuracy_{name}_stderr"] = math.sqrt(accuracy * (1 - accuracy) / examples)
-        if name == "blend":
-            result["blend_log_example"] = lines[0]
+        if settings is not None:
+            result[f"{name}_log_example"] = lines[0]
     return result
 
 
@@ -218,11 +252,14 @@ def plot(result: dict, path: Path) -> None:
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
     if "accuracy_blend" in result:
-        names = ["full recompute", f"CacheBlend {DEFAULT_RATIO}", "naive reuse"]
-        values = [result["accuracy_full_recompute"], result["accuracy_blend"], result["accuracy_naive_reuse"]]
-        left.bar(names, values, color=["grey", "tab:blue", "tab:red"])
+        bars = [("full\nrecompute", "full_recompute", "grey"), (f"CacheBlend\n{DEFAULT_RATIO}", "blend", "tab:blue"),
+                ("naive\nreuse", "naive_reuse", "tab:red"), ("no\nselection", "no_selection", "tab:orange"),
+                ("random\nselection", "random_selection", "tab:purple")]
+        bars = [(label, result[f"accuracy_{key}"], color) for label, key, color in bars if f"accuracy_{key}" in result]
+        left.bar([b[0] for b in bars], [b[1] for b in bars], color=[b[2] for b in bars])
         left.set_ylim(0, 1)
-        left.set_title(f"answer accuracy ({result['quality_examples']} held-out prompts)")
+        left.set_title(f"accuracy, {result['quality_model_layers']}-layer model, "
+                       f"{result['quality_examples']} held-out prompts")
     if "ttft_full_s" in result:
         right.bar(["full prefill", f"CacheBlend {DEFAULT_RATIO}"], [result["ttft_full_s"], result["ttft_blend_s"]],
                   color=["grey", "tab:blue"])
@@ -238,6 +275,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     p.add_argument("--doc-tokens", type=int, default=1000)
     p.add_argument("--reps", type=int, default=6)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--layers", type=int, default=TrainSpec.layers, help="depth of the trained quality model")
+    p.add_argument("--ablations", action="store_true", help="also CacheBlend with no / random token selection")
     p.add_argument("--skip-quality", action="store_true")
     p.add_argument("--skip-ttft", action="store_true")
     p.add_argument("--job", action="store_true", help=argparse.SUPPRESS)
@@ -245,12 +284,12 @@ def main(argv: Optional[list[str]] = None) -> None:
     if args.job:
         serve_job(json.loads(sys.stdin.readline()))
         return
-    for name in ("examples", "doc_tokens", "reps"):
+    for name in ("examples", "doc_tokens", "reps", "layers"):
         if getattr(args, name) <= 0:
             sys.exit(f"bench_blend: --{name.replace('_', '-')} must be positive")
     result: dict = {"command": "python scripts/bench_blend.py " + " ".join(sys.argv[1:] if argv is None else argv)}
     if not args.skip_quality:
-        result.update(quality(args.examples, args.seed))
+        result.update(quality(args.examples, args.seed, args.layers, args.ablations))
     if not args.skip_ttft:
         result.update(ttft(args.doc_tokens, args.reps))
     RESULTS.mkdir(parents=True, exist_ok=True)

@@ -3,10 +3,12 @@ can be measured without a model hub.
 
 The model is `make_tiny_model.py`'s (same tokenizer, config and safetensors format, so vLLM
 loads it), its random weights trained on the task until it answers the held-out set or the step
-budget runs out. Deterministic for a seed (one thread pool, seeded data and init); the result is
-cached under `.cache/` with its spec and reused when the spec matches.
+budget runs out. Deterministic for a seed (one thread, seeded data and init): the same install
+gives bit-identical weights; the record names the torch and transformers versions, since another
+build may round differently. The result is cached under `.cache/` with its spec and reused when
+the spec matches.
 
-    python scripts/train_tiny_model.py [OUT_DIR] [--steps 3000 --seed 0]
+    python scripts/train_tiny_model.py [OUT_DIR] [--steps 3000 --seed 0 --layers 4]
 """
 
 from __future__ import annotations
@@ -44,15 +46,22 @@ class TrainSpec:
     items_per_doc: int = 8
     eval_examples: int = 256
     target_accuracy: float = 0.99  # stop early once the held-out accuracy reaches it
+    layers: int = 4  # decoder layers; records written before this field existed had 4
+
+    def out_dir(self) -> Path:
+        """The cache folder for this spec: the default's, suffixed with each field that differs
+        from the default (`-layers8`), so another spec never overwrites a model in use."""
+        changed = [f"-{k}{v}" for k, v in asdict(self).items() if v != getattr(TrainSpec, k)]
+        return DEFAULT_OUT.with_name(DEFAULT_OUT.name + "".join(changed))
 
 
 def _print(line: str) -> None:
     print(line, flush=True)
 
 
-def model_spec(seed: int) -> TinyModelSpec:
+def model_spec(spec: TrainSpec) -> TinyModelSpec:
     # Head size 32 (vLLM's CPU attention needs one it supports), as small as that allows.
-    return TinyModelSpec(hidden=64, layers=4, heads=2, kv_heads=1, intermediate=128, seed=seed)
+    return TinyModelSpec(hidden=64, layers=spec.layers, heads=2, kv_heads=1, intermediate=128, seed=spec.seed)
 
 
 def separator_ids(model_dir: Path) -> tuple[int, ...]:
@@ -90,7 +99,7 @@ def train(out: Path, spec: TrainSpec, log=_print) -> dict:
     # One thread: on two shared cores a second one mostly waits, and the sums stay in one order.
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
-    make_tiny_model(out, model_spec(spec.seed), force=True)
+    make_tiny_model(out, model_spec(spec), force=True)
     task = BlendTask(separator_ids(out), spec.num_docs, spec.items_per_doc)
     torch.manual_seed(spec.seed)
     model = LlamaForCausalLM.from_pretrained(out, torch_dtype=torch.float32, attn_implementation="sdpa")
@@ -119,20 +128,27 @@ def train(out: Path, spec: TrainSpec, log=_print) -> dict:
                 break
     model.eval()
     model.save_pretrained(out, safe_serialization=True)
+    import transformers
+
+    # Bit-exact for a seed within one install; another torch build may sum in another order.
     record = {"spec": asdict(spec), "steps_run": step, "held_out_accuracy": acc,
-              "train_seconds": round(time.perf_counter() - started, 1)}
+              "train_seconds": round(time.perf_counter() - started, 1),
+              "versions": {"torch": torch.__version__, "transformers": transformers.__version__}}
     (out / MARKER).write_text(json.dumps(record, indent=1))
     return record
 
 
-def trained_model(out: Path = DEFAULT_OUT, spec: TrainSpec = TrainSpec(), log=_print) -> Path:
-    """OUT holding a model trained with `spec` (trained now unless already there)."""
+def trained_model(out: Path | None = None, spec: TrainSpec = TrainSpec(), log=_print) -> Path:
+    """OUT (default: the spec's cache folder) holding a model trained with `spec` (trained now
+    unless already there)."""
+    out = spec.out_dir() if out is None else out
     marker = out / MARKER
     if marker.exists():
         try:
-            if json.loads(marker.read_text()).get("spec") == asdict(spec):
+            # Fields missing from an older record take their defaults (they had those values).
+            if TrainSpec(**json.loads(marker.read_text())["spec"]) == spec:
                 return out
-        except ValueError:
+        except (ValueError, KeyError, TypeError):
             pass
     train(out, spec, log)
     return out
@@ -140,17 +156,20 @@ def trained_model(out: Path = DEFAULT_OUT, spec: TrainSpec = TrainSpec(), log=_p
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("out_dir", type=Path, nargs="?", default=DEFAULT_OUT)
+    p.add_argument("out_dir", type=Path, nargs="?", default=None,
+                   help="default: .cache/blend-trained-model, suffixed with the non-default settings")
     p.add_argument("--steps", type=int, default=TrainSpec.steps)
     p.add_argument("--seed", type=int, default=TrainSpec.seed)
+    p.add_argument("--layers", type=int, default=TrainSpec.layers)
     p.add_argument("--force", action="store_true", help="train again even if OUT_DIR holds this spec")
     args = p.parse_args(argv)
-    spec = TrainSpec(steps=args.steps, seed=args.seed)
-    if args.steps <= 0:
-        sys.exit(f"train_tiny_model: --steps must be positive, got {args.steps}")
+    spec = TrainSpec(steps=args.steps, seed=args.seed, layers=args.layers)
+    if args.steps <= 0 or args.layers <= 0:
+        sys.exit(f"train_tiny_model: --steps and --layers must be positive, got {args.steps}, {args.layers}")
+    out = spec.out_dir() if args.out_dir is None else args.out_dir
     if args.force:
-        (args.out_dir / MARKER).unlink(missing_ok=True)
-    out = trained_model(args.out_dir, spec)
+        (out / MARKER).unlink(missing_ok=True)
+    out = trained_model(out, spec)
     print(f"trained model in {out}: {(out / MARKER).read_text()}")
 
 

@@ -5,14 +5,17 @@ samples from it), layer by layer with the model's own modules:
 
 ```
   layer < check:   every token computed fresh (attends causally over the fresh KV)
-  layer == check:  fresh K/V of every token compared with the reused (RoPE-moved) K/V;
-                   kept: tokens no cached segment covers + the blend_recompute_ratio share of
-                   reused tokens that deviate most; the others keep the reused KV from here on
+  layer == check:  fresh K/V of every token compared with the reused (RoPE-moved) K/V, then
+                   written for every token (computed anyway, and exact: the layers below were
+                   computed in full); kept: tokens no cached segment covers + the
+                   blend_recompute_ratio share of reused tokens that deviate most
   layer > check:   only kept tokens are computed, attending over reused + recomputed KV
 ```
 The check layer is the second one: a first layer's KV depends on the token and its position
 only, so it cannot show what the context changed. With ratio 1.0 every token is kept, which is a
-full prefill. Tokens vLLM already had (its own prefix cache) are read, never written.
+full prefill. Ratio 0 is naive reuse: no check layer, the reused tokens keep their cached KV at
+every layer and only the tokens no segment covers are computed. Tokens vLLM already had (its own
+prefix cache) are read, never written.
 """
 
 from __future__ import annotations
@@ -96,17 +99,22 @@ class Blender:
     ) -> int:
         """Fill `kv` layer by layer (see the module docstring); returns how many tokens were kept."""
         active = torch.arange(first, len(tokens))
-        hidden = model.embed(tokens[first:])
-        residual: Optional[torch.Tensor] = None
         check = min(1, model.num_layers - 1)
+        if self.ratio == 0.0:  # naive reuse: nothing of the reused tokens is computed
+            active, check = active[~reused[active]], -1
+        if not len(active):
+            return 0
+        hidden = model.embed(tokens[active])
+        residual: Optional[torch.Tensor] = None
         for index in range(model.num_layers):
             q, k, v, residual = model.project(index, hidden, residual, active)
             if index == check:
                 deviation = kv_deviation(k, v, kv[0, index, active], kv[1, index, active])
                 keep = select_recompute(deviation, reused[active], self.ratio)
-                q, k, v, residual, active = q[keep], k[keep], v[keep], residual[keep], active[keep]
             kv[0, index, active] = k
             kv[1, index, active] = v
+            if index == check:
+                q, residual, active = q[keep], residual[keep], active[keep]
             out = model.attend(q, active, kv[0, index], kv[1, index])
             hidden, residual = model.finish(index, out, residual)
         return len(active)
