@@ -19,6 +19,7 @@ from typing import Optional
 
 import torch
 
+from lmcache.background_threads import prepared
 from lmcache.logging import init_logger
 
 logger = init_logger(__name__)
@@ -64,7 +65,10 @@ def host_buffer(size: int, *, prefault: bool = True) -> torch.Tensor:
     if not _advise(buf.data_ptr(), span, _MADV_HUGEPAGE):
         logger.debug("madvise(MADV_HUGEPAGE) refused for a %d-byte pool: 4 KiB pages", size)
     if prefault:
-        threading.Thread(target=_prefault, args=(buf, span), name="lmcache-prefault", daemon=True).start()
+        threading.Thread(
+            target=prepared(_prefault, "lmc-prefault", background=True), args=(buf, span),
+            name="lmcache-prefault", daemon=True,
+        ).start()
     return buf
 
 

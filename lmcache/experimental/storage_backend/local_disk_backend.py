@@ -30,6 +30,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
+from lmcache.background_threads import thread_initializer
 from lmcache.experimental.memory_management import MemoryFormat, MemoryObj
 from lmcache.experimental.stats import TierStats
 from lmcache.experimental.storage_backend import chunk_format
@@ -519,11 +520,17 @@ class LocalDiskBackend(StorageBackendInterface):
     def _writer(self) -> ThreadPoolExecutor:
         """The single writer thread, created on first use (caller holds the lock)."""
         if self._writer_pool is None:
-            self._writer_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lmcache-disk-write")
+            self._writer_pool = ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix="lmcache-disk-write",
+                initializer=thread_initializer("lmc-disk-write", background=True),
+            )
         return self._writer_pool
 
     def _reader(self) -> ThreadPoolExecutor:
         """The single prefetch thread, created on first use (caller holds the lock)."""
         if self._reader_pool is None:
-            self._reader_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lmcache-disk-read")
+            self._reader_pool = ThreadPoolExecutor(  # a load may wait for a prefetch: not background
+                max_workers=1, thread_name_prefix="lmcache-disk-read",
+                initializer=thread_initializer("lmc-disk-read", background=False),
+            )
         return self._reader_pool

@@ -24,6 +24,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, fields
 from typing import Dict, List, Optional, Sequence
 
+from lmcache.background_threads import prepared, thread_initializer
 from lmcache.config import LMCacheEngineMetadata
 from lmcache.experimental.memory_management import MemoryFormat, MemoryObj
 from lmcache.experimental.remote import create_connector, redis_key_prefix
@@ -349,7 +350,10 @@ class RemoteBackend(StorageBackendInterface):
             return
         with self._lock:
             if self._worker is None and not self._closed:
-                self._worker = threading.Thread(target=self._run_worker, name="lmcache-remote-put", daemon=True)
+                self._worker = threading.Thread(
+                    target=prepared(self._run_worker, "lmc-remote-put", background=True),
+                    name="lmcache-remote-put", daemon=True,
+                )
                 self._worker.start()
 
     def _run_worker(self) -> None:
@@ -438,7 +442,10 @@ class RemoteBackend(StorageBackendInterface):
             if self._closed or key in self._prefetching:
                 return False
             if self._prefetch_pool is None:
-                self._prefetch_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lmcache-remote-prefetch")
+                self._prefetch_pool = ThreadPoolExecutor(  # a load may wait for a prefetch: not background
+                    max_workers=1, thread_name_prefix="lmcache-remote-prefetch",
+                    initializer=thread_initializer("lmc-remote-pref", background=False),
+                )
             future: Future = Future()
             self._prefetching[key] = future
             self._prefetch_pool.submit(self._run_prefetch, key, future)

@@ -21,6 +21,7 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable
 
+from lmcache.background_threads import thread_initializer
 from lmcache.logging import init_logger
 
 logger = init_logger(__name__)
@@ -30,7 +31,11 @@ class OffStepSaver:
     """One thread running the submitted stores in order; `flush` waits for all of them."""
 
     def __init__(self, name: str) -> None:
-        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"lmcache-{name}-save")
+        # Not a background priority: the next step's flush waits for this copy.
+        self._thread = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix=f"lmcache-{name}-save",
+            initializer=thread_initializer(f"lmc-{name}-save", background=False),
+        )
         self._pending: list[Future] = []
         self._lock = threading.Lock()  # submit (model thread) and flush (also channel threads)
 

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
+from lmcache.background_threads import thread_initializer
 from lmcache.integration.vllm.v1.request_state import ReqMeta
 from lmcache.integration.vllm.v1.transfer_arguments import load_arguments
 from lmcache.logging import init_logger
@@ -40,7 +41,10 @@ class AsyncLoader:
 
     def __init__(self, side: "LMCacheWorkerSide") -> None:
         self.side = side
-        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lmcache-async-load")
+        self._thread = ThreadPoolExecutor(  # requests wait for these loads: not background
+            max_workers=1, thread_name_prefix="lmcache-async-load",
+            initializer=thread_initializer("lmc-async-load", background=False),
+        )
         self._lock = threading.Lock()
         self._finished: set[str] = set()
         self._loaded: dict[str, int] = {}

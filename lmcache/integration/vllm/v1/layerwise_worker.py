@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Callable, Generator, Optional
 
 import torch
 
+from lmcache.background_threads import thread_initializer
 from lmcache.integration.vllm.v1.request_state import ReqMeta
 from lmcache.integration.vllm.v1.transfer_arguments import load_arguments, store_arguments
 from lmcache.logging import init_logger
@@ -61,7 +62,10 @@ class LayerwiseWorker:
 
     def __init__(self, side: "LMCacheWorkerSide") -> None:
         self.side = side
-        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lmcache-layerwise")
+        self._thread = ThreadPoolExecutor(  # the next layer waits for its copy: not background
+            max_workers=1, thread_name_prefix="lmcache-layerwise",
+            initializer=thread_initializer("lmc-layerwise", background=False),
+        )
         self._layer_done: list[threading.Event] = []
         self._loads_done: Optional[Future] = None
         self._next_load_layer = 0

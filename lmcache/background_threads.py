@@ -1,0 +1,88 @@
+"""How LMCache's own threads share the cores with the model's.
+
+vLLM's CPU worker pins the thread running the forward pass to one core (and each of its OpenMP
+threads to another); a thread inherits its creator's pin, so every thread we start from the model
+thread (the off-step saver, the tier writers, the prefault) lands on the model thread's core and
+competes with exactly the thread the step waits for, while the OpenMP threads' cores sit idle
+whenever the model thread runs serial work (`docs/design.md`, "The no-reuse cost"). Each of our
+threads therefore calls `prepare_thread` first: it takes the process's whole CPU mask back, so the
+scheduler can run it on any allowed core, carries a name `top -H` and `/proc/<pid>/task/*/comm`
+show, and - for work nothing waits on (tier writes, prefault) - a lower priority, so the model's
+threads win a core they share with it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+from typing import Callable, Set
+
+from lmcache.logging import init_logger
+
+logger = init_logger(__name__)
+
+# Nice added to threads nothing waits on: CFS weight 110 against the model threads' 1024, so on a
+# shared core the model keeps ~90% while the write still progresses (never starved, as nice 19's
+# 15 would nearly be under load).
+BACKGROUND_NICE = 10
+_PR_SET_NAME = 15
+_COMM_BYTES = 15  # the kernel keeps 15 bytes of a thread's name
+
+
+def process_cpus() -> Set[int]:
+    """The CPUs any thread of this process may use: the union of its threads' masks (threads
+    started before vLLM pinned the model thread keep the mask the process was started with, a
+    `taskset` included)."""
+    cpus: Set[int] = set()
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        tids = []
+    for tid in tids:
+        try:
+            cpus |= os.sched_getaffinity(int(tid))
+        except OSError:  # the thread ended meanwhile
+            continue
+    return cpus or os.sched_getaffinity(0)
+
+
+def _set_name(name: str) -> None:
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_NAME, ctypes.c_char_p(name.encode()[:_COMM_BYTES]), 0, 0, 0)
+    except (OSError, AttributeError):  # no prctl (not Linux): the name is cosmetic
+        pass
+
+
+def prepare_thread(name: str, background: bool) -> None:
+    """Call first on a thread of ours: whole CPU mask, OS-visible `name`, and with `background`
+    (nothing waits for its work) `BACKGROUND_NICE` added to its priority."""
+    _set_name(name)
+    if not hasattr(os, "sched_setaffinity"):
+        return
+    try:
+        os.sched_setaffinity(0, process_cpus())  # 0: the calling thread
+    except OSError as err:
+        logger.debug("thread %s keeps its CPU mask: %r", name, err)
+    if background:
+        tid = threading.get_native_id()
+        try:
+            os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + BACKGROUND_NICE)
+        except OSError as err:
+            logger.debug("thread %s keeps its priority: %r", name, err)
+
+
+def thread_initializer(name: str, background: bool) -> Callable[[], None]:
+    """`prepare_thread` as a `ThreadPoolExecutor(initializer=...)`."""
+    return lambda: prepare_thread(name, background)
+
+
+def prepared(target: Callable[..., None], name: str, background: bool) -> Callable[..., None]:
+    """`target` run after `prepare_thread`, for `threading.Thread(target=...)`."""
+
+    def run(*args, **kwargs) -> None:
+        prepare_thread(name, background)
+        target(*args, **kwargs)
+
+    return run

@@ -1,0 +1,109 @@
+"""Our threads leave the model thread's core pin, carry an OS-visible name, and the ones nothing
+waits on run at a lower priority (background_threads.py; started from a thread pinned to one core,
+as vLLM's CPU worker pins the model thread)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+
+import pytest
+from helpers import key
+from tier_helpers import cpu, disk_store, disk_tier, remote_backend, remote_chunk, remote_cpu  # noqa: F401
+
+from lmcache.background_threads import BACKGROUND_NICE, prepare_thread, process_cpus
+from lmcache.experimental.memory_management import host_memory
+from lmcache.integration.vllm.off_step_saver import OffStepSaver
+from lmcache.server import LMCacheServer, ServerConfig
+
+pytestmark = pytest.mark.skipif(len(process_cpus()) < 2, reason="needs two CPUs to tell a pin from the whole mask")
+
+
+def _state() -> tuple[str, set, int]:
+    """(OS name, CPU mask, nice) of the calling thread."""
+    tid = threading.get_native_id()
+    with open(f"/proc/self/task/{tid}/comm") as f:
+        comm = f.read().strip()
+    return comm, os.sched_getaffinity(0), os.getpriority(os.PRIO_PROCESS, tid)
+
+
+@contextlib.contextmanager
+def _pinned():
+    """Pin the calling thread to one CPU, as vLLM pins the model thread; yields its nice."""
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {min(before)})
+    try:
+        yield os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    finally:
+        os.sched_setaffinity(0, before)
+
+
+def _on_thread(fn) -> tuple:
+    seen = []
+    t = threading.Thread(target=lambda: seen.append(fn()))
+    t.start()
+    t.join()
+    return seen[0]
+
+
+def _expected(nice: int, background: bool) -> int:
+    return min(nice + BACKGROUND_NICE, 19) if background else nice
+
+
+@pytest.mark.parametrize("background", [False, True])
+def test_prepare_thread_unpins_names_and_lowers_background_priority(background):
+    with _pinned() as nice:
+        assert _on_thread(lambda: _state()[1]) == {min(process_cpus())}  # inherited, as in vLLM
+        state = _on_thread(lambda: (prepare_thread("lmc-test-thread", background), _state())[1])
+    assert state == ("lmc-test-thread", process_cpus(), _expected(nice, background))
+
+
+def test_saver_thread_is_unpinned_at_normal_priority():
+    """The next step's flush waits for the saver: whole mask, but no lower priority."""
+    seen = []
+    with _pinned() as nice:
+        saver = OffStepSaver("v1")
+        saver.submit(lambda: seen.append(_state()), "test")
+        saver.close()
+    assert seen == [("lmc-v1-save", process_cpus(), nice)]
+
+
+def test_disk_writer_is_unpinned_at_background_priority(tmp_path, cpu):  # noqa: F811 (cpu: fixture)
+    disk = disk_tier(tmp_path, cpu)
+    seen = []
+    real_save = disk._save
+    disk._save = lambda *args: (seen.append(_state()), real_save(*args))[1]
+    with _pinned() as nice:
+        disk_store(disk, cpu, 1)
+        disk.close()
+    assert seen == [("lmc-disk-write", process_cpus(), _expected(nice, True))]
+
+
+def test_remote_put_thread_is_unpinned_at_background_priority():
+    srv = LMCacheServer(ServerConfig(port=0, max_size_bytes=64 << 20))
+    host, port = srv.start_in_thread()
+    tier_cpu = remote_cpu()
+    backend = remote_backend(f"lm://{host}:{port}", cpu=tier_cpu)
+    seen = []
+    real_send = backend._send
+    backend._send = lambda batch: (seen.append(_state()), real_send(batch))[1]
+    try:
+        with _pinned() as nice:
+            obj = remote_chunk(tier_cpu, 1)
+            backend.submit_put_task(key(1), obj)
+            obj.ref_count_down()
+        backend.close()
+        assert seen and seen[0] == ("lmc-remote-put", process_cpus(), _expected(nice, True))
+    finally:
+        srv.shutdown()
+
+
+def test_prefault_thread_is_unpinned_at_background_priority(monkeypatch):
+    seen = []
+    done = threading.Event()
+    monkeypatch.setattr(host_memory, "_prefault", lambda buf, span: (seen.append(_state()), done.set()))
+    with _pinned() as nice:
+        host_memory.host_buffer(4 * host_memory.HUGE_PAGE)
+    assert done.wait(10)
+    assert seen == [("lmc-prefault", process_cpus(), _expected(nice, True))]
