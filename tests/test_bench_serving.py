@@ -21,7 +21,8 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 from bench_serving_client import PrefixCounters, parse_prefix_counters  # noqa: E402
 from bench_serving_report import (  # noqa: E402
-    attach_lmcache_hits, decode_itl, interference, itl_during, percentile, plot, ratios, summarize, targets,
+    attach_lmcache_hits, decode_itl, hit_retrieve_gbps, interference, itl_during, percentile, plot, ratios,
+    summarize, targets,
 )
 from bench_serving_workloads import (  # noqa: E402
     FIRST_ORDINARY_TOKEN, PhaseTotals, RequestRecord, WorkloadSizes, build_plan, query_order,
@@ -197,6 +198,21 @@ def test_layerwise_target_compares_our_two_hits_without_a_vllm_alone_run():
     [layerwise] = [t for t in targets(r) if t["target"] == "repeat: layer-wise hit TTFT / without"]
     assert layerwise["measured"] == pytest.approx(0.8) and layerwise["met"] is True
 
+def test_hit_retrieve_rate_sums_every_process_of_a_kind_and_is_judged_against_memcpy():
+    def run(seconds: float, loaded: int) -> dict:
+        return {"lmcache_metrics": {"final": {"lmcache:time_to_retrieve_sum": seconds},
+                                    "agreement": {"log_loaded_tokens": loaded}}}
+
+    processes = {"lmcache-disk": [run(0.5, 1000), run(0.5, 3000)],  # first run and the restart
+                 "lmcache-cpu": [run(0.0, 0)],  # nothing loaded: no rate
+                 "vllm": [{}]}
+    gbps = hit_retrieve_gbps(processes, kv_bytes_per_token=1_000_000)
+    assert gbps == {"lmcache-disk": pytest.approx(4.0)}
+    rows = [t for t in targets({}, None, {"lmcache-disk": 0.5, "lmcache-remote": 0.9})
+            if t["target"] == "repeat: retrieve inside our hits / memcpy"]
+    assert [(t["server"], t["met"]) for t in rows] == [("lmcache-disk", False), ("lmcache-remote", True)]
+
+
 @pytest.mark.vllm
 def test_quick_run_on_a_real_server_writes_sane_json_and_png(tmp_path):
     """`--quick`: tiny model, our server with the disk tier, every workload including the restart;
@@ -237,6 +253,9 @@ def test_quick_run_on_a_real_server_writes_sane_json_and_png(tmp_path):
     assert summary["restart"]["first"]["lmcache_hit_rate"] >= 0.9
     assert summary["repeat"]["second"]["vllm_prefix_hit_rate"] == 0.0
     assert summary["repeat"]["limit"]["vllm_prefix_hit_rate"] > 0.0
+    hit = result["hit_retrieve"]  # the copy inside our hits, against a memcpy of the same run
+    assert hit["memcpy_gbps"] > 0 and hit["gbps"]["lmcache-disk"] > 0
+    assert hit["over_memcpy"]["lmcache-disk"] == pytest.approx(hit["gbps"]["lmcache-disk"] / hit["memcpy_gbps"])
     assert len(result["requests"]) == sum(x["n"] for server in result["summary"].values() for p in server.values()
                                           for x in p.values())
     # the restart ran on a second process, `unique` on a third beside a vLLM alone (passes in turn)
