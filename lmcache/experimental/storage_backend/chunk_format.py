@@ -115,10 +115,10 @@ def payload_checksum(payload: Buffer) -> bytes:
 HASH_PIECE = 1 << 20
 
 
-def hashed_pieces(total: int) -> Iterator[Tuple[int, int]]:
+def hashed_pieces(total: int, piece: int = HASH_PIECE) -> Iterator[Tuple[int, int]]:
     """`(start, end)` of the pieces a payload of `total` bytes is moved and hashed in."""
-    for start in range(0, total, HASH_PIECE):
-        yield start, min(total, start + HASH_PIECE)
+    for start in range(0, total, piece):
+        yield start, min(total, start + piece)
 
 
 def payload_hasher() -> "xxhash.xxh3_64":
@@ -136,8 +136,10 @@ def encode_header(
     dtype: Optional[torch.dtype],
     fmt: MemoryFormat,
     payload: Buffer,
+    checksum: Optional[bytes] = None,
 ) -> bytes:
-    """Build the header for `payload` (its checksum is computed here).
+    """Build the header for `payload` (its checksum is computed here unless given; the header's
+    length does not depend on it).
 
     Raises ValueError when the key, shape or dtype cannot be represented - a programming error,
     not bad input from a file.
@@ -160,7 +162,7 @@ def encode_header(
                 len(dtype_bytes),
                 len(key_bytes),
                 payload_len,
-                payload_checksum(payload),
+                payload_checksum(payload) if checksum is None else checksum,
             ),
             struct.pack(f"<{len(dims)}q", *dims),
             dtype_bytes,

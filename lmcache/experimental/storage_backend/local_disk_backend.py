@@ -33,7 +33,7 @@ import torch
 from lmcache.background_threads import thread_initializer
 from lmcache.experimental.memory_management import MemoryFormat, MemoryObj
 from lmcache.experimental.stats import TierStats
-from lmcache.experimental.storage_backend import chunk_format
+from lmcache.experimental.storage_backend import chunk_format, hash_thread
 from lmcache.experimental.storage_backend.abstract_backend import StorageBackendInterface
 from lmcache.experimental.storage_backend.local_cpu_backend import LocalCPUBackend
 from lmcache.logging import init_logger
@@ -129,6 +129,7 @@ class LocalDiskBackend(StorageBackendInterface):
         self._reader_pool: Optional[ThreadPoolExecutor] = None
         self._tmp_seq = 0
         self._closed = False
+        self._hash_thread = hash_thread.HashThread("lmc-disk-hash")
         self._rebuild_index()
 
     # ---- index ---------------------------------------------------------------------------
@@ -306,10 +307,18 @@ class LocalDiskBackend(StorageBackendInterface):
         try:
             payload = chunk_format.memory_obj_payload(obj)
             meta = obj.metadata
-            header = chunk_format.encode_header(key, meta.shape, meta.dtype, meta.fmt, payload)
+            unsummed = chunk_format.encode_header(key, meta.shape, meta.dtype, meta.fmt, payload, bytes(chunk_format.CHECKSUM_BYTES))
             with self._create(tmp) as f:
+                # The payload first, each piece hashed right after the write has read it (still in
+                # cache: hashing the whole payload first read it from memory twice), then the header.
+                f.seek(len(unsummed))
+                hasher = chunk_format.payload_hasher()
+                for start, end in chunk_format.hashed_pieces(payload.nbytes):
+                    f.write(payload[start:end])
+                    hasher.update(payload[start:end])
+                header = chunk_format.encode_header(key, meta.shape, meta.dtype, meta.fmt, payload, hasher.digest())
+                f.seek(0)
                 f.write(header)
-                f.write(payload)
             entry = DiskEntry(path, len(header) + payload.nbytes, tuple(meta.shape), meta.dtype, meta.fmt)
             with self._lock:
                 if task is not None and task.cancelled:
@@ -395,19 +404,22 @@ class LocalDiskBackend(StorageBackendInterface):
                     logger.info("disk tier: no memory to load %s", path)
                     return None, _Read.NO_MEMORY
                 payload = chunk_format.memory_obj_payload(obj)
-                hasher = chunk_format.payload_hasher()
+                hasher = self._hash_thread.payload()
                 got = 0
-                for start, end in chunk_format.hashed_pieces(payload.nbytes):
-                    while got < end:  # hash each piece right after reading it, while it is in cache
-                        n = f.readinto(payload[got:end])
-                        if not n:
+                try:
+                    for start, end in chunk_format.hashed_pieces(payload.nbytes, hash_thread.PIECE):
+                        while got < end:  # the hash thread takes each piece while the next is read
+                            n = f.readinto(payload[got:end])
+                            if not n:
+                                break
+                            got += n
+                        if got < end:
                             break
-                        got += n
-                    if got < end:
-                        break
-                    hasher.update(payload[start:end])
-                intact = got == header.payload_len and not f.read(1)
-            if intact and hasher.digest() == header.checksum:
+                        hasher.update(payload[start:end])
+                    intact = got == header.payload_len and not f.read(1)
+                finally:
+                    checksum = hasher.digest()  # also waits until the thread is done with `payload`
+            if intact and checksum == header.checksum:
                 return obj, _Read.OK
             logger.warning("disk tier: %s is truncated or corrupted", path)
             outcome = _Read.BAD
@@ -514,6 +526,7 @@ class LocalDiskBackend(StorageBackendInterface):
             pools = [p for p in (self._writer_pool, self._reader_pool) if p is not None]
         for pool in pools:
             pool.shutdown(wait=True)
+        self._hash_thread.close()
 
     # ---- threads ---------------------------------------------------------------------------
 
