@@ -168,6 +168,23 @@ def test_banded_store_transposes_match_reference(layout: KVLayout, dtype: torch.
     assert_same_bytes(c.obj, want)
 
 
+@pytest.mark.parametrize("block_size,head_size", [(16, 256), (48, 256), (1040, 16)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64, torch.uint8], ids=str)
+@pytest.mark.parametrize("layout", [KVLayout.CPU_ATTN, KVLayout.CPU_PACKED], ids=lambda layout: layout.name)
+def test_banded_retrieve_transposes_match_reference(layout: KVLayout, dtype: torch.dtype, block_size: int,
+                                                    head_size: int) -> None:
+    """Retrieves into whole blocks, whose transposes go through an L1 tile streamed out as one span
+    (cpu/transpose.h, `transpose_into_block`): several bands per head with a short last one, and
+    blocks whose token rows exceed the tile (1040 x 8 bytes), which take the plain transpose."""
+    c = make_case(layout, dtype, num_heads=2, head_size=head_size, block_size=block_size, num_blocks=6,
+                  num_tokens=3 * block_size, start=0, prefix=0)
+    want_k, want_v = clone_caches(c)
+    reference_retrieve(c, want_k, want_v)
+    run_multi(c, to_cache=True)
+    for got, want in zip(c.keys + c.values, want_k + want_v):
+        assert_same_bytes(got, want)
+
+
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda layout: layout.name)
 def test_round_trip_through_other_blocks(layout: KVLayout) -> None:
     """Store from one set of slots, retrieve into another: the tokens' K/V follow them."""

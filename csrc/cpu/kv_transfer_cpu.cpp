@@ -87,7 +87,8 @@ void transpose_run(const TransferPlan& p, int kv, char* cache, char* obj, const 
     U* c = reinterpret_cast<U*>(cache + (c0 + h * head_stride) * ES);
     U* o = reinterpret_cast<U*>(obj + (run.token * g.hidden() + h * g.head_size) * ES);
     if (p.to_cache) {
-      cpu::transpose<U>(o, row, c, unit_stride, run.count, units, cpu::Order::kDestBands);
+      if (!cpu::transpose_into_block<U>(o, row, c, unit_stride, run.count, units))
+        cpu::transpose<U>(o, row, c, unit_stride, run.count, units, cpu::Order::kDestBands);
     } else {
       if (long_rows) cpu::transpose<U>(c, unit_stride, o, row, units, run.count, cpu::Order::kSourceBands);
       else cpu::transpose_to_rows<U>(c, unit_stride, o, row, units, run.count);

@@ -293,5 +293,27 @@ void transpose_to_rows(const T* src, int64_t ss, T* dst, int64_t ds, int64_t row
   }
 }
 
+// `transpose` from object rows into a paged cache block (a retrieve) whose destination rows
+// follow each other with no gap (`ds == rows`: a whole block's tokens), so the block's bytes are
+// one contiguous span: bands of it are transposed into `tile` (in L1) and streamed out whole with
+// non-temporal stores, sparing the read-for-ownership of every destination line that plain tile
+// stores pay. False (nothing moved) when the destination is not such a span.
+constexpr int64_t kRetrieveTileBytes = 8192;
+
+template <typename T>
+bool transpose_into_block(const T* src, int64_t ss, T* dst, int64_t ds, int64_t rows, int64_t cols) {
+  constexpr int64_t unit = sizeof(T);
+  const int64_t row_bytes = rows * unit;
+  if (ds != rows || row_bytes > kRetrieveTileBytes) return false;
+  alignas(64) static thread_local T tile[kRetrieveTileBytes / unit];
+  const int64_t band = kRetrieveTileBytes / row_bytes;  // destination rows per band
+  for (int64_t c0 = 0; c0 < cols; c0 += band) {
+    const int64_t bc = cols - c0 < band ? cols - c0 : band;
+    transpose(src + c0, ss, tile, rows, rows, bc, Order::kDestBands);
+    stream_bytes(dst + c0 * ds, tile, bc * row_bytes);
+  }
+  return true;
+}
+
 }  // namespace cpu
 }  // namespace lmcache
