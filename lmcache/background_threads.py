@@ -9,6 +9,13 @@ threads therefore calls `prepare_thread` first: it takes the process's whole CPU
 scheduler can run it on any allowed core, carries a name `top -H` and `/proc/<pid>/task/*/comm`
 show, and - for work nothing waits on (tier writes, prefault) - a lower priority, so the model's
 threads win a core they share with it.
+
+It also runs its torch work without an OpenMP team of its own. A thread that opens a parallel region
+gets a second team from the same libgomp as the model's; with more OpenMP threads in the process than
+CPUs, libgomp cuts every thread's spin-wait from ~300,000 iterations to 100 before it sleeps, so the
+model's OpenMP worker sleeps between the forward pass's parallel regions and each region waits for it
+to wake (a scratch test: small parallel ops on the main thread ran 1.5-1.7x slower once another thread
+had run one parallel op; not at all when that thread ran single-threaded).
 """
 
 from __future__ import annotations
@@ -16,7 +23,7 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
-from typing import Callable, Set
+from typing import Callable, Optional, Set
 
 from lmcache.logging import init_logger
 
@@ -55,10 +62,31 @@ def _set_name(name: str) -> None:
         pass
 
 
+def _load_omp_set_num_threads() -> Optional[Callable[[int], None]]:
+    try:
+        return ctypes.CDLL(None).omp_set_num_threads
+    except (OSError, AttributeError):  # no OpenMP runtime loaded: no team to keep out of
+        return None
+
+
+def _single_openmp_thread() -> None:
+    """Make the calling thread's torch ops run inline, never opening an OpenMP team; the process's
+    setting (what `torch.get_num_threads()` gives every other thread) stays as it is, which
+    `torch.set_num_threads(1)` would change for threads that start torch work later."""
+    import torch  # late: only threads that may run torch work pay for it here
+
+    torch.get_num_threads()  # torch's per-thread first-use setup, which would undo the line below
+    set_threads = _load_omp_set_num_threads()
+    if set_threads is not None:
+        set_threads(1)
+
+
 def prepare_thread(name: str, background: bool) -> None:
-    """Call first on a thread of ours: whole CPU mask, OS-visible `name`, and with `background`
-    (nothing waits for its work) `BACKGROUND_NICE` added to its priority."""
+    """Call first on a thread of ours: whole CPU mask, OS-visible `name`, a single OpenMP thread
+    for its torch work, and with `background` (nothing waits for its work) `BACKGROUND_NICE`
+    added to its priority."""
     _set_name(name)
+    _single_openmp_thread()
     if not hasattr(os, "sched_setaffinity"):
         return
     try:

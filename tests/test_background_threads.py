@@ -107,3 +107,20 @@ def test_prefault_thread_is_unpinned_at_background_priority(monkeypatch):
         host_memory.host_buffer(4 * host_memory.HUGE_PAGE)
     assert done.wait(10)
     assert seen == [("lmc-prefault", process_cpus(), _expected(nice, True))]
+
+
+def test_prepared_threads_run_torch_work_without_an_openmp_team():
+    """A second OpenMP team in the process makes libgomp cut every thread's spin-wait, the model's
+    OpenMP worker included: our threads run their torch work inline, and the setting every other
+    thread gets stays the process's."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        seen = _on_thread(lambda: (prepare_thread("lmc-test-thread", False), torch.get_num_threads())[1])
+        assert seen == 1
+        assert _on_thread(torch.get_num_threads) == 2  # a thread that is not ours
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
