@@ -1,9 +1,10 @@
 """Payload checksums computed on a thread of their own, one piece behind the reader.
 
 Reading a chunk file from the page cache is a kernel copy; hashing each piece right after it on
-the same thread held the disk tier's read to ~0.77 of the plain file read (`bench_engine.py`). Handing each piece to this thread instead lets the next piece's copy run
-on one core while the last one is hashed on the other (xxhash releases the GIL), and the piece is
-still in the shared cache when it is hashed.
+the same thread held the disk tier's read to ~0.77 of the plain file read (`bench_engine.py`).
+Handing each piece to this thread instead lets the next piece's copy run on one core while the
+last one is hashed on the other (xxhash releases the GIL), and the piece is still in the shared
+cache when it is hashed.
 
 The queue is bounded by construction: a reader queues at most one item per piece of the payload
 in hand and waits for its digest before it reads another payload.

@@ -307,7 +307,8 @@ class LocalDiskBackend(StorageBackendInterface):
         try:
             payload = chunk_format.memory_obj_payload(obj)
             meta = obj.metadata
-            unsummed = chunk_format.encode_header(key, meta.shape, meta.dtype, meta.fmt, payload, bytes(chunk_format.CHECKSUM_BYTES))
+            placeholder = bytes(chunk_format.CHECKSUM_BYTES)  # the header's length does not depend on it
+            unsummed = chunk_format.encode_header(key, meta.shape, meta.dtype, meta.fmt, payload, placeholder)
             with self._create(tmp) as f:
                 # The payload first, each piece hashed right after the write has read it (still in
                 # cache: hashing the whole payload first read it from memory twice), then the header.
