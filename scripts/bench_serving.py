@@ -354,23 +354,14 @@ def print_table(summaries: dict, rat: dict, tgt: list) -> None:
 
 
 def memcpy_gbps(nbytes: int = 256 << 20, rounds: int = 7) -> float:
-    """The limit for the copy inside our hits, measured here after the servers stopped: a torch
-    copy between two host buffers of the CPU tier's kind (as `bench_engine.py` measures it)."""
+    """The limit for the copy inside our hits, measured here after the servers stopped:
+    `bench_engine.py`'s memcpy (a torch copy between two host buffers of the CPU tier's kind)."""
     import statistics
 
-    import torch
+    from bench_engine import Memcpy  # late: torch and the engine only where there are hits
 
-    from lmcache.experimental.memory_management.host_memory import host_buffer
-
-    src, dst = host_buffer(nbytes, prefault=False), host_buffer(nbytes, prefault=False)
-    src.fill_(1)  # both faulted in here, before the timed copies
-    dst.zero_()
-    seconds = []
-    for _ in range(rounds):
-        start = time.perf_counter()
-        dst.copy_(src)
-        seconds.append(time.perf_counter() - start)
-    return nbytes / statistics.median(seconds) / 1e9
+    copy = Memcpy(nbytes)
+    return nbytes / statistics.median(copy() for _ in range(rounds)) / 1e9
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -198,6 +198,7 @@ def test_layerwise_target_compares_our_two_hits_without_a_vllm_alone_run():
     [layerwise] = [t for t in targets(r) if t["target"] == "repeat: layer-wise hit TTFT / without"]
     assert layerwise["measured"] == pytest.approx(0.8) and layerwise["met"] is True
 
+
 def test_hit_retrieve_rate_sums_every_process_of_a_kind_and_is_judged_against_memcpy():
     def run(seconds: float, loaded: int) -> dict:
         return {"lmcache_metrics": {"final": {"lmcache:time_to_retrieve_sum": seconds},
