@@ -7,8 +7,12 @@ competes with exactly the thread the step waits for, while the OpenMP threads' c
 whenever the model thread runs serial work (`docs/design.md`, "The no-reuse cost"). Each of our
 threads therefore calls `prepare_thread` first: it takes the process's whole CPU mask back, so the
 scheduler can run it on any allowed core, carries a name `top -H` and `/proc/<pid>/task/*/comm`
-show, and - for work nothing waits on (tier writes, prefault) - a lower priority, so the model's
-threads win a core they share with it.
+show, and - for work nothing waits on (tier writes, prefault) - the `SCHED_IDLE` policy: it runs only
+on a core nothing else wants, and a model thread that wakes takes the core back at once. (At nice +10
+it still cost the no-reuse benchmark ~1.5% of throughput: a waking thread of normal policy does not
+always preempt a niced one.) Such a thread may therefore wait as long as every core is busy, so work
+handed to one has a bounded backlog and is dropped beyond it (the disk tier's writes, the remote
+put queue).
 
 It also runs its torch work without an OpenMP team of its own. A thread that opens a parallel region
 gets a second team from the same libgomp as the model's; with more OpenMP threads in the process than
@@ -22,6 +26,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import sys
 import threading
 from typing import Callable, Optional, Set
 
@@ -29,9 +34,7 @@ from lmcache.logging import init_logger
 
 logger = init_logger(__name__)
 
-# Nice added to threads nothing waits on: CFS weight 110 against the model threads' 1024, so on a
-# shared core the model keeps ~90% while the write still progresses (never starved, as nice 19's
-# 15 would nearly be under load).
+# Nice added to threads nothing waits on where the OS has no SCHED_IDLE (not Linux).
 BACKGROUND_NICE = 10
 _PR_SET_NAME = 15
 _COMM_BYTES = 15  # the kernel keeps 15 bytes of a thread's name
@@ -72,8 +75,11 @@ def _load_omp_set_num_threads() -> Optional[Callable[[int], None]]:
 def _single_openmp_thread() -> None:
     """Make the calling thread's torch ops run inline, never opening an OpenMP team; the process's
     setting (what `torch.get_num_threads()` gives every other thread) stays as it is, which
-    `torch.set_num_threads(1)` would change for threads that start torch work later."""
-    import torch  # late: only threads that may run torch work pay for it here
+    `torch.set_num_threads(1)` would change for threads that start torch work later. A process
+    without torch loaded (the `lm://` server) has no team to keep out of and does not load it."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return
 
     torch.get_num_threads()  # torch's per-thread first-use setup, which would undo the line below
     set_threads = _load_omp_set_num_threads()
@@ -83,22 +89,30 @@ def _single_openmp_thread() -> None:
 
 def prepare_thread(name: str, background: bool) -> None:
     """Call first on a thread of ours: whole CPU mask, OS-visible `name`, a single OpenMP thread
-    for its torch work, and with `background` (nothing waits for its work) `BACKGROUND_NICE`
-    added to its priority."""
+    for its torch work, and with `background` (nothing waits for its work) the idle policy."""
     _set_name(name)
     _single_openmp_thread()
-    if not hasattr(os, "sched_setaffinity"):
-        return
     try:
         os.sched_setaffinity(0, process_cpus())  # 0: the calling thread
-    except OSError as err:
+    except (AttributeError, OSError) as err:  # AttributeError: no CPU masks here (not Linux)
         logger.debug("thread %s keeps its CPU mask: %r", name, err)
     if background:
-        tid = threading.get_native_id()
-        try:
-            os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + BACKGROUND_NICE)
-        except OSError as err:
-            logger.debug("thread %s keeps its priority: %r", name, err)
+        _lower_priority(name)
+
+
+def _lower_priority(name: str) -> None:
+    """The calling thread to `SCHED_IDLE` (a one-way step: leaving it needs `CAP_SYS_NICE`), or
+    `BACKGROUND_NICE` added where there is no such policy."""
+    try:
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # 0: the calling thread
+        return
+    except (AttributeError, OSError) as err:
+        logger.debug("thread %s: no SCHED_IDLE (%r), lowering its nice instead", name, err)
+    tid = threading.get_native_id()
+    try:
+        os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + BACKGROUND_NICE)
+    except OSError as err:
+        logger.debug("thread %s keeps its priority: %r", name, err)
 
 
 def thread_initializer(name: str, background: bool) -> Callable[[], None]:

@@ -1,5 +1,5 @@
 """Our threads leave the model thread's core pin, carry an OS-visible name, and the ones nothing
-waits on run at a lower priority (background_threads.py; started from a thread pinned to one core,
+waits on run at idle priority (background_threads.py; started from a thread pinned to one core,
 as vLLM's CPU worker pins the model thread)."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pytest
 from helpers import key
 from tier_helpers import cpu, disk_store, disk_tier, remote_backend, remote_chunk, remote_cpu  # noqa: F401
 
-from lmcache.background_threads import BACKGROUND_NICE, prepare_thread, process_cpus
+from lmcache.background_threads import prepare_thread, process_cpus
 from lmcache.experimental.memory_management import host_memory
 from lmcache.integration.vllm.off_step_saver import OffStepSaver
 from lmcache.server import LMCacheServer, ServerConfig
@@ -21,20 +21,19 @@ pytestmark = pytest.mark.skipif(len(process_cpus()) < 2, reason="needs two CPUs 
 
 
 def _state() -> tuple[str, set, int]:
-    """(OS name, CPU mask, nice) of the calling thread."""
-    tid = threading.get_native_id()
-    with open(f"/proc/self/task/{tid}/comm") as f:
+    """(OS name, CPU mask, scheduling policy) of the calling thread."""
+    with open(f"/proc/self/task/{threading.get_native_id()}/comm") as f:
         comm = f.read().strip()
-    return comm, os.sched_getaffinity(0), os.getpriority(os.PRIO_PROCESS, tid)
+    return comm, os.sched_getaffinity(0), os.sched_getscheduler(0)
 
 
 @contextlib.contextmanager
 def _pinned():
-    """Pin the calling thread to one CPU, as vLLM pins the model thread; yields its nice."""
+    """Pin the calling thread to one CPU, as vLLM pins the model thread; yields its policy."""
     before = os.sched_getaffinity(0)
     os.sched_setaffinity(0, {min(before)})
     try:
-        yield os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+        yield os.sched_getscheduler(0)
     finally:
         os.sched_setaffinity(0, before)
 
@@ -47,26 +46,26 @@ def _on_thread(fn) -> tuple:
     return seen[0]
 
 
-def _expected(nice: int, background: bool) -> int:
-    return min(nice + BACKGROUND_NICE, 19) if background else nice
+def _expected(policy: int, background: bool) -> int:
+    return os.SCHED_IDLE if background else policy
 
 
 @pytest.mark.parametrize("background", [False, True])
-def test_prepare_thread_unpins_names_and_lowers_background_priority(background):
-    with _pinned() as nice:
+def test_prepare_thread_unpins_names_and_idles_background_threads(background):
+    with _pinned() as policy:
         assert _on_thread(lambda: _state()[1]) == {min(process_cpus())}  # inherited, as in vLLM
         state = _on_thread(lambda: (prepare_thread("lmc-test-thread", background), _state())[1])
-    assert state == ("lmc-test-thread", process_cpus(), _expected(nice, background))
+    assert state == ("lmc-test-thread", process_cpus(), _expected(policy, background))
 
 
 def test_saver_thread_is_unpinned_at_normal_priority():
     """The next step's flush waits for the saver: whole mask, but no lower priority."""
     seen = []
-    with _pinned() as nice:
+    with _pinned() as policy:
         saver = OffStepSaver("v1")
         saver.submit(lambda: seen.append(_state()), "test")
         saver.close()
-    assert seen == [("lmc-v1-save", process_cpus(), nice)]
+    assert seen == [("lmc-v1-save", process_cpus(), policy)]
 
 
 def test_disk_writer_is_unpinned_at_background_priority(tmp_path, cpu):  # noqa: F811 (cpu: fixture)
@@ -74,10 +73,10 @@ def test_disk_writer_is_unpinned_at_background_priority(tmp_path, cpu):  # noqa:
     seen = []
     real_save = disk._save
     disk._save = lambda *args: (seen.append(_state()), real_save(*args))[1]
-    with _pinned() as nice:
+    with _pinned() as policy:
         disk_store(disk, cpu, 1)
         disk.close()
-    assert seen == [("lmc-disk-write", process_cpus(), _expected(nice, True))]
+    assert seen == [("lmc-disk-write", process_cpus(), _expected(policy, True))]
 
 
 def test_remote_put_thread_is_unpinned_at_background_priority():
@@ -89,12 +88,12 @@ def test_remote_put_thread_is_unpinned_at_background_priority():
     real_send = backend._send
     backend._send = lambda batch: (seen.append(_state()), real_send(batch))[1]
     try:
-        with _pinned() as nice:
+        with _pinned() as policy:
             obj = remote_chunk(tier_cpu, 1)
             backend.submit_put_task(key(1), obj)
             obj.ref_count_down()
         backend.close()
-        assert seen and seen[0] == ("lmc-remote-put", process_cpus(), _expected(nice, True))
+        assert seen and seen[0] == ("lmc-remote-put", process_cpus(), _expected(policy, True))
     finally:
         srv.shutdown()
 
@@ -103,10 +102,10 @@ def test_prefault_thread_is_unpinned_at_background_priority(monkeypatch):
     seen = []
     done = threading.Event()
     monkeypatch.setattr(host_memory, "_prefault", lambda buf, span: (seen.append(_state()), done.set()))
-    with _pinned() as nice:
+    with _pinned() as policy:
         host_memory.host_buffer(4 * host_memory.HUGE_PAGE)
     assert done.wait(10)
-    assert seen == [("lmc-prefault", process_cpus(), _expected(nice, True))]
+    assert seen == [("lmc-prefault", process_cpus(), _expected(policy, True))]
 
 
 def test_prepared_threads_run_torch_work_without_an_openmp_team():

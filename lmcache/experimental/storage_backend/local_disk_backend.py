@@ -2,6 +2,9 @@
 
 - Writes go to a background writer thread (started on the first put, not at construction);
   the serving thread only queues them. Until a write lands, the pending object stays readable.
+  The writer runs at idle priority, so while every core is busy it may wait: the chunks waiting
+  for it pin CPU-tier memory, at most `max_pending_bytes` (half that tier's pool by default);
+  beyond it a write is dropped and counted (`dropped_writes`).
 - A file is written to a temporary name and `os.replace`d into place, so a reader sees either
   nothing or a whole file. Its name comes from a hash of the key string, never from user text.
 - Every file starts with a `chunk_format` header. A file that is truncated, corrupted, foreign
@@ -43,6 +46,10 @@ logger = init_logger(__name__)
 
 FILE_SUFFIX = ".lmck"
 TMP_SUFFIX = ".tmp"
+# Backlog bound where the CPU tier has no fixed pool to take half of.
+DEFAULT_MAX_PENDING_BYTES = 1 << 30
+# Log one "backlog full" line per this many dropped writes.
+_DROP_LOG_EVERY = 100
 
 
 @dataclass(frozen=True)
@@ -104,7 +111,8 @@ def _pid_alive(pid: int) -> bool:
 
 
 class LocalDiskBackend(StorageBackendInterface):
-    """Chunk files under `path`, at most `max_size_bytes` of them (headers included)."""
+    """Chunk files under `path`, at most `max_size_bytes` of them (headers included); at most
+    `max_pending_bytes` of chunks waiting to be written."""
 
     def __init__(
         self,
@@ -112,9 +120,17 @@ class LocalDiskBackend(StorageBackendInterface):
         max_size_bytes: int,
         local_cpu_backend: LocalCPUBackend,
         stats: Optional[TierStats] = None,
+        max_pending_bytes: Optional[int] = None,
     ) -> None:
         if max_size_bytes <= 0:
             raise ValueError(f"LocalDiskBackend max_size_bytes must be positive, got {max_size_bytes}")
+        if max_pending_bytes is None:
+            pool = local_cpu_backend.memory_allocator.total_bytes
+            max_pending_bytes = pool // 2 if pool is not None else DEFAULT_MAX_PENDING_BYTES
+        if max_pending_bytes <= 0:
+            raise ValueError(f"LocalDiskBackend max_pending_bytes must be positive, got {max_pending_bytes}")
+        self._max_pending_bytes = max_pending_bytes
+        self._pending_bytes = 0
         self._dir = os.path.abspath(path)
         os.makedirs(self._dir, exist_ok=True)
         self._max_bytes = max_size_bytes
@@ -282,9 +298,20 @@ class LocalDiskBackend(StorageBackendInterface):
                 return
             if key in self._index or key in self._put_tasks:
                 return
+            # One write is always let through, so a chunk larger than the bound is still written.
+            if self._put_tasks and self._pending_bytes + obj.get_size() > self._max_pending_bytes:
+                self._stats.record_dropped_write()
+                dropped = self._stats.snapshot().dropped_writes
+                if dropped % _DROP_LOG_EVERY == 1:
+                    logger.warning(
+                        "disk tier: %d bytes wait to be written (bound %d), dropping writes (%d so far)",
+                        self._pending_bytes, self._max_pending_bytes, dropped,
+                    )
+                return
             task = _PutTask(obj)
             obj.ref_count_up()
             self._put_tasks[key] = task
+            self._pending_bytes += obj.get_size()
             self._writer().submit(self._run_put_task, key, task)
 
     def _run_put_task(self, key: CacheEngineKey, task: _PutTask) -> None:
@@ -294,6 +321,7 @@ class LocalDiskBackend(StorageBackendInterface):
             with self._lock:
                 if self._put_tasks.get(key) is task:
                     del self._put_tasks[key]
+                self._pending_bytes -= task.obj.get_size()
             task.obj.ref_count_down()
 
     def _save(self, key: CacheEngineKey, task: Optional[_PutTask], obj: Optional[MemoryObj] = None) -> bool:
