@@ -123,3 +123,29 @@ def test_prepared_threads_run_torch_work_without_an_openmp_team():
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
+
+
+def test_server_receives_puts_at_idle_priority_and_answers_gets_at_normal():
+    """The `lm://` server beside an engine: a put's payload is received on an idle thread (no
+    client waits for it); gets and lookups stay on the connection's own thread."""
+    srv = LMCacheServer(ServerConfig(port=0, max_size_bytes=64 << 20))
+    host, port = srv.start_in_thread()
+    seen = {}
+    real_put, real_get = srv.store.put, srv.store.get
+    srv.store.put = lambda *args: (seen.setdefault("put", _state()), real_put(*args))[1]
+    srv.store.get = lambda *args: (seen.setdefault("get", _state()), real_get(*args))[1]
+    tier_cpu = remote_cpu()
+    backend = remote_backend(f"lm://{host}:{port}", cpu=tier_cpu)
+    try:
+        obj = remote_chunk(tier_cpu, 1)
+        backend.submit_put_task(key(1), obj)
+        obj.ref_count_down()
+        backend.flush()
+        got = backend.get_blocking(key(1))
+        assert got is not None
+        got.ref_count_down()
+    finally:
+        backend.close()
+        srv.shutdown()
+    assert seen["put"][0] == "lmc-server-put" and seen["put"][2] == os.SCHED_IDLE
+    assert seen["get"][0] != "lmc-server-put" and seen["get"][2] == os.SCHED_OTHER

@@ -3,7 +3,10 @@
 One thread accepts; each client connection gets its own thread that reads a frame, answers it
 and loops, so one client's pipelined requests are answered in order while other clients are
 served in parallel. Socket reads release the GIL, so large payloads from several clients move
-concurrently.
+concurrently. A put's payload is received on a thread of idle priority (`background_threads`),
+the connection's thread waiting for it: no client waits for a put to land (the engine's put
+thread does, in the background), while a get or lookup on the same host - the engine beside the
+server, whose model threads share its cores - does.
 
 What a hostile or broken peer can hold is bounded:
 - a frame has `frame_timeout_s` from its first byte to its last (a peer feeding one byte at a
@@ -38,9 +41,11 @@ import socket
 import ssl
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Optional
 
+from lmcache.background_threads import thread_initializer
 from lmcache.logging import init_logger
 from lmcache.server.protocol import (
     DEFAULT_MAX_PAYLOAD_BYTES,
@@ -226,6 +231,11 @@ class LMCacheServer:
         if config.tls_cert is not None and config.tls_key is not None:
             self._tls = server_tls_context(config.tls_cert, config.tls_key)
         self._accept_thread: Optional[threading.Thread] = None
+        # One receiving thread per connection at most, so a slow put never holds up another's.
+        self._put_pool = ThreadPoolExecutor(
+            max_workers=config.max_connections, thread_name_prefix="lmcache-server-put",
+            initializer=thread_initializer("lmc-server-put", background=True),
+        )
 
     @property
     def pending_limit(self) -> int:
@@ -316,6 +326,7 @@ class LMCacheServer:
             conns = list(self._connections)
         for conn in conns:
             _hang_up(conn)
+        self._put_pool.shutdown(wait=False)
 
     def info(self) -> dict[str, int]:
         """Store counters plus connection counters (what `INFO` returns)."""
@@ -543,7 +554,7 @@ class LMCacheServer:
         # A reply has as long as a request to drain into a client that stopped reading.
         conn.settimeout(self.config.frame_timeout_s)
         if op == Op.PUT:
-            self._put(conn, key, header.payload_len, deadline)
+            self._put_pool.submit(self._put, conn, key, header.payload_len, deadline).result()
         elif op == Op.GET:
             if self.config.get_delay_s:
                 time.sleep(self.config.get_delay_s)  # this connection only; others are served meanwhile
