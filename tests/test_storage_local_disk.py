@@ -15,7 +15,7 @@ from tier_helpers import DISK_SHAPE, cpu, disk_expected, disk_obj, disk_store, d
 from lmcache.experimental.memory_management import MemoryFormat
 from lmcache.experimental.stats import TierStats
 from lmcache.experimental.storage_backend import chunk_format
-from lmcache.experimental.storage_backend.local_disk_backend import LocalDiskBackend, file_name_for
+from lmcache.experimental.storage_backend.local_disk_backend import MIN_PENDING_CHUNKS, LocalDiskBackend, file_name_for
 
 DISK_BYTES = DISK_SHAPE.numel() * 2  # bfloat16
 
@@ -62,26 +62,33 @@ def test_write_backlog_is_bounded_and_drops_beyond_it(tmp_path, cpu):
     """The writer runs at idle priority and may wait long: the chunks waiting for it (which pin
     CPU-tier memory) stay under max_pending_bytes; a write beyond it is dropped and counted."""
     stats = TierStats()
-    disk = LocalDiskBackend(str(tmp_path), 1 << 20, cpu, stats, max_pending_bytes=2 * DISK_BYTES)
+    disk = LocalDiskBackend(str(tmp_path), 1 << 20, cpu, stats, max_pending_bytes=10 * DISK_BYTES)
     release = threading.Event()
     real_save = disk._save
     disk._save = lambda *args: (release.wait(), real_save(*args))[1]
-    disk_store(disk, cpu, 1, 2, 3, 4)
-    assert [disk.exists_in_put_tasks(key(i)) for i in (1, 2, 3, 4)] == [True, True, False, False]
+    disk_store(disk, cpu, *range(12))
+    assert [disk.exists_in_put_tasks(key(i)) for i in range(12)] == [True] * 10 + [False] * 2
     assert stats.snapshot().dropped_writes == 2
     release.set()
     disk.flush()
-    disk_store(disk, cpu, 3)  # the backlog drained: accepted again
+    disk_store(disk, cpu, 10)  # the backlog drained: accepted again
     disk.close()
-    assert sorted(disk.keys(), key=lambda k: k.chunk_hash) == [key(1), key(2), key(3)]
+    assert sorted(disk.keys(), key=lambda k: k.chunk_hash) == sorted(map(key, range(11)), key=lambda k: k.chunk_hash)
     assert stats.snapshot().dropped_writes == 2 and cpu.memory_allocator.used_bytes == 0
 
 
-def test_a_chunk_larger_than_the_backlog_bound_is_still_written(tmp_path, cpu):
-    disk = LocalDiskBackend(str(tmp_path), 1 << 20, cpu, max_pending_bytes=DISK_BYTES // 2)
-    disk_store(disk, cpu, 1)
+def test_a_few_chunks_may_wait_whatever_the_byte_bound(tmp_path, cpu):
+    """A writer one store behind drops nothing, however small the CPU pool's half."""
+    stats = TierStats()
+    disk = LocalDiskBackend(str(tmp_path), 1 << 20, cpu, stats, max_pending_bytes=DISK_BYTES // 2)
+    release = threading.Event()
+    real_save = disk._save
+    disk._save = lambda *args: (release.wait(), real_save(*args))[1]
+    disk_store(disk, cpu, *range(MIN_PENDING_CHUNKS + 1))
+    assert stats.snapshot().dropped_writes == 1
+    release.set()
     disk.close()
-    assert disk.keys() == [key(1)]
+    assert len(disk.keys()) == MIN_PENDING_CHUNKS
 
 
 def test_backlog_bound_defaults_to_half_the_cpu_pool(tmp_path, cpu):

@@ -3,8 +3,9 @@
 - Writes go to a background writer thread (started on the first put, not at construction);
   the serving thread only queues them. Until a write lands, the pending object stays readable.
   The writer runs at idle priority, so while every core is busy it may wait: the chunks waiting
-  for it pin CPU-tier memory, at most `max_pending_bytes` (half that tier's pool by default);
-  beyond it a write is dropped and counted (`dropped_writes`).
+  for it pin CPU-tier memory, at most `max_pending_bytes` (half that tier's pool by default)
+  once more than `MIN_PENDING_CHUNKS` wait; beyond it a write is dropped and counted
+  (`dropped_writes`).
 - A file is written to a temporary name and `os.replace`d into place, so a reader sees either
   nothing or a whole file. Its name comes from a hash of the key string, never from user text.
 - Every file starts with a `chunk_format` header. A file that is truncated, corrupted, foreign
@@ -48,6 +49,9 @@ FILE_SUFFIX = ".lmck"
 TMP_SUFFIX = ".tmp"
 # Backlog bound where the CPU tier has no fixed pool to take half of.
 DEFAULT_MAX_PENDING_BYTES = 1 << 30
+# Chunks always let wait, whatever their size: one store's worth (a 2048-token prompt in chunks of
+# 256), so a writer only a store behind never drops; the byte bound is for one starved for long.
+MIN_PENDING_CHUNKS = 8
 # Log one "backlog full" line per this many dropped writes.
 _DROP_LOG_EVERY = 100
 
@@ -298,8 +302,8 @@ class LocalDiskBackend(StorageBackendInterface):
                 return
             if key in self._index or key in self._put_tasks:
                 return
-            # One write is always let through, so a chunk larger than the bound is still written.
-            if self._put_tasks and self._pending_bytes + obj.get_size() > self._max_pending_bytes:
+            over = self._pending_bytes + obj.get_size() > self._max_pending_bytes
+            if over and len(self._put_tasks) >= MIN_PENDING_CHUNKS:
                 self._stats.record_dropped_write()
                 dropped = self._stats.snapshot().dropped_writes
                 if dropped % _DROP_LOG_EVERY == 1:
