@@ -14,7 +14,7 @@ from helpers import key
 from redis_fixture import RedisServer
 from tier_helpers import remote_chunk, remote_cpu
 
-from lmcache.experimental.remote.connector import RemoteConnector, RemoteUnavailableError
+from lmcache.experimental.remote.connector import Parts, RemoteConnector, RemoteUnavailableError
 from lmcache.experimental.remote.lm_connector import LMServerConnector
 from lmcache.experimental.remote.redis_connector import RedisConnector
 from lmcache.experimental.remote.serde import NaiveSerde
@@ -33,6 +33,35 @@ def test_redis_put_sends_a_large_value_without_copying_it() -> None:
     assert b"".join(bytes(p) for p in parts).startswith(b"*3\r\n$3\r\nSET\r\n")
     small = packer.pack("GET", "lmcache:key")
     assert b"".join(small) == b"*2\r\n$3\r\nGET\r\n$11\r\nlmcache:key\r\n"
+
+
+def test_naive_parts_are_the_header_and_a_view_of_the_payload() -> None:
+    cpu = remote_cpu()
+    obj = remote_chunk(cpu, seed=1)
+    parts = NaiveSerde().encode_parts(key(1), obj)
+    assert parts.joined() == NaiveSerde().encode(key(1), obj)
+    before = bytes(parts.buffers[1])
+    obj.tensor.view(-1)[0] += 1  # the payload part is the object's memory, not a copy
+    assert bytes(parts.buffers[1]) != before
+    obj.ref_count_down()
+
+
+def test_lm_put_sends_each_large_part_without_joining(monkeypatch) -> None:
+    """Joining a chunk's header and payload would copy megabytes under the GIL."""
+    srv = LMCacheServer(ServerConfig(port=0, max_size_bytes=64 << 20))
+    srv.start_in_thread()
+    conn = LMServerConnector(*srv.address)
+    sent = []
+    real_sendall = socket.socket.sendall
+    monkeypatch.setattr(socket.socket, "sendall", lambda self, data, *a: (sent.append(data), real_sendall(self, data, *a))[1])
+    header, payload = b"h" * 100, memoryview(os.urandom(1 << 20))
+    try:
+        assert conn.batched_put([("k", Parts((header, payload)))]) == [True]
+        assert any(data is payload for data in sent), "the payload was copied before sending"
+        assert bytes(conn.get("k")) == header + bytes(payload)
+    finally:
+        conn.close()
+        srv.shutdown()
 
 
 # ---- gets: each value is read off the socket by its receiver (value_reader.py) ----------------

@@ -14,12 +14,42 @@ Errors split in two on purpose:
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Optional, Sequence, Tuple, Union
 
 if TYPE_CHECKING:
     from lmcache.experimental.remote.value_reader import ValueReader
 
 Buffer = Union[bytes, bytearray, memoryview]
+
+
+@dataclass(frozen=True)
+class Parts:
+    """A value stored as its buffers one after the other, sent without joining them where the
+    protocol allows (`lm://`): joining a chunk's header and payload copies megabytes while
+    holding the GIL, which the put thread - at idle priority, so possibly preempted meanwhile -
+    would take from the model's Python thread."""
+
+    buffers: Tuple[Buffer, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(memoryview(b).nbytes for b in self.buffers)
+
+    def joined(self) -> bytes:
+        return b"".join(self.buffers)
+
+
+# What a put stores: one buffer, or parts.
+Value = Union[Buffer, Parts]
+
+
+def value_nbytes(value: Value) -> int:
+    return value.nbytes if isinstance(value, Parts) else memoryview(value).nbytes
+
+
+def value_buffers(value: Value) -> Tuple[Buffer, ...]:
+    return value.buffers if isinstance(value, Parts) else (value,)
 # Called with (index in the keys, the value) for every key found, in order (`batched_get_into`).
 Receive = Callable[[int, "ValueReader"], None]
 
@@ -44,7 +74,7 @@ class RemoteConnector(ABC):
         """The value under `key`, or None if absent."""
         return self.batched_get([key])[0]
 
-    def put(self, key: str, value: Buffer) -> bool:
+    def put(self, key: str, value: Value) -> bool:
         """Store `value`; True once the server acknowledged it, False if it refused it."""
         return self.batched_put([(key, value)])[0]
 
@@ -72,7 +102,7 @@ class RemoteConnector(ABC):
                 receive(i, BufferReader(value))
 
     @abstractmethod
-    def batched_put(self, items: Sequence[Tuple[str, Buffer]]) -> list[bool]:
+    def batched_put(self, items: Sequence[Tuple[str, Value]]) -> list[bool]:
         """`put` for many values, pipelined; one acknowledgement per item, in order."""
 
     @abstractmethod

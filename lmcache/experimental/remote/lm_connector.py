@@ -40,6 +40,9 @@ from lmcache.experimental.remote.connector import (
     RemoteAuthError,
     RemoteConnector,
     RemoteUnavailableError,
+    Value,
+    value_buffers,
+    value_nbytes,
 )
 from lmcache.experimental.remote.value_reader import SocketReader
 from lmcache.logging import init_logger
@@ -74,7 +77,7 @@ _AUTH_LOG_EVERY = 100
 class _Request:
     op: Op
     key: bytes = b""
-    payload: Optional[Buffer] = None
+    payload: Optional[Value] = None
 
 
 @dataclass(frozen=True)
@@ -219,7 +222,7 @@ class LMServerConnector(RemoteConnector):
             return self._max_payload
         return min(self._max_payload, self._server_limit)
 
-    def batched_put(self, items: Sequence[Tuple[str, Buffer]]) -> list[bool]:
+    def batched_put(self, items: Sequence[Tuple[str, Value]]) -> list[bool]:
         results: list[bool] = [False] * len(items)
         if not items:
             return results
@@ -229,7 +232,7 @@ class LMServerConnector(RemoteConnector):
         requests: list[_Request] = []
         slots: list[int] = []
         for i, (key, value) in enumerate(items):
-            size = memoryview(value).nbytes
+            size = value_nbytes(value)
             if size > limit:
                 self._refuse_too_large(key, size, limit)
                 continue
@@ -350,15 +353,16 @@ class _Exchange:
     def _send_window(self, window: Sequence[_Request]) -> None:
         pending: list[bytes] = []
         for request in window:
-            size = 0 if request.payload is None else memoryview(request.payload).nbytes
+            size = 0 if request.payload is None else value_nbytes(request.payload)
             pending.append(pack_header(request.op, Status.OK, len(request.key), size))
             pending.append(request.key)
-            if size >= _ZERO_COPY_BYTES:
-                self._sock.sendall(b"".join(pending))
-                pending.clear()
-                self._sock.sendall(request.payload)  # type: ignore[arg-type]
-            elif size:
-                pending.append(bytes(request.payload))  # type: ignore[arg-type]
+            for part in () if request.payload is None else value_buffers(request.payload):
+                if memoryview(part).nbytes >= _ZERO_COPY_BYTES:
+                    self._sock.sendall(b"".join(pending))
+                    pending.clear()
+                    self._sock.sendall(part)
+                else:
+                    pending.append(bytes(part))
         if pending:
             self._sock.sendall(b"".join(pending))
 

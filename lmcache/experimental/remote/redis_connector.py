@@ -38,7 +38,15 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
 from lmcache.experimental.config import RemoteUrl
-from lmcache.experimental.remote.connector import Buffer, Receive, RemoteConnector, RemoteUnavailableError
+from lmcache.experimental.remote.connector import (
+    Buffer,
+    Parts,
+    Receive,
+    RemoteConnector,
+    RemoteUnavailableError,
+    Value,
+    value_nbytes,
+)
 from lmcache.experimental.remote.resp_get import RESP_PROTOCOL, pipelined_get_into
 from lmcache.logging import init_logger
 
@@ -175,7 +183,7 @@ class RedisConnector(RemoteConnector):
         except _UNAVAILABLE as err:
             raise self._unavailable(err) from err
 
-    def batched_put(self, items: Sequence[Tuple[str, Buffer]]) -> list[bool]:
+    def batched_put(self, items: Sequence[Tuple[str, Value]]) -> list[bool]:
         if not items:
             return []
         data, _ = self._clients()
@@ -184,7 +192,7 @@ class RedisConnector(RemoteConnector):
         commands: list[tuple] = []
         slots: list[int] = []
         for i, (key, value) in enumerate(items):
-            size = memoryview(value).nbytes
+            size = value_nbytes(value)
             if size > limit:
                 refusals = self._count_refusal("oversize")
                 if refusals % _OOM_LOG_EVERY == 1:
@@ -198,7 +206,8 @@ class RedisConnector(RemoteConnector):
                         refusals,
                     )
                 continue
-            command: tuple = ("SET", self._prefix + key, value)
+            # A Redis value is one bulk string: parts are joined.
+            command: tuple = ("SET", self._prefix + key, value.joined() if isinstance(value, Parts) else value)
             if self._ttl_ms is not None:
                 command += ("PX", self._ttl_ms)
             commands.append(command)
@@ -206,13 +215,13 @@ class RedisConnector(RemoteConnector):
         try:
             replies = self._run(data, commands)
         except RemoteUnavailableError:
-            if not self._rejected_for_size([memoryview(items[i][1]).nbytes for i in slots]):
+            if not self._rejected_for_size([value_nbytes(items[i][1]) for i in slots]):
                 raise
             # Again under the lowered limit: what is still too long is refused without sending.
             return self.batched_put(items)
         for slot, reply in zip(slots, replies):
             if _is_too_long(reply):
-                self._learn_limit(memoryview(items[slot][1]).nbytes, items[slot][0])
+                self._learn_limit(value_nbytes(items[slot][1]), items[slot][0])
             elif isinstance(reply, OutOfMemoryError) or (
                 isinstance(reply, ResponseError) and str(reply).startswith("OOM")
             ):

@@ -293,9 +293,15 @@ def memory_obj_payload(obj: MemoryObj) -> memoryview:
 
 def encode_memory_obj(key: Union[CacheEngineKey, str], obj: MemoryObj) -> bytes:
     """Header + payload of `obj` as one bytes object (for the wire)."""
+    header, payload = encode_memory_obj_parts(key, obj)
+    return header + payload
+
+
+def encode_memory_obj_parts(key: Union[CacheEngineKey, str], obj: MemoryObj) -> Tuple[bytes, memoryview]:
+    """`encode_memory_obj` as its header and a view of the object's payload, not copied."""
     payload = memory_obj_payload(obj)
     meta = obj.metadata
-    return encode_header(key, meta.shape, meta.dtype, meta.fmt, payload) + payload
+    return encode_header(key, meta.shape, meta.dtype, meta.fmt, payload), payload
 
 
 def decode_into(

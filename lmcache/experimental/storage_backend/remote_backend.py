@@ -391,7 +391,7 @@ class RemoteBackend(StorageBackendInterface):
         sent: List[_PutTask] = []
         for task in batch:
             try:
-                encoded.append((task.key.to_string(), self._serde.encode(task.key, task.obj)))
+                encoded.append((task.key.to_string(), self._serde.encode_parts(task.key, task.obj)))
                 sent.append(task)
             except Exception as err:  # a chunk we cannot encode is a dropped put
                 logger.warning("remote tier: cannot encode chunk %s: %r", task.key.chunk_hash, err)

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Callable, Optional, Union
 import torch
 
 from lmcache.experimental.memory_management import MemoryFormat, MemoryObj
+from lmcache.experimental.remote.connector import Parts
 from lmcache.utils import CacheEngineKey
 
 if TYPE_CHECKING:
@@ -27,6 +28,10 @@ class Serde(ABC):
     @abstractmethod
     def encode(self, key: KeyLike, obj: MemoryObj) -> bytes:
         """The complete stored value for `obj` under `key` (header included)."""
+
+    def encode_parts(self, key: KeyLike, obj: MemoryObj) -> Parts:
+        """`encode` as parts a connector may send without joining (valid while `obj` is)."""
+        return Parts((self.encode(key, obj),))
 
     @abstractmethod
     def decode(

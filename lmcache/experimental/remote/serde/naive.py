@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Optional
 import torch
 
 from lmcache.experimental.memory_management import MemoryFormat, MemoryObj
+from lmcache.experimental.remote.connector import Parts
 from lmcache.experimental.remote.serde.base import AllocateFn, Buffer, KeyLike, Serde
 from lmcache.experimental.remote.serde.cachegen import is_cachegen_chunk
 from lmcache.experimental.remote.serde.safetensor import is_safetensor_chunk
@@ -27,6 +28,9 @@ class NaiveSerde(Serde):
 
     def encode(self, key: KeyLike, obj: MemoryObj) -> bytes:
         return chunk_format.encode_memory_obj(key, obj)
+
+    def encode_parts(self, key: KeyLike, obj: MemoryObj) -> Parts:
+        return Parts(chunk_format.encode_memory_obj_parts(key, obj))  # the payload is not copied
 
     def decode(
         self, key: KeyLike, data: Buffer, allocate: AllocateFn, dtype: Optional[torch.dtype] = None
