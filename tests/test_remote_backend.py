@@ -287,3 +287,32 @@ def test_get_of_a_chunk_being_prefetched_waits_instead_of_reading_twice(lm_serve
 
 def test_unavailable_error_is_a_connection_error() -> None:
     assert issubclass(RemoteUnavailableError, ConnectionError)
+
+
+def test_store_path_asks_the_server_nothing_and_a_stored_chunk_is_not_resent(lm_server) -> None:
+    """A store's skip test is local (a round trip per chunk would sit in the store); the put
+    thread asks once per batch and sends only what the server lacks."""
+    cpu = remote_cpu()
+    writer = remote_backend(_lm_url(lm_server), cpu=cpu)
+    first = remote_chunk(cpu, seed=1)
+    writer.submit_put_task(key(1), first)
+    first.ref_count_down()
+    assert writer.flush(10)
+    writer.close()
+
+    backend = remote_backend(_lm_url(lm_server), cpu=cpu)
+    asked = []
+    real_exists = backend._connector.batched_exists
+    backend._connector.batched_exists = lambda keys: (asked.append(len(keys)), real_exists(keys))[1]
+    assert backend.contains(key(1)) and asked == [1]  # a lookup asks the server...
+    assert not backend.contains_locally(key(1)) and asked == [1]  # ...a store's skip test does not
+    for i in (1, 2):
+        obj = remote_chunk(cpu, seed=i)
+        backend.submit_put_task(key(i), obj)
+        assert backend.contains_locally(key(i))  # pending
+        obj.ref_count_down()
+    assert backend.flush(10)
+    stats = backend.remote_stats()
+    assert stats.puts_skipped_stored == 1 and stats.puts_acknowledged == 1
+    assert sum(asked[1:]) == 2  # one pipelined EXISTS per batch, before sending it
+    backend.close()

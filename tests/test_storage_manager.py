@@ -142,3 +142,25 @@ def test_factory_builds_tiers_from_config(tmp_path):
     obj = manager.allocate(torch.Size([2, 1, 4, 64]), torch.float32)  # the CPU tier still allocates
     assert obj is not None
     obj.ref_count_down()
+
+
+def test_put_hands_to_every_tier_without_asking_contains():
+    """Each tier skips what it holds by itself: a `contains` per tier and chunk would be a round
+    trip per chunk for the remote tier, on top of the store's own skip test."""
+
+    class AskedTier(LocalCPUBackend):
+        asked = 0
+        tier_name = "Asked"
+
+        def contains(self, key) -> bool:
+            self.asked += 1
+            return super().contains(key)
+
+    cpu = LocalCPUBackend(HostMemoryAllocator(8 * 2048))
+    other = AskedTier(HostMemoryAllocator(8 * 2048))
+    manager = StorageManager(cpu, [cpu, other])
+    put(manager, 1)
+    put(manager, 1)  # held already: each tier keeps its one copy
+    assert other.asked == 0 and other.keys() == [key(1)] and cpu.keys() == [key(1)]
+    assert manager.contains_locally(key(1)) and not manager.contains_locally(key(2))
+    manager.close()

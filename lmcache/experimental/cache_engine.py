@@ -107,8 +107,9 @@ class LMCacheEngine:
         """Store the KV of the tokens the mask selects (mask FFF...TTT; None = all).
 
         `kwargs` go to the GPU connector (e.g. `kvcaches`, `slot_mapping`). Chunks already cached
-        are skipped. When memory is full even after eviction, the rest is not stored (logged).
-        Raises ValueError if the number of Falses in the mask is not a multiple of the chunk size.
+        locally are skipped (a chunk only the remote store has is copied, and its put skipped by
+        the remote tier's put thread: asking the server here would cost a round trip per chunk).
+        When memory is full even after eviction, the rest is not stored (logged). Raises ValueError if the number of Falses in the mask is not a multiple of the chunk size.
         """
         started = time.perf_counter()
         chunks = self.token_database.process_tokens(tokens, mask, cache_salt=cache_salt or "")
@@ -145,7 +146,7 @@ class LMCacheEngine:
                 if full:
                     dropped += n
                     continue
-                if self.storage_manager.contains(key):
+                if self.storage_manager.contains_locally(key):
                     skipped += n
                     continue
                 shape = self.gpu_connector.get_shape(n)
@@ -372,7 +373,7 @@ class LMCacheEngine:
             chunks = iter(())
         for start, end, key in chunks:
             n = end - start
-            if self.storage_manager.contains(key):
+            if self.storage_manager.contains_locally(key):
                 plan.skipped += n
                 continue
             obj = self.storage_manager.allocate(self.gpu_connector.get_shape(n), self.metadata.kv_dtype, MemoryFormat.KV_BLOB)

@@ -29,6 +29,11 @@ class StorageBackendInterface(ABC):
     def contains(self, key: CacheEngineKey) -> bool:
         """Whether `get_blocking(key)` would find the chunk now (stored or still being written)."""
 
+    def contains_locally(self, key: CacheEngineKey) -> bool:
+        """`contains` from what this process knows, asking no server: a store's test for chunks
+        to skip, which runs per chunk while a step may wait for it."""
+        return self.contains(key)
+
     @abstractmethod
     def exists_in_put_tasks(self, key: CacheEngineKey) -> bool:
         """Whether a put of `key` was submitted and has not finished yet."""

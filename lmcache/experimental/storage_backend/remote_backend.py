@@ -76,6 +76,7 @@ class RemoteStatsSnapshot:
     puts_lost: int = 0  # sent, but the connection failed before the acknowledgement
     puts_dropped_queue_full: int = 0
     puts_dropped_tier_down: int = 0
+    puts_skipped_stored: int = 0  # not sent: the server had the chunk already
     gets_hit: int = 0
     gets_miss: int = 0
     gets_rejected: int = 0  # bytes failed the header/checksum/shape checks, or no memory to load them
@@ -229,6 +230,11 @@ class RemoteBackend(StorageBackendInterface):
             self._counters.add("lookups_failed")
             self._health.mark_down(str(err))
             return False
+
+    def contains_locally(self, key: CacheEngineKey) -> bool:
+        """Only puts still pending: whether the server has a chunk is the put thread's question
+        (one pipelined EXISTS per batch, before sending it)."""
+        return self.exists_in_put_tasks(key)
 
     def exists_in_put_tasks(self, key: CacheEngineKey) -> bool:
         with self._lock:
@@ -387,9 +393,20 @@ class RemoteBackend(StorageBackendInterface):
             self._health.mark_up()
 
     def _send(self, batch: List[_PutTask]) -> None:
+        try:
+            stored = self._connector.batched_exists([task.key.to_string() for task in batch])
+        except RemoteUnavailableError as err:
+            self._counters.add("puts_dropped_tier_down", len(batch))
+            self._stats.record_error()
+            self._health.mark_down(str(err))
+            self._finish(batch)
+            return
         encoded: List[tuple] = []
         sent: List[_PutTask] = []
-        for task in batch:
+        for task, present in zip(batch, stored):
+            if present:  # another engine stored it first: nothing to send
+                self._counters.add("puts_skipped_stored")
+                continue
             try:
                 encoded.append((task.key.to_string(), self._serde.encode_parts(task.key, task.obj)))
                 sent.append(task)

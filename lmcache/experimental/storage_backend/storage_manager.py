@@ -97,13 +97,24 @@ class StorageManager:
                 self._tier_failed(tier, "look up", key, err)
         return False
 
+    def contains_locally(self, key: CacheEngineKey) -> bool:
+        """Whether a tier holds `key`, asking no server (`StorageBackendInterface.contains_locally`)."""
+        for tier in self._tiers:
+            try:
+                if tier.contains_locally(key):
+                    return True
+            except Exception as err:
+                self._tier_failed(tier, "look up", key, err)
+        return False
+
     def put(self, key: CacheEngineKey, obj: MemoryObj) -> int:
-        """Hand `obj` to every tier that lacks `key`; the number of tiers that took it."""
+        """Hand `obj` to every tier; the number of tiers that took it. Each tier skips a chunk it
+        holds or is writing by what it knows locally: asking `contains` here cost the remote tier
+        a round trip per chunk on top of the one the store's own `contains` had just made."""
         taken = 0
         for tier in self._tiers:
             try:
-                if not tier.contains(key):
-                    tier.submit_put_task(key, obj)
+                tier.submit_put_task(key, obj)
                 taken += 1
             except Exception as err:
                 self._tier_failed(tier, "store", key, err)
