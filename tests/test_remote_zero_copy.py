@@ -53,7 +53,11 @@ def test_lm_put_sends_each_large_part_without_joining(monkeypatch) -> None:
     conn = LMServerConnector(*srv.address)
     sent = []
     real_sendall = socket.socket.sendall
-    monkeypatch.setattr(socket.socket, "sendall", lambda self, data, *a: (sent.append(data), real_sendall(self, data, *a))[1])
+    def sendall(self, data, *args):
+        sent.append(data)
+        return real_sendall(self, data, *args)
+
+    monkeypatch.setattr(socket.socket, "sendall", sendall)
     header, payload = b"h" * 100, memoryview(os.urandom(1 << 20))
     try:
         assert conn.batched_put([("k", Parts((header, payload)))]) == [True]

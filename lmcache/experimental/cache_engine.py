@@ -109,7 +109,8 @@ class LMCacheEngine:
         `kwargs` go to the GPU connector (e.g. `kvcaches`, `slot_mapping`). Chunks already cached
         locally are skipped (a chunk only the remote store has is copied, and its put skipped by
         the remote tier's put thread: asking the server here would cost a round trip per chunk).
-        When memory is full even after eviction, the rest is not stored (logged). Raises ValueError if the number of Falses in the mask is not a multiple of the chunk size.
+        When memory is full even after eviction, the rest is not stored (logged). Raises
+        ValueError if the number of Falses in the mask is not a multiple of the chunk size.
         """
         started = time.perf_counter()
         chunks = self.token_database.process_tokens(tokens, mask, cache_salt=cache_salt or "")

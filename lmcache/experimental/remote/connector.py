@@ -50,6 +50,8 @@ def value_nbytes(value: Value) -> int:
 
 def value_buffers(value: Value) -> Tuple[Buffer, ...]:
     return value.buffers if isinstance(value, Parts) else (value,)
+
+
 # Called with (index in the keys, the value) for every key found, in order (`batched_get_into`).
 Receive = Callable[[int, "ValueReader"], None]
 
