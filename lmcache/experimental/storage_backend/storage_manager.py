@@ -89,19 +89,16 @@ class StorageManager:
             return None
 
     def contains(self, key: CacheEngineKey, search_range: Optional[Iterable[str]] = None) -> bool:
-        for tier in self._selected(search_range):
-            try:
-                if tier.contains(key):
-                    return True
-            except Exception as err:
-                self._tier_failed(tier, "look up", key, err)
-        return False
+        return self._any_tier_holds(self._selected(search_range), key, local=False)
 
     def contains_locally(self, key: CacheEngineKey) -> bool:
         """Whether a tier holds `key`, asking no server (`StorageBackendInterface.contains_locally`)."""
-        for tier in self._tiers:
+        return self._any_tier_holds(self._tiers, key, local=True)
+
+    def _any_tier_holds(self, tiers: Iterable[StorageBackendInterface], key: CacheEngineKey, local: bool) -> bool:
+        for tier in tiers:
             try:
-                if tier.contains_locally(key):
+                if tier.contains_locally(key) if local else tier.contains(key):
                     return True
             except Exception as err:
                 self._tier_failed(tier, "look up", key, err)
