@@ -11,8 +11,8 @@ show, and - for work nothing waits on (tier writes, prefault) - the `SCHED_IDLE`
 on a core nothing else wants, and a model thread that wakes takes the core back at once. (At nice +10
 it still cost the no-reuse benchmark ~1.5% of throughput: a waking thread of normal policy does not
 always preempt a niced one.) Such a thread may therefore wait as long as every core is busy, so work
-handed to one has a bounded backlog and is dropped beyond it (the disk tier's writes, the remote
-put queue).
+handed to one has a bounded backlog: past it the disk tier's writes go to a writer of normal
+priority, the remote tier's puts are dropped (its queue's bound).
 
 It also runs its torch work without an OpenMP team of its own. A thread that opens a parallel region
 gets a second team from the same libgomp as the model's; with more OpenMP threads in the process than

@@ -36,8 +36,7 @@ def test_publish_adds_deltas_and_sets_gauges():
         retrieve_requests=2, store_requests=1, lookup_requests=3, retrieve_requested_tokens=1000,
         retrieve_hit_tokens=512, stored_tokens=768,
         tiers={"Hot": TierStatsSnapshot(evicted_chunks=1),
-               "RemoteBackend": TierStatsSnapshot(bytes_read=10, bytes_written=20, errors=2, rejected_chunks=1,
-                                                  dropped_writes=3)},
+               "RemoteBackend": TierStatsSnapshot(bytes_read=10, bytes_written=20, errors=2, rejected_chunks=1)},
     )
     remote = RemoteStatsSnapshot(puts_refused=1, puts_lost=2, times_down=1)
     metrics.publish(EngineObservation(first, {"Hot": 4096, "LocalDiskBackend": 100}, remote))
@@ -54,7 +53,6 @@ def test_publish_adds_deltas_and_sets_gauges():
     assert _value(registry, "lmcache:remote_write_bytes_total") == 20
     assert _value(registry, "lmcache:num_evicted_chunks_total", tier="Hot") == 1
     assert _value(registry, "lmcache:num_integrity_misses_total", tier="RemoteBackend") == 1
-    assert _value(registry, "lmcache:num_dropped_writes_total", tier="RemoteBackend") == 3
     assert _value(registry, "lmcache:num_tier_errors_total", tier="RemoteBackend") == 2
     assert _value(registry, "lmcache:num_remote_refused_puts_total") == 1
     assert _value(registry, "lmcache:num_remote_lost_puts_total") == 2

@@ -10,12 +10,12 @@ import threading
 import pytest
 import torch
 from helpers import key
-from tier_helpers import DISK_SHAPE, cpu, disk_expected, disk_obj, disk_store, disk_tier  # noqa: F401 (cpu: fixture)
+from tier_helpers import DISK_SHAPE, cpu, disk_expected, disk_obj, disk_store, disk_tier, wait_for  # noqa: F401 (cpu: fixture)
 
 from lmcache.experimental.memory_management import MemoryFormat
 from lmcache.experimental.stats import TierStats
 from lmcache.experimental.storage_backend import chunk_format
-from lmcache.experimental.storage_backend.local_disk_backend import MIN_PENDING_CHUNKS, LocalDiskBackend, file_name_for
+from lmcache.experimental.storage_backend.local_disk_backend import LocalDiskBackend, file_name_for
 
 DISK_BYTES = DISK_SHAPE.numel() * 2  # bfloat16
 
@@ -58,37 +58,48 @@ def test_writes_run_on_a_background_thread(tmp_path, cpu):
     assert not disk.exists_in_put_tasks(key(7)) and os.path.exists(disk.key_to_path(key(7)))
 
 
-def test_write_backlog_is_bounded_and_drops_beyond_it(tmp_path, cpu):
-    """The writer runs at idle priority and may wait long: the chunks waiting for it (which pin
-    CPU-tier memory) stay under max_pending_bytes; a write beyond it is dropped and counted."""
-    stats = TierStats()
-    disk = LocalDiskBackend(str(tmp_path), 1 << 20, cpu, stats, max_pending_bytes=10 * DISK_BYTES)
-    release = threading.Event()
+def _idle_writer_blocked(disk, release: threading.Event) -> dict:
+    """Hold the idle writer's saves until `release`; returns key -> writing thread's name."""
+    writers = {}
     real_save = disk._save
-    disk._save = lambda *args: (release.wait(), real_save(*args))[1]
-    disk_store(disk, cpu, *range(12))
-    assert [disk.exists_in_put_tasks(key(i)) for i in range(12)] == [True] * 10 + [False] * 2
-    assert stats.snapshot().dropped_writes == 2
-    release.set()
-    disk.flush()
-    disk_store(disk, cpu, 10)  # the backlog drained: accepted again
-    disk.close()
-    assert sorted(disk.keys(), key=lambda k: k.chunk_hash) == sorted(map(key, range(11)), key=lambda k: k.chunk_hash)
-    assert stats.snapshot().dropped_writes == 2 and cpu.memory_allocator.used_bytes == 0
+
+    def save(key, *args):
+        writers[key] = threading.current_thread().name
+        if writers[key].startswith("lmcache-disk-write"):
+            release.wait()
+        return real_save(key, *args)
+
+    disk._save = save
+    return writers
 
 
-def test_a_few_chunks_may_wait_whatever_the_byte_bound(tmp_path, cpu):
-    """A writer one store behind drops nothing, however small the CPU pool's half."""
-    stats = TierStats()
-    disk = LocalDiskBackend(str(tmp_path), 1 << 20, cpu, stats, max_pending_bytes=DISK_BYTES // 2)
+def test_past_the_idle_writers_backlog_bound_a_catch_up_writer_writes(tmp_path, cpu):
+    """The writer runs at idle priority and may not run at all while the cores are busy: the
+    chunks waiting for it (which pin CPU-tier memory) stay under max_pending_bytes, and what comes
+    beyond goes to a writer of normal priority - nothing dropped."""
+    disk = LocalDiskBackend(str(tmp_path), 1 << 20, cpu, max_pending_bytes=3 * DISK_BYTES)
     release = threading.Event()
-    real_save = disk._save
-    disk._save = lambda *args: (release.wait(), real_save(*args))[1]
-    disk_store(disk, cpu, *range(MIN_PENDING_CHUNKS + 1))
-    assert stats.snapshot().dropped_writes == 1
+    writers = _idle_writer_blocked(disk, release)
+    disk_store(disk, cpu, *range(5))
+    # Written while the idle writer waits:
+    assert wait_for(lambda: [disk.exists_in_put_tasks(key(i)) for i in range(5)] == [True] * 3 + [False] * 2)
+    assert {key(3), key(4)} <= set(disk.keys())
+    assert writers[key(3)].startswith("lmcache-disk-catch-up")
     release.set()
     disk.close()
-    assert len(disk.keys()) == MIN_PENDING_CHUNKS
+    assert len(disk.keys()) == 5 and cpu.memory_allocator.used_bytes == 0
+    assert {writers[key(i)][:18] for i in range(3)} == {"lmcache-disk-write"}
+
+
+def test_a_chunk_larger_than_the_bound_goes_to_an_empty_idle_writer(tmp_path, cpu):
+    disk = LocalDiskBackend(str(tmp_path), 1 << 20, cpu, max_pending_bytes=DISK_BYTES // 2)
+    release = threading.Event()
+    writers = _idle_writer_blocked(disk, release)
+    disk_store(disk, cpu, 1, 2)
+    assert wait_for(lambda: not disk.exists_in_put_tasks(key(2)))
+    release.set()
+    disk.close()
+    assert writers[key(1)].startswith("lmcache-disk-write") and writers[key(2)].startswith("lmcache-disk-catch-up")
 
 
 def test_backlog_bound_defaults_to_half_the_cpu_pool(tmp_path, cpu):

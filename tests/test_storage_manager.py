@@ -114,7 +114,7 @@ def test_prefetch_through_the_manager(tmp_path):
 
 
 def test_close_flushes_pending_writes(tmp_path):
-    manager, cpu, disk, _ = build(tmp_path, cpu_objects=16)  # 5 pending writes under half the pool
+    manager, cpu, disk, _ = build(tmp_path)
     for i in range(5):
         put(manager, i)
     manager.close()

@@ -50,7 +50,6 @@ TIER_COUNTERS: Dict[str, Tuple[str, str]] = {
     "evicted_chunks": ("lmcache:num_evicted_chunks", "Chunks a tier dropped to make room"),
     "errors": ("lmcache:num_tier_errors", "Failed tier reads and writes, rejected chunks included"),
     "rejected_chunks": ("lmcache:num_integrity_misses", "Chunks whose bytes failed the checksum/key/shape checks"),
-    "dropped_writes": ("lmcache:num_dropped_writes", "Chunks a tier did not write: its write backlog was full"),
 }
 # Remote tier put/health counter name -> (metric name, help).
 REMOTE_COUNTERS: Dict[str, Tuple[str, str]] = {

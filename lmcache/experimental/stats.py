@@ -24,7 +24,6 @@ class TierStatsSnapshot:
     evicted_bytes: int = 0
     errors: int = 0  # failed reads/writes and rejected (corrupt, foreign) chunks
     rejected_chunks: int = 0  # of those errors, chunks whose bytes failed the integrity checks
-    dropped_writes: int = 0  # chunks not written: the tier's write backlog was full
 
 
 @dataclass(frozen=True)
@@ -90,9 +89,6 @@ class TierStats:
     def record_rejected(self) -> None:
         """A chunk whose header, checksum, key or geometry did not match: an integrity miss."""
         self._add(errors=1, rejected_chunks=1)
-
-    def record_dropped_write(self) -> None:
-        self._add(dropped_writes=1)
 
     def snapshot(self) -> TierStatsSnapshot:
         with self._lock:

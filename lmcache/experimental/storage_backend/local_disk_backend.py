@@ -2,10 +2,10 @@
 
 - Writes go to a background writer thread (started on the first put, not at construction);
   the serving thread only queues them. Until a write lands, the pending object stays readable.
-  The writer runs at idle priority, so while every core is busy it may wait: the chunks waiting
-  for it pin CPU-tier memory, at most `max_pending_bytes` (half that tier's pool by default)
-  once more than `MIN_PENDING_CHUNKS` wait; beyond it a write is dropped and counted
-  (`dropped_writes`).
+  The writer runs at idle priority, so while every core is busy it may wait, and the chunks
+  waiting for it pin CPU-tier memory. Once `max_pending_bytes` wait (half that tier's pool by
+  default), further writes go to a catch-up writer of normal priority instead, so a busy machine
+  never has more than that pinned by writes (nor drops any).
 - A file is written to a temporary name and `os.replace`d into place, so a reader sees either
   nothing or a whole file. Its name comes from a hash of the key string, never from user text.
 - Every file starts with a `chunk_format` header. A file that is truncated, corrupted, foreign
@@ -47,13 +47,8 @@ logger = init_logger(__name__)
 
 FILE_SUFFIX = ".lmck"
 TMP_SUFFIX = ".tmp"
-# Backlog bound where the CPU tier has no fixed pool to take half of.
+# Idle writer's backlog bound where the CPU tier has no fixed pool to take half of.
 DEFAULT_MAX_PENDING_BYTES = 1 << 30
-# Chunks always let wait, whatever their size: one store's worth (a 2048-token prompt in chunks of
-# 256), so a writer only a store behind never drops; the byte bound is for one starved for long.
-MIN_PENDING_CHUNKS = 8
-# Log one "backlog full" line per this many dropped writes.
-_DROP_LOG_EVERY = 100
 
 
 @dataclass(frozen=True)
@@ -115,8 +110,8 @@ def _pid_alive(pid: int) -> bool:
 
 
 class LocalDiskBackend(StorageBackendInterface):
-    """Chunk files under `path`, at most `max_size_bytes` of them (headers included); at most
-    `max_pending_bytes` of chunks waiting to be written."""
+    """Chunk files under `path`, at most `max_size_bytes` of them (headers included); beyond
+    `max_pending_bytes` of chunks waiting for the idle writer, writes go to the catch-up writer."""
 
     def __init__(
         self,
@@ -134,7 +129,7 @@ class LocalDiskBackend(StorageBackendInterface):
         if max_pending_bytes <= 0:
             raise ValueError(f"LocalDiskBackend max_pending_bytes must be positive, got {max_pending_bytes}")
         self._max_pending_bytes = max_pending_bytes
-        self._pending_bytes = 0
+        self._idle_pending_bytes = 0  # of chunks queued on the idle writer
         self._dir = os.path.abspath(path)
         os.makedirs(self._dir, exist_ok=True)
         self._max_bytes = max_size_bytes
@@ -146,6 +141,7 @@ class LocalDiskBackend(StorageBackendInterface):
         self._put_tasks: Dict[CacheEngineKey, _PutTask] = {}
         self._prefetch_tasks: Dict[CacheEngineKey, Future] = {}
         self._writer_pool: Optional[ThreadPoolExecutor] = None
+        self._catch_up_pool: Optional[ThreadPoolExecutor] = None
         self._reader_pool: Optional[ThreadPoolExecutor] = None
         self._tmp_seq = 0
         self._closed = False
@@ -302,30 +298,26 @@ class LocalDiskBackend(StorageBackendInterface):
                 return
             if key in self._index or key in self._put_tasks:
                 return
-            over = self._pending_bytes + obj.get_size() > self._max_pending_bytes
-            if over and len(self._put_tasks) >= MIN_PENDING_CHUNKS:
-                self._stats.record_dropped_write()
-                dropped = self._stats.snapshot().dropped_writes
-                if dropped % _DROP_LOG_EVERY == 1:
-                    logger.warning(
-                        "disk tier: %d bytes wait to be written (bound %d), dropping writes (%d so far)",
-                        self._pending_bytes, self._max_pending_bytes, dropped,
-                    )
-                return
             task = _PutTask(obj)
             obj.ref_count_up()
             self._put_tasks[key] = task
-            self._pending_bytes += obj.get_size()
-            self._writer().submit(self._run_put_task, key, task)
+            # An empty idle queue takes any chunk, so one larger than the bound still goes there.
+            room = self._idle_pending_bytes + obj.get_size() <= self._max_pending_bytes
+            if room or not self._idle_pending_bytes:
+                self._idle_pending_bytes += obj.get_size()
+                self._writer().submit(self._run_put_task, key, task, True)
+            else:
+                self._catch_up_writer().submit(self._run_put_task, key, task, False)
 
-    def _run_put_task(self, key: CacheEngineKey, task: _PutTask) -> None:
+    def _run_put_task(self, key: CacheEngineKey, task: _PutTask, idle: bool) -> None:
         try:
             self._save(key, task)
         finally:
             with self._lock:
                 if self._put_tasks.get(key) is task:
                     del self._put_tasks[key]
-                self._pending_bytes -= task.obj.get_size()
+                if idle:
+                    self._idle_pending_bytes -= task.obj.get_size()
             task.obj.ref_count_down()
 
     def _save(self, key: CacheEngineKey, task: Optional[_PutTask], obj: Optional[MemoryObj] = None) -> bool:
@@ -546,17 +538,18 @@ class LocalDiskBackend(StorageBackendInterface):
     def flush(self) -> None:
         """Wait until every write queued so far has landed (the tier stays open)."""
         with self._lock:
-            pool = self._writer_pool
-            if pool is None or self._closed:
+            if self._closed:
                 return
-            marker = pool.submit(lambda: None)  # one FIFO writer: done means all before it are
-        marker.result()
+            # Each writer is one FIFO thread: its marker done means all before it are.
+            markers = [p.submit(lambda: None) for p in (self._writer_pool, self._catch_up_pool) if p is not None]
+        for marker in markers:
+            marker.result()
 
     def close(self) -> None:
         """Wait for queued writes and prefetches, then refuse new ones."""
         with self._lock:
             self._closed = True
-            pools = [p for p in (self._writer_pool, self._reader_pool) if p is not None]
+            pools = [p for p in (self._writer_pool, self._catch_up_pool, self._reader_pool) if p is not None]
         for pool in pools:
             pool.shutdown(wait=True)
         self._hash_thread.close()
@@ -571,6 +564,16 @@ class LocalDiskBackend(StorageBackendInterface):
                 initializer=thread_initializer("lmc-disk-write", background=True),
             )
         return self._writer_pool
+
+    def _catch_up_writer(self) -> ThreadPoolExecutor:
+        """The writer of normal priority for what the idle one has no room for (caller holds the
+        lock): on a machine busy for long the idle writer may not run at all."""
+        if self._catch_up_pool is None:
+            self._catch_up_pool = ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix="lmcache-disk-catch-up",
+                initializer=thread_initializer("lmc-disk-catchup", background=False),
+            )
+        return self._catch_up_pool
 
     def _reader(self) -> ThreadPoolExecutor:
         """The single prefetch thread, created on first use (caller holds the lock)."""
