@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import socket
 import threading
 
 import pytest
@@ -16,6 +17,7 @@ from lmcache.background_threads import prepare_thread, process_cpus
 from lmcache.experimental.memory_management import host_memory
 from lmcache.integration.vllm.off_step_saver import OffStepSaver
 from lmcache.server import LMCacheServer, ServerConfig
+from lmcache.server.protocol import Op, Status, pack_header
 
 pytestmark = pytest.mark.skipif(len(process_cpus()) < 2, reason="needs two CPUs to tell a pin from the whole mask")
 
@@ -149,3 +151,25 @@ def test_server_receives_puts_at_idle_priority_and_answers_gets_at_normal():
         srv.shutdown()
     assert seen["put"][0] == "lmc-server-put" and seen["put"][2] == os.SCHED_IDLE
     assert seen["get"][0] != "lmc-server-put" and seen["get"][2] == os.SCHED_OTHER
+
+
+def test_a_put_after_shutdown_closes_its_connection_quietly():
+    """A put whose header arrives as the server stops: the connection ends like any other at
+    shutdown, no thread dies with an exception."""
+    srv = LMCacheServer(ServerConfig(port=0, max_size_bytes=64 << 20))
+    srv.start_in_thread()
+    srv._put_pool.shutdown(wait=True)  # as shutdown() leaves it
+    died = []
+    previous, threading.excepthook = threading.excepthook, lambda args: died.append(args.exc_value)
+    try:
+        with socket.create_connection(srv.address, timeout=5) as sock:
+            sock.sendall(pack_header(Op.PUT, Status.OK, 1, 4) + b"k" + b"data")
+            try:
+                answer = sock.recv(1)
+            except ConnectionResetError:  # closed with the payload unread
+                answer = b""
+            assert answer == b""  # closed, unanswered
+    finally:
+        threading.excepthook = previous
+        srv.shutdown()
+    assert died == []

@@ -554,7 +554,11 @@ class LMCacheServer:
         # A reply has as long as a request to drain into a client that stopped reading.
         conn.settimeout(self.config.frame_timeout_s)
         if op == Op.PUT:
-            self._put_pool.submit(self._put, conn, key, header.payload_len, deadline).result()
+            try:
+                receiving = self._put_pool.submit(self._put, conn, key, header.payload_len, deadline)
+            except RuntimeError:  # shut down after this frame's header arrived: the server is stopping
+                raise OSError("the server is shutting down") from None
+            receiving.result()
         elif op == Op.GET:
             if self.config.get_delay_s:
                 time.sleep(self.config.get_delay_s)  # this connection only; others are served meanwhile
