@@ -11,10 +11,11 @@ import threading
 
 import pytest
 from helpers import key
-from tier_helpers import cpu, disk_store, disk_tier, remote_backend, remote_chunk, remote_cpu  # noqa: F401
+from tier_helpers import cpu, disk_store, disk_tier, remote_backend, remote_chunk, remote_cpu, wait_for  # noqa: F401
 
 from lmcache.background_threads import prepare_thread, process_cpus
 from lmcache.experimental.memory_management import host_memory
+from lmcache.experimental.storage_backend import LocalDiskBackend
 from lmcache.integration.vllm.off_step_saver import OffStepSaver
 from lmcache.server import LMCacheServer, ServerConfig
 from lmcache.server.protocol import Op, Status, pack_header
@@ -79,6 +80,27 @@ def test_disk_writer_is_unpinned_at_background_priority(tmp_path, cpu):  # noqa:
         disk_store(disk, cpu, 1)
         disk.close()
     assert seen == [("lmc-disk-write", process_cpus(), _expected(policy, True))]
+
+
+def test_disk_catch_up_writer_runs_at_normal_priority(tmp_path, cpu):  # noqa: F811 (cpu: fixture)
+    """Past the idle writer's backlog bound the writes must progress on a busy machine too."""
+    disk = LocalDiskBackend(str(tmp_path), 1 << 20, cpu, max_pending_bytes=1)
+    release, seen = threading.Event(), {}
+    real_save = disk._save
+
+    def save(k, *args):
+        seen[k] = _state()
+        if seen[k][0] == "lmc-disk-write":
+            release.wait()
+        return real_save(k, *args)
+
+    disk._save = save
+    with _pinned() as policy:
+        disk_store(disk, cpu, 1, 2)  # the first fills the idle writer's queue, the second goes past it
+        assert wait_for(lambda: key(2) in seen)
+        release.set()
+        disk.close()
+    assert seen[key(2)] == ("lmc-disk-catch", process_cpus(), policy)
 
 
 def test_remote_put_thread_is_unpinned_at_background_priority():

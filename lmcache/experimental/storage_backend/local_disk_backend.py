@@ -571,7 +571,7 @@ class LocalDiskBackend(StorageBackendInterface):
         if self._catch_up_pool is None:
             self._catch_up_pool = ThreadPoolExecutor(
                 max_workers=1, thread_name_prefix="lmcache-disk-catch-up",
-                initializer=thread_initializer("lmc-disk-catchup", background=False),
+                initializer=thread_initializer("lmc-disk-catch", background=False),
             )
         return self._catch_up_pool
 
