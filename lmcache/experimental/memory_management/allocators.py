@@ -3,19 +3,14 @@
 `allocate(shape, dtype, fmt)` returns a `MemoryObj` with ref count 1, or `None` when
 there is no room (the caller evicts and retries, or skips). Tensor-backed allocators
 carve objects out of one preallocated byte buffer with an explicit free list
-(`TensorMemoryAllocator`): first fit, blocks rounded up to `ALIGN_BYTES`, neighbours
-coalesced on free. A second free of the same object raises.
-
-    buffer: |#used#|  free  |##used##|####used####|      free      |
-    free list (sorted by start): [FreeBlock(a, n), FreeBlock(b, m)]
+(`TensorMemoryAllocator` over `lmcache.free_list`): first fit, blocks rounded up to
+`ALIGN_BYTES`, neighbours coalesced on free. A second free of the same object raises.
 """
 
 from __future__ import annotations
 
-import bisect
 import threading
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
 from typing import Optional, Union
 
 import torch
@@ -30,17 +25,10 @@ from lmcache.experimental.memory_management.objects import (
     TensorMemoryObj,
     payload_size,
 )
+from lmcache.free_list import FreeBlock, FreeList
 from lmcache.logging import init_logger
 
 logger = init_logger(__name__)
-
-
-@dataclass
-class FreeBlock:
-    """A free region `[start, start + size)` of an allocator's buffer, in bytes."""
-
-    start: int
-    size: int
 
 
 class MemoryAllocatorInterface(ABC):
@@ -99,7 +87,7 @@ class TensorMemoryAllocator(MemoryAllocatorInterface):
             )
         self._buffer = flat[:usable]
         self._lock = threading.Lock()
-        self._free: list[FreeBlock] = [FreeBlock(0, usable)]
+        self._free = FreeList(usable)
         # id(obj) -> (obj, start, size): the truth about a live block, independent of
         # the object's (mutable) metadata.
         self._live: dict[int, tuple[MemoryObj, int, int]] = {}
@@ -121,7 +109,7 @@ class TensorMemoryAllocator(MemoryAllocatorInterface):
     def free_blocks(self) -> list[FreeBlock]:
         """A copy of the free list, sorted by start (for checks and debugging)."""
         with self._lock:
-            return [FreeBlock(b.start, b.size) for b in self._free]
+            return self._free.blocks()
 
     def num_live_objects(self) -> int:
         with self._lock:
@@ -141,7 +129,7 @@ class TensorMemoryAllocator(MemoryAllocatorInterface):
         size = payload_size(shape, dtype)
         block = -(-size // self.ALIGN_BYTES) * self.ALIGN_BYTES
         with self._lock:
-            start = self._take(block)
+            start = self._free.take(block)
             if start is None:
                 return None
             meta = MemoryObjMetadata(shape, dtype, start, block, 1, fmt)
@@ -149,19 +137,6 @@ class TensorMemoryAllocator(MemoryAllocatorInterface):
             self._live[id(obj)] = (obj, start, block)
             self._used += block
         return obj
-
-    def _take(self, block: int) -> Optional[int]:
-        """First fit: cut `block` bytes off the front of the first free block that fits."""
-        for i, free in enumerate(self._free):
-            if free.size >= block:
-                start = free.start
-                if free.size == block:
-                    del self._free[i]
-                else:
-                    free.start += block
-                    free.size -= block
-                return start
-        return None
 
     def free(self, memory_obj: MemoryObj) -> None:
         with self._lock:
@@ -175,27 +150,7 @@ class TensorMemoryAllocator(MemoryAllocatorInterface):
             _, start, size = entry
             memory_obj._mark_freed()
             self._used -= size
-            self._give_back(start, size)
-
-    def _give_back(self, start: int, size: int) -> None:
-        """Insert `[start, start + size)` into the sorted free list, merging neighbours."""
-        i = bisect.bisect_left(self._free, start, key=lambda b: b.start)
-        prev = self._free[i - 1] if i > 0 else None
-        nxt = self._free[i] if i < len(self._free) else None
-        if prev is not None and prev.start + prev.size > start:
-            raise RuntimeError(f"free list corrupted: block at {start} overlaps {prev}")
-        if nxt is not None and start + size > nxt.start:
-            raise RuntimeError(f"free list corrupted: block at {start} overlaps {nxt}")
-        if prev is not None and prev.start + prev.size == start:
-            prev.size += size
-            if nxt is not None and prev.start + prev.size == nxt.start:
-                prev.size += nxt.size
-                del self._free[i]
-        elif nxt is not None and start + size == nxt.start:
-            nxt.start = start
-            nxt.size += size
-        else:
-            self._free.insert(i, FreeBlock(start, size))
+            self._free.give_back(start, size)
 
 
 class _PooledAllocator(MemoryAllocatorInterface):
