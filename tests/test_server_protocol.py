@@ -1,4 +1,4 @@
-"""The lm:// wire format and the server's LRU store, without sockets."""
+"""The lm:// wire format, without sockets."""
 
 from __future__ import annotations
 
@@ -19,7 +19,6 @@ from lmcache.server.protocol import (
     pack_header,
     parse_header,
 )
-from lmcache.server.store import LRUChunkStore
 
 
 def _raw(magic=MAGIC, version=PROTOCOL_VERSION, op=Op.GET, status=Status.OK, key_len=3, payload_len=0):
@@ -63,33 +62,3 @@ def test_hard_limit_caps_any_configured_limit() -> None:
         parse_header(raw, max_payload_bytes=HARD_MAX_PAYLOAD_BYTES * 4, is_request=True)
     with pytest.raises(ProtocolError, match="hard frame limit"):
         pack_header(Op.PUT, Status.OK, 1, HARD_MAX_PAYLOAD_BYTES + 1)
-
-
-def test_store_evicts_least_recently_used_first() -> None:
-    store = LRUChunkStore(max_bytes=3 * 101)
-    for name in (b"a", b"b", b"c"):
-        assert store.put(name, bytes(100))
-    assert store.get(b"a") is not None  # a becomes most recent; b is now the oldest
-    assert store.put(b"d", bytes(100))
-    assert store.get(b"b") is None
-    assert all(store.exists(k) for k in (b"a", b"c", b"d"))
-    stats = store.stats()
-    assert stats.evictions == 1 and stats.entries == 3 and stats.bytes_used == 303
-
-
-def test_store_refuses_what_can_never_fit_and_keeps_the_rest() -> None:
-    store = LRUChunkStore(max_bytes=1000)
-    assert store.put(b"k", bytes(500))
-    assert not store.fits(1, 1000)
-    assert not store.put(b"big", bytes(1000))
-    assert store.get(b"k") == bytes(500)
-    assert store.stats().refused_puts == 1
-
-
-def test_store_replace_and_delete_keep_accounting_exact() -> None:
-    store = LRUChunkStore(max_bytes=1000)
-    store.put(b"k", bytes(100))
-    store.put(b"k", bytes(300))
-    assert store.stats().bytes_used == 301
-    assert store.delete(b"k") and not store.delete(b"k")
-    assert store.stats().bytes_used == 0 and store.stats().entries == 0

@@ -48,6 +48,13 @@ def _parse_args(argv: Optional[Sequence[str]]) -> ServerConfig:
         help="memory for stored chunks; least recently used chunks are evicted beyond it",
     )
     parser.add_argument(
+        "--prefault",
+        action="store_true",
+        help="fault all of --max-size-gb in at start (in the background, at idle priority) so that "
+        "no put pays for fresh memory: for a server beside a vLLM engine on the same cores "
+        "(default: memory is faulted in as chunks arrive, and reused once they are evicted)",
+    )
+    parser.add_argument(
         "--max-frame-mb",
         type=float,
         default=DEFAULT_MAX_PAYLOAD_BYTES / (1 << 20),
@@ -94,6 +101,7 @@ def _parse_args(argv: Optional[Sequence[str]]) -> ServerConfig:
             **_security_options(args),
             metrics_port=args.metrics_port,
             get_delay_s=args.delay_ms / 1000,
+            prefault=args.prefault,
         )
     except ValueError as err:
         parser.error(str(err))

@@ -43,7 +43,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Union
 
 from lmcache.background_threads import thread_initializer
 from lmcache.logging import init_logger
@@ -69,7 +69,7 @@ from lmcache.server.security import (
     ServerHandshake,
     server_tls_context,
 )
-from lmcache.server.store import LRUChunkStore
+from lmcache.server.store import LRUChunkStore, Reservation
 
 logger = init_logger(__name__)
 
@@ -116,6 +116,9 @@ class ServerConfig:
     metrics_port: Optional[int] = None
     # Hold every GET answer this long: a slow remote tier for tests and benchmarks (`--delay-ms`).
     get_delay_s: float = 0.0
+    # Fault the whole store's memory in at start, on an idle-priority thread (`--prefault`), so no
+    # put pays for fresh pages: for a server sharing its cores with an engine (`arena.py`).
+    prefault: bool = False
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -208,7 +211,7 @@ class LMCacheServer:
 
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
-        self.store = LRUChunkStore(config.max_size_bytes)
+        self.store = LRUChunkStore(config.max_size_bytes, max_unfinished_bytes=self.pending_limit)
         self._listener: Optional[socket.socket] = None
         self._stop = threading.Event()
         self._lock = threading.Lock()
@@ -287,6 +290,8 @@ class LMCacheServer:
         )
         if cfg.get_delay_s:
             logger.warning("every GET is answered %.0f ms late (--delay-ms)", cfg.get_delay_s * 1000)
+        if cfg.prefault:
+            self.store.arena.prefault_in_background()
         return host, port
 
     def serve_forever(self) -> None:
@@ -562,11 +567,12 @@ class LMCacheServer:
         elif op == Op.GET:
             if self.config.get_delay_s:
                 time.sleep(self.config.get_delay_s)  # this connection only; others are served meanwhile
-            found = self.store.get(key)
-            if found is None:
+            lease = self.store.get(key)
+            if lease is None:
                 send_frame(conn, op, Status.NOT_FOUND)
             else:
-                send_frame(conn, op, Status.OK, payload=found)
+                with lease as value:
+                    send_frame(conn, op, Status.OK, payload=value)
         elif op == Op.EXISTS:
             send_frame(conn, op, Status.OK if self.store.exists(key) else Status.NOT_FOUND)
         elif op == Op.DELETE:
@@ -588,40 +594,55 @@ class LMCacheServer:
         value = self._recv_payload(conn, size, deadline)
         if value is None:
             return  # over the pending budget: refused and answered
-        ok = self.store.put(key, value)  # counts its own refusal
+        ok = self.store.put(key, value)  # counts its own refusal (and gives a reservation back)
         conn.settimeout(self.config.frame_timeout_s)
         if ok:
             send_frame(conn, Op.PUT, Status.OK)
         else:
             send_frame(conn, Op.PUT, Status.REFUSED, payload=self._refusal(RefusalReason.OVER_STORE))
 
-    def _recv_payload(self, conn: socket.socket, size: int, deadline: float) -> Optional[memoryview]:
-        """Receive a put's payload, each step reserved from the pending budget before it arrives
-        (so the budget bounds what all unfinished frames hold: at most twice what they sent, plus
-        one first step each).
+    def _recv_payload(
+        self, conn: socket.socket, size: int, deadline: float
+    ) -> Optional[Union[Reservation, memoryview]]:
+        """Receive a put's payload into the store's arena (or, where it has no room, a buffer of
+        its own), each step reserved from the pending budget before it arrives (so the budget
+        bounds what all unfinished frames hold: at most twice what they sent, plus one first step
+        each).
 
         Over the budget, what arrived is dropped, the rest drained and the put refused (None)."""
+        if size == 0:
+            return alloc_buffer(0)
+        reservation: Optional[Reservation] = None
         buf: Optional[_PayloadBuffer] = None
+        view: Optional[memoryview] = None
         held = 0
+        received = False
         try:
             while held < size:
                 step = min(_MAX_RECV_STEP, size - held, max(_FIRST_RECV_STEP, held))
                 if not self._budget.try_reserve(step):
                     break
-                if buf is None:
-                    buf = _PayloadBuffer(size)
-                buf.grown_to(held)
+                if view is None:
+                    reservation = self.store.reserve(size)
+                    if reservation is None:
+                        buf = _PayloadBuffer(size)
+                    view = reservation.view if reservation is not None else buf.view  # type: ignore[union-attr]
+                if buf is not None:
+                    buf.grown_to(held)
                 held += step
-                n = self._recv_into(conn, buf.view[held - step : held], deadline, "the payload")
+                n = self._recv_into(conn, view[held - step : held], deadline, "the payload")
                 if n != step:
                     raise TruncatedFrameError(
                         f"connection closed after {held - step + n} of {size} bytes of the payload"
                     )
             else:
-                return alloc_buffer(0) if buf is None else buf.view  # (None only for an empty payload)
+                received = True
+                return reservation if reservation is not None else view
         finally:
             self._budget.release(held)
-        del buf
+            if reservation is not None and not received:
+                self.store.cancel(reservation)
+        del buf, view
         self._refuse(conn, RefusalReason.BUSY, size - held, deadline, "refused_busy")
         return None
 
