@@ -205,6 +205,8 @@ def remote_server_launch(kind: str, port: int, settings: ServerSettings, log_pat
     argv = [
         sys.executable, "-m", "lmcache.server", "127.0.0.1", str(port),
         "--max-size-gb", f"{settings.remote_tier_gb:g}",
+        # Beside the engine on the same cores: fault the store in at start, not during serving.
+        "--prefault",
         *(["--delay-ms", f"{settings.slow_remote_delay_ms:g}"] if kind in SLOW_REMOTE_KINDS else []),
     ]
     return LaunchSpec("lm-server", argv, {"LMCACHE_LOG_LEVEL": "INFO"}, log_path)
