@@ -426,6 +426,43 @@ def test_a_request_ending_while_it_loads_keeps_its_blocks_until_the_load_is_done
     assert worker.get_finished(set())[0] is None  # reported once
 
 
+def test_leading_run_counts_the_set_prefix_of_a_mask():
+    from lmcache.integration.vllm.v1.async_loader import leading_run
+
+    for mask, run in (([1, 1, 0, 1], 2), ([1, 1, 1], 3), ([0, 1], 0), ([], 0)):
+        assert leading_run(torch.tensor(mask, dtype=torch.bool)) == run
+
+
+def test_a_step_with_nothing_scheduled_waits_for_a_running_load(async_setup, monkeypatch):
+    """vLLM steps again at once when every request waits: the worker gives the loader the GIL
+    until a load ends (bounded), instead of returning to a loop that holds it. A step that
+    computes something never waits."""
+    import threading
+
+    from lmcache.integration.vllm.v1 import worker_side
+
+    worker, side, driver, caches = async_setup
+    worker.wait_for_save(driver.admit(make_request("a", PROMPT), len(PROMPT)))
+    only_on_disk(worker, PROMPT)
+    _, _, meta = park(side, driver, make_request("b", PROMPT))
+    assert meta.nothing_scheduled  # the scheduler output of `park` schedules no token
+    assert not side.build_connector_meta(scheduler_output(num_scheduled={"a": 1})).nothing_scheduled
+    gate = threading.Event()
+    real_retrieve = worker.engine.retrieve
+    monkeypatch.setattr(worker.engine, "retrieve", lambda *a, **k: (gate.wait(10), real_retrieve(*a, **k))[1])
+    monkeypatch.setattr(worker_side, "IDLE_STEP_WAIT_S", 10.0)
+    worker.start_load_kv(LMCacheConnectorMetadata(requests=meta.requests), None)  # a step with work
+    started = time.monotonic()
+    assert worker.get_finished(set()) == (None, None) and time.monotonic() - started < 1
+    worker.start_load_kv(LMCacheConnectorMetadata(nothing_scheduled=True), None)
+    threading.Timer(0.3, gate.set).start()
+    started = time.monotonic()
+    assert worker.get_finished(set())[1] == {"b"}  # reported by the call that waited
+    assert 0.2 < time.monotonic() - started < 5
+    started = time.monotonic()
+    assert worker.get_finished(set()) == (None, None) and time.monotonic() - started < 1  # none runs
+
+
 # ----- off-step saving ---------------------------------------------------------------------------
 
 

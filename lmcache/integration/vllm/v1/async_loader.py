@@ -36,6 +36,13 @@ if TYPE_CHECKING:
 logger = init_logger(__name__)
 
 
+def leading_run(mask: torch.Tensor) -> int:
+    """How many leading entries of `mask` are set (one vector op: a loop of per-token tensor
+    reads needs the GIL thousands of times, while vLLM's loop holds it)."""
+    unset = (~mask.bool()).nonzero()
+    return int(unset[0, 0]) if len(unset) else len(mask)
+
+
 class AsyncLoader:
     """Runs one worker's background loads in order on a thread of their own."""
 
@@ -46,6 +53,8 @@ class AsyncLoader:
             initializer=thread_initializer("lmc-async-load", background=False),
         )
         self._lock = threading.Lock()
+        self._load_ended = threading.Condition(self._lock)
+        self._running = 0  # submitted loads not yet ended
         self._finished: set[str] = set()
         self._loaded: dict[str, int] = {}
         self._jobs: dict[str, Future] = {}
@@ -53,11 +62,25 @@ class AsyncLoader:
 
     def submit(self, req: ReqMeta, kv_caches: list[torch.Tensor]) -> None:
         """Start loading `req`'s promised tokens into its blocks in the background."""
+        with self._lock:
+            self._running += 1
         job = self._thread.submit(self._load, req, kv_caches)
         with self._lock:
             self._jobs[req.req_id] = job
 
     def _load(self, req: ReqMeta, kv_caches: list[torch.Tensor]) -> None:
+        try:
+            upto = self._read(req, kv_caches)
+            with self._lock:
+                self._loaded[req.req_id] = upto
+                self._finished.add(req.req_id)
+        finally:
+            with self._lock:
+                self._running -= 1
+                self._load_ended.notify_all()
+
+    def _read(self, req: ReqMeta, kv_caches: list[torch.Tensor]) -> int:
+        """Load `req`'s promised tokens; how many leading tokens are now in its blocks."""
         spec = req.load_spec
         assert spec is not None
         tokens, mask, slots = load_arguments(req, self.side.chunk_size)
@@ -75,15 +98,19 @@ class AsyncLoader:
         # The leading tokens vLLM may now treat as computed: its own prefix and the run loaded after it.
         upto = spec.vllm_cached_tokens
         if got is not None:
-            while upto < len(got) and bool(got[upto]):
-                upto += 1
+            upto += leading_run(got[upto:])
         logger.info(
             "request %s: background load done, %d leading tokens ready of %d promised",
             req.req_id, upto, spec.lmcache_cached_tokens,
         )
-        with self._lock:
-            self._loaded[req.req_id] = upto
-            self._finished.add(req.req_id)
+        return upto
+
+    def wait_for_a_finish(self, timeout: float) -> None:
+        """Wait up to `timeout` s for a running load to end (not at all when one has ended
+        unreported, or none runs). Waiting releases the GIL, which the load needs."""
+        with self._load_ended:
+            if self._running and not self._finished:
+                self._load_ended.wait(timeout)
 
     def pop_finished(self) -> set[str]:
         """Requests whose background load ended since the last call."""

@@ -105,6 +105,9 @@ class LMCacheConnectorMetadata(KVConnectorMetadata):
     # Requests that ended while their background load ran: vLLM keeps their blocks until the
     # worker reports them in `finished_sending`, once the load stopped writing into them.
     release_after_load: list[str] = field(default_factory=list)
+    # No token is computed this step (every request waits, e.g. for a background load): vLLM
+    # would step again at once, so the worker may wait a moment for a load to end instead.
+    nothing_scheduled: bool = False
 
 
 def slot_mapping_for(block_ids: Sequence[int], block_size: int, num_tokens: int) -> torch.Tensor:

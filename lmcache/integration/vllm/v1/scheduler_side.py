@@ -208,7 +208,7 @@ class LMCacheSchedulerSide:
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> LMCacheConnectorMetadata:
         """Track this step's tokens and blocks; plan each request's load and store."""
-        meta = LMCacheConnectorMetadata()
+        meta = LMCacheConnectorMetadata(nothing_scheduled=scheduler_output.total_num_scheduled_tokens == 0)
         meta.requests.extend(self._async_loads)
         meta.release_after_load = self._release_after_load
         self._async_loads, self._release_after_load = [], []
