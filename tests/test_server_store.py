@@ -24,17 +24,17 @@ def _fill(store: LRUChunkStore, key: bytes, value: bytes) -> bool:
 
 
 def test_store_evicts_least_recently_used_first() -> None:
-    store = LRUChunkStore(max_bytes=3 * 101)
+    store = LRUChunkStore(max_bytes=3 * 128)
     for name in (b"a", b"b", b"c"):
-        assert store.put(name, bytes(100))
+        assert store.put(name, bytes(127))
     lease = store.get(b"a")  # a becomes most recent; b is now the oldest
     assert lease is not None
     lease.release()
-    assert store.put(b"d", bytes(100))
+    assert store.put(b"d", bytes(127))
     assert store.get(b"b") is None
     assert all(store.exists(k) for k in (b"a", b"c", b"d"))
     stats = store.stats()
-    assert stats.evictions == 1 and stats.entries == 3 and stats.bytes_used == 303
+    assert stats.evictions == 1 and stats.entries == 3 and stats.bytes_used == 384
 
 
 def test_store_refuses_what_can_never_fit_and_keeps_the_rest() -> None:
@@ -115,6 +115,24 @@ def test_unfinished_reservations_are_bounded_and_cancelled() -> None:
         store.cancel(reservation)
     assert store.arena.used_bytes == 0
     assert store.reserve(4 * ALIGN) is not None
+
+
+def test_a_value_received_outside_the_arena_is_copied_in_or_refused() -> None:
+    """The store's memory stays within its size: nothing is kept outside the arena."""
+    store = LRUChunkStore(max_bytes=4 * ALIGN, max_unfinished_bytes=2 * ALIGN)
+    arriving = store.reserve(2 * ALIGN)
+    assert arriving is not None and store.reserve(V) is None  # the share for arriving puts is taken
+    assert store.put(b"k1", b"\x01" * V)  # received into a buffer of its own: copied in
+    assert store.arena.used_bytes == 3 * ALIGN
+    with store.get(b"k1") as value:
+        assert value == b"\x01" * V
+        # One block is free, the rest is being read or received: two blocks cannot be had (k1
+        # was evicted trying; its memory stays the reader's).
+        assert not store.put(b"k2", b"\x02" * 2 * ALIGN) and store.stats().refused_puts == 1
+        assert value == b"\x01" * V
+    store.cancel(arriving)
+    assert store.put(b"k2", b"\x02" * 2 * ALIGN) and store.stats().puts_outside_arena == 1
+    assert store.arena.used_bytes == 2 * ALIGN
 
 
 def test_a_refused_reservation_goes_back_to_the_arena() -> None:

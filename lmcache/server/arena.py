@@ -7,8 +7,9 @@ blocks of one mapping instead: a block given back when its entry is evicted keep
 the next put writes only its payload; with `prefault`, an idle-priority thread faults the whole
 mapping in at start (`--prefault`), so no put ever faults. Pages nobody touched cost nothing.
 
-Blocks come from a first-fit free list (`lmcache.free_list`), rounded up to `ALIGN`. Not
-thread-safe: the store's lock guards it.
+Blocks come from a first-fit free list (`lmcache.free_list`), rounded up to `ALIGN`, so a store
+of many tiny values holds a few less than its byte count says (the store evicts until a block
+fits). Not thread-safe: the store's lock guards it.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ from lmcache.logging import init_logger
 
 logger = init_logger(__name__)
 
-ALIGN = 4096
+# Blocks start on cache lines; large values land on huge pages whatever their alignment.
+ALIGN = 64
 
 
 class ValueArena:

@@ -594,12 +594,15 @@ class LMCacheServer:
         value = self._recv_payload(conn, size, deadline)
         if value is None:
             return  # over the pending budget: refused and answered
-        ok = self.store.put(key, value)  # counts its own refusal (and gives a reservation back)
+        # It fits the store (checked above): a refusal now means the arena has no room left
+        # that is not being read or received (the store counts it and gives a reservation back).
+        ok = self.store.put(key, value)
         conn.settimeout(self.config.frame_timeout_s)
         if ok:
             send_frame(conn, Op.PUT, Status.OK)
         else:
-            send_frame(conn, Op.PUT, Status.REFUSED, payload=self._refusal(RefusalReason.OVER_STORE))
+            self._count("refused_busy")
+            send_frame(conn, Op.PUT, Status.REFUSED, payload=self._refusal(RefusalReason.BUSY))
 
     def _recv_payload(
         self, conn: socket.socket, size: int, deadline: float

@@ -1,10 +1,11 @@
 """The `lm://` server's memory: a byte-bounded LRU map from key bytes to value bytes.
 
 Thread-safe (one lock; every operation is a dict update, the bytes are never copied under it).
-A put's payload is received into a `Reservation` of the store's arena (`arena.py`), whose pages
-are reused once its entry goes; where the arena has no room (or the payload is tiny) it arrives
-in a buffer of its own, stored as it is. A reader holds a `Lease` while it sends a value, so an
-entry replaced or evicted meanwhile keeps its memory until the last reader is done.
+Every value lives in the store's arena (`arena.py`), whose pages are reused once its entry goes,
+so the store's memory stays within its size: a put's payload is received into a `Reservation`
+of it, or - where the arena's share for puts still arriving is taken - into a buffer of its own
+that is copied in when stored. A reader holds a `Lease` while it sends a value, so an entry
+replaced or evicted meanwhile keeps its memory until the last reader is done.
 """
 
 from __future__ import annotations
@@ -28,8 +29,8 @@ class StoreStats:
     max_bytes: int = 0
     puts: int = 0
     refused_puts: int = 0
-    # Payloads received outside the arena (no free region large enough, or its limit for
-    # unfinished puts reached): each paid for fresh memory.
+    # Payloads received outside the arena (its share for puts still arriving taken, or no room):
+    # each paid for fresh memory and a copy into the arena.
     puts_outside_arena: int = 0
     hits: int = 0
     misses: int = 0
@@ -44,7 +45,7 @@ class StoreStats:
 class _Entry:
     value: memoryview
     size: int  # key + value bytes
-    block: Optional[int]  # start of its arena block; None for a value in a buffer of its own
+    block: Optional[int]  # start of its arena block; None once given back
     readers: int = 0
     dropped: bool = False
 
@@ -104,11 +105,14 @@ class LRUChunkStore:
         return key_len + value_len <= self._max_bytes
 
     def reserve(self, nbytes: int) -> Optional[Reservation]:
-        """Arena memory for a payload of `nbytes`, evicting least recently used entries while no
-        free region is large enough; None when the arena cannot hold it (the caller receives the
-        payload into a buffer of its own)."""
+        """Arena memory for a payload of `nbytes` about to arrive, evicting least recently used
+        entries while no free region is large enough; None when the arena cannot hold it now (the
+        caller receives the payload into a buffer of its own, copied in by `put`)."""
+        return self._reserve(nbytes, arriving=True)
+
+    def _reserve(self, nbytes: int, arriving: bool) -> Optional[Reservation]:
         with self._lock:
-            if self._unfinished + ValueArena.block_size(nbytes) > self._max_unfinished:
+            if arriving and self._unfinished + ValueArena.block_size(nbytes) > self._max_unfinished:
                 self._stats.puts_outside_arena += 1
                 return None
             start = self.arena.take(nbytes)
@@ -116,7 +120,8 @@ class LRUChunkStore:
                 self._evict_oldest()
                 start = self.arena.take(nbytes)
             if start is None:  # what is left is held by readers or by puts still arriving
-                self._stats.puts_outside_arena += 1
+                if arriving:
+                    self._stats.puts_outside_arena += 1
                 return None
             self._unfinished += ValueArena.block_size(nbytes)
             return Reservation(self.arena.view(start, nbytes), start)
@@ -128,26 +133,29 @@ class LRUChunkStore:
             self.arena.give_back(reservation.block, reservation.view.nbytes)
 
     def put(self, key: bytes, value: Union[Value, Reservation]) -> bool:
-        """Store `value` (a filled reservation, or a buffer kept as it is), evicting LRU entries
-        as needed; False if it can never fit (a reservation is then given back)."""
-        reservation = value if isinstance(value, Reservation) else None
-        view = reservation.view if reservation is not None else memoryview(value)  # type: ignore[arg-type]
+        """Store `value` (a filled reservation, or a buffer copied into the arena), evicting LRU
+        entries as needed; False if it can never fit, or the arena has no room for a buffer now
+        (what is left of it is being read or received). A refused reservation is given back."""
+        if isinstance(value, Reservation):
+            reservation = value
+        else:
+            reservation = self._copy_in(len(key), memoryview(value))
+            if reservation is None:
+                return False
+        view = reservation.view
         size = len(key) + view.nbytes
         with self._lock:
-            if reservation is not None:
-                self._finish(reservation)
+            self._finish(reservation)
             if size > self._max_bytes:
                 self._stats.refused_puts += 1
-                if reservation is not None:
-                    self.arena.give_back(reservation.block, view.nbytes)
+                self.arena.give_back(reservation.block, view.nbytes)
                 return False
             old = self._entries.pop(key, None)
             if old is not None:
                 self._drop(old)
             while self._entries and self._stats.bytes_used + size > self._max_bytes:
                 self._evict_oldest()
-            block = reservation.block if reservation is not None else None
-            self._entries[key] = _Entry(view, size, block)
+            self._entries[key] = _Entry(view, size, reservation.block)
             self._stats.bytes_used += size
             self._stats.puts += 1
             self._stats.entries = len(self._entries)
@@ -187,6 +195,16 @@ class LRUChunkStore:
         """A snapshot of the counters."""
         with self._lock:
             return StoreStats(**asdict(self._stats))
+
+    def _copy_in(self, key_len: int, view: memoryview) -> Optional[Reservation]:
+        """A reservation holding a copy of `view`, or None (the put refused and counted)."""
+        reservation = self._reserve(view.nbytes, arriving=False) if self.fits(key_len, view.nbytes) else None
+        if reservation is None:
+            with self._lock:
+                self._stats.refused_puts += 1
+            return None
+        reservation.view[:] = view.cast("B")
+        return reservation
 
     # ---- under the lock -------------------------------------------------------------------
 
