@@ -607,8 +607,8 @@ class LMCacheServer:
     def _recv_payload(
         self, conn: socket.socket, size: int, deadline: float
     ) -> Optional[Union[Reservation, memoryview]]:
-        """Receive a put's payload into the store's arena (or, where it has no room, a buffer of
-        its own), each step reserved from the pending budget before it arrives (so the budget
+        """Receive a put's payload into the store's arena (or, where the arena cannot take it now,
+        a buffer of its own), each step reserved from the pending budget before it arrives (so the budget
         bounds what all unfinished frames hold: at most twice what they sent, plus one first step
         each).
 
@@ -627,9 +627,11 @@ class LMCacheServer:
                     break
                 if view is None:
                     reservation = self.store.reserve(size)
-                    if reservation is None:
+                    if reservation is not None:
+                        view = reservation.view
+                    else:
                         buf = _PayloadBuffer(size)
-                    view = reservation.view if reservation is not None else buf.view  # type: ignore[union-attr]
+                        view = buf.view
                 if buf is not None:
                     buf.grown_to(held)
                 held += step
