@@ -5,7 +5,10 @@ memory from reuse while it is being sent."""
 from __future__ import annotations
 
 import socket
+import sys
 import time
+
+import pytest
 
 from test_host_memory import _mapping_stats
 
@@ -168,6 +171,7 @@ def test_server_receives_puts_into_the_arena_and_gives_back_abandoned_ones() -> 
         srv.shutdown()
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="page advice is Linux's")
 def test_prefault_makes_the_whole_store_resident() -> None:
     srv = LMCacheServer(ServerConfig(port=0, max_size_bytes=32 << 20, prefault=True))
     address = srv.store.arena._address
