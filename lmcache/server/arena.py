@@ -32,7 +32,7 @@ ALIGN = 64
 
 
 class ValueArena:
-    """`capacity` bytes of value memory (rounded up to whole pages), handed out in blocks."""
+    """`capacity` bytes of value memory (rounded up to `ALIGN`), handed out in blocks."""
 
     def __init__(self, capacity: int) -> None:
         if capacity <= 0:
@@ -68,16 +68,14 @@ class ValueArena:
         self._free.give_back(start, size)
         self.used_bytes -= size
 
-    def prefault_in_background(self) -> threading.Thread:
+    def prefault_in_background(self) -> None:
         """Fault the whole mapping in on an idle-priority thread (its bytes are left as they are,
         so puts may land meanwhile); logs when it is done."""
         logger.info("faulting in the store's %.2f GiB in the background (--prefault)", self.capacity / (1 << 30))
-        thread = threading.Thread(
+        threading.Thread(
             target=prepared(self._prefault, "lmc-prefault", background=True),
             name="lmcache-server-prefault", daemon=True,
-        )
-        thread.start()
-        return thread
+        ).start()
 
     def _prefault(self) -> None:
         started = time.monotonic()
