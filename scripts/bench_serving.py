@@ -236,8 +236,9 @@ class Bench:
         running.append(proc)
         proc.wait_healthy(self.args.startup_timeout)
         self.meters[proc.pid] = CpuMeter({p.pid for p in running})
-        if kind != VLLM_KIND:
-            self.samplers[proc.pid] = MetricsSampler(f"http://127.0.0.1:{port}", self.clock_zero).start()
+        # Every server is scraped, vLLM alone too: rendering /metrics costs the server CPU, and
+        # scraping one side of a side-by-side pair only would charge that to it alone.
+        self.samplers[proc.pid] = MetricsSampler(f"http://127.0.0.1:{port}", self.clock_zero).start()
         self.processes.setdefault(kind, []).append(
             {**describe(spec), "ready_s": proc.ready_s, "load_at_ready": os.getloadavg()})
         return proc, f"http://127.0.0.1:{port}"
@@ -272,7 +273,7 @@ class Bench:
             mine = [r for r in self.records if r.server == kind]
             log_text = proc.spec.log_path.read_text(errors="replace")
             attach_lmcache_hits(mine, log_text)
-            if metrics[proc.pid] is not None:
+            if metrics[proc.pid] is not None and kind != VLLM_KIND:
                 metrics[proc.pid]["agreement"] = agreement(metrics[proc.pid]["final"], log_text, self.settings.chunk_size)
                 self.processes[kind][-1]["lmcache_metrics"] = metrics[proc.pid]
 
