@@ -149,6 +149,35 @@ def test_prepared_threads_run_torch_work_without_an_openmp_team():
         torch.set_num_threads(before)
 
 
+def test_prepared_threads_run_the_transfer_kernel_without_an_openmp_team():
+    """The saver's copy (`c_ops`) stays inline on our thread: `at::parallel_for`'s per-thread setup,
+    inlined into our extension apart from libtorch's, reset the thread to the process's count on
+    its first call and opened a second team (the no-reuse benchmark's decode ran ~30% slower)."""
+    import torch
+    from helpers import make_case, run_multi
+
+    from lmcache.experimental.kv_layout import KVLayout
+
+    case = make_case(KVLayout.FLASH, torch.float32, num_tokens=512, num_blocks=40, prefix=0, start=0)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    torch.ones(1 << 20).mul_(2)  # the main thread's own team, as the model thread has one
+
+    def copy_on_a_prepared_thread() -> tuple[int, int]:
+        prepare_thread("lmc-test-thread", False)
+        tasks = len(os.listdir("/proc/self/task"))
+        run_multi(case, to_cache=False)
+        return torch.get_num_threads(), len(os.listdir("/proc/self/task")) - tasks
+
+    try:
+        threads, started = _on_thread(copy_on_a_prepared_thread)
+        assert threads == 1
+        assert started == 0  # no OpenMP worker was started for it
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_server_receives_puts_at_idle_priority_and_answers_gets_at_normal():
     """The `lm://` server beside an engine: a put's payload is received on an idle thread (no
     client waits for it); gets and lookups stay on the connection's own thread."""

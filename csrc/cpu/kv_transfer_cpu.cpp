@@ -149,7 +149,7 @@ void transfer(const std::vector<JobRuns>& jobs, int64_t items, const CachePointe
   // One item is at most a block of one layer's K or V (tens of KiB): a few per grain. K and V
   // alternate in item order, so every thread's contiguous share mixes them equally (their
   // costs differ, e.g. CPU_PACKED's V is a transpose).
-  at::parallel_for(0, items, 4, [&](int64_t begin, int64_t end) {
+  auto share = [&](int64_t begin, int64_t end) {
     size_t j = 0;
     while (j + 1 < jobs.size() && jobs[j + 1].first_item <= begin) ++j;
     for (int64_t it = begin; it < end; ++it) {
@@ -167,7 +167,17 @@ void transfer(const std::vector<JobRuns>& jobs, int64_t items, const CachePointe
       copy_run<ES>(p, kv, caches[plane], obj, run);
     }
     cpu::stream_fence();
-  });
+  };
+  // A thread that asked for one OpenMP thread (LMCache's own, lmcache/background_threads.py)
+  // copies inline: at::parallel_for's per-thread first-use setup is inlined into this library,
+  // apart from libtorch's, and would reset the thread to the process's count and open a second
+  // OpenMP team - with more OpenMP threads than CPUs libgomp cuts every thread's spin-wait, the
+  // model's OpenMP worker included. at::get_num_threads() asks libtorch, which that thread set up.
+  if (at::get_num_threads() == 1) {
+    share(0, items);
+  } else {
+    at::parallel_for(0, items, 4, share);
+  }
 }
 
 }  // namespace
