@@ -75,8 +75,10 @@ def _load_omp_set_num_threads() -> Optional[Callable[[int], None]]:
 def _single_openmp_thread() -> None:
     """Make the calling thread's torch ops run inline, never opening an OpenMP team; the process's
     setting (what `torch.get_num_threads()` gives every other thread) stays as it is, which
-    `torch.set_num_threads(1)` would change for threads that start torch work later. A process
-    without torch loaded (the `lm://` server) has no team to keep out of and does not load it."""
+    `torch.set_num_threads(1)` would change for threads that start torch work later. `lmcache.c_ops`
+    has its own copy of torch's per-thread setup (inlined `at::parallel_for`), so its kernel checks
+    `at::get_num_threads()` and copies inline on such a thread. A process without torch loaded (the
+    `lm://` server) has no team to keep out of and does not load it."""
     torch = sys.modules.get("torch")
     if torch is None:
         return
