@@ -4,6 +4,8 @@ stored from, and loaded into, paged KV caches in vLLM's CPU layout, slot by slot
 from __future__ import annotations
 
 import logging
+import os
+import threading
 import time
 import uuid
 
@@ -325,6 +327,57 @@ def test_layerwise_load_failing_part_way_reports_every_promised_block(layerwise_
     assert worker.pop_request_counters("b").loaded_tokens == 0
     assert "layer-wise load failed" in caplog.text
     assert live_pins(worker) == 0
+
+
+@pytest.mark.parametrize("spare_core", [True, False])
+def test_layerwise_loads_are_copied_by_the_model_thread_when_no_core_is_spare(spare_core, monkeypatch):
+    """The copy thread overlaps the forward pass only on a core the model's OpenMP team leaves
+    free; where the team covers every CPU, a copy there ran on one core while the team idled (hits
+    1.16x slower than whole-chunk loads), so the model thread copies each layer as it asks for it."""
+    from lmcache.background_threads import process_cpus
+    from lmcache.experimental.layerwise import LayerCopier
+
+    cpus = len(process_cpus())
+    if spare_core and cpus < 2:
+        pytest.skip("one CPU: no core to spare")
+    before = torch.get_num_threads()
+    torch.set_num_threads(1 if spare_core else cpus)
+    gen = make_setup(use_layerwise=True)
+    worker, side, driver, caches = next(gen)
+    try:
+        meta = driver.admit(make_request("a", PROMPT), len(PROMPT))
+        worker.start_load_kv(meta, None)  # nothing to load
+        for _ in range(LAYERS):
+            worker.wait_for_layer_load()
+            worker.save_kv_layer(meta)
+        worker.wait_for_save(meta)
+        expected = token_kv(caches, driver.slots("a", 600))
+        meta = driver.admit(make_request("b", PROMPT), len(PROMPT))
+        copied_on = []
+        real_copy = LayerCopier.copy_layer
+
+        def copy_layer(self, layer):
+            copied_on.append(threading.current_thread().name)
+            real_copy(self, layer)
+
+        monkeypatch.setattr(LayerCopier, "copy_layer", copy_layer)
+        worker.start_load_kv(meta, None)
+        for layer in range(LAYERS):
+            worker.wait_for_layer_load()
+            assert torch.equal(token_kv(caches, driver.slots("b", 600))[: layer + 1], expected[: layer + 1])
+        worker.wait_for_save(meta)
+        assert torch.equal(token_kv(caches, driver.slots("b", 600)), expected)
+        assert worker.pop_request_counters("b").loaded_tokens == 600
+        assert live_pins(worker) == 0
+        assert worker.get_block_ids_with_load_errors() == set()
+    finally:
+        torch.set_num_threads(before)
+        next(gen, None)
+    assert len(copied_on) == LAYERS
+    if spare_core:
+        assert all(name.startswith("lmcache-layerwise") for name in copied_on)
+    else:
+        assert copied_on == [threading.current_thread().name] * LAYERS
 
 
 # ----- enable_async_loading: a prefix only on disk loads in the background -------------------

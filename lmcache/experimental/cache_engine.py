@@ -43,12 +43,29 @@ def _num_selected(tokens: Sequence[int], mask: Optional[torch.Tensor]) -> int:
     return len(tokens) if mask is None else int(mask.sum())
 
 
+class _RunningClock:
+    """Seconds a layer-wise generator spent running: its `time_to_store` / `time_to_retrieve`. The
+    span from its start to its end would also count the forward pass between its layers."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self._since: Optional[float] = time.perf_counter()
+
+    def pause(self) -> None:
+        if self._since is not None:
+            self.seconds += time.perf_counter() - self._since
+            self._since = None
+
+    def resume(self) -> None:
+        self._since = time.perf_counter()
+
+
 @dataclass
 class _LayerStorePlan:
     """What a layer-wise store found before copying: the chunks it will write and the counts."""
 
     requested: int
-    started: float
+    clock: _RunningClock
     spans: List[ChunkSpan] = field(default_factory=list)
     keys: List[CacheEngineKey] = field(default_factory=list)
     stored: int = 0
@@ -362,12 +379,13 @@ class LMCacheEngine:
         except Exception:
             plan.release()
             raise
+        plan.clock.pause()
         return self._store_layers(copier, plan)
 
     def _layer_store_plan(
         self, tokens: torch.Tensor, mask: Optional[torch.Tensor], cache_salt: Optional[str]
     ) -> Tuple[List[ChunkSpan], "_LayerStorePlan"]:
-        plan = _LayerStorePlan(requested=_num_selected(tokens, mask), started=time.perf_counter())
+        plan = _LayerStorePlan(requested=_num_selected(tokens, mask), clock=_RunningClock())
         chunks = self.token_database.process_tokens(tokens, mask, cache_salt=cache_salt or "")
         if self._closed:
             logger.warning("store on a closed engine: %d tokens not stored", plan.requested)
@@ -388,16 +406,19 @@ class LMCacheEngine:
     def _store_layers(self, copier: LayerCopier, plan: "_LayerStorePlan") -> Generator[None, None, None]:
         try:
             for layer in range(copier.num_layers):
+                plan.clock.resume()
                 copier.copy_layer(layer)
                 if layer == copier.num_layers - 1:
                     for key, span in zip(plan.keys, plan.spans):
                         if self.storage_manager.put(key, span.obj) > 0:
                             plan.stored += span.end - span.start
+                plan.clock.pause()
                 yield None
         finally:
+            plan.clock.pause()
             plan.release()
             self._stats.record_store(plan.requested, plan.stored, plan.skipped, plan.dropped)
-            self._metrics.observe_store(time.perf_counter() - plan.started)
+            self._metrics.observe_store(plan.clock.seconds)
             self.publish_metrics()
 
     def retrieve_layer(
@@ -428,7 +449,7 @@ class LMCacheEngine:
         kvcaches: Sequence[Any],
         slot_mapping: torch.Tensor,
     ) -> Generator[Optional[torch.Tensor], None, None]:
-        started = time.perf_counter()
+        clock = _RunningClock()
         spans: List[ChunkSpan] = []
         ret_mask = torch.zeros(len(tokens), dtype=torch.bool, device="cpu")
         try:
@@ -453,12 +474,15 @@ class LMCacheEngine:
             )
             for layer in range(copier.num_layers):
                 copier.copy_layer(layer)
+                clock.pause()
                 yield None
+                clock.resume()
             for span in spans:
                 ret_mask[span.start : span.end] = True
             hit = int(ret_mask.sum())
             self._stats.record_retrieve(_num_selected(tokens, mask), hit)
-            self._metrics.observe_retrieve(time.perf_counter() - started)
+            clock.pause()
+            self._metrics.observe_retrieve(clock.seconds)
             self.publish_metrics()
             logger.debug("retrieve_layer: %d tokens requested, %d loaded", _num_selected(tokens, mask), hit)
             yield ret_mask

@@ -3,7 +3,8 @@ thread of their own, so the copies overlap the forward pass.
 
 vLLM calls, per step:
 - `start_load_kv` -> `start_loads`: one `retrieve_layer` generator per request with a load; the
-  copy thread advances all of them layer by layer (layer 0 first) and marks each layer done;
+  copy thread advances all of them layer by layer (layer 0 first) and marks each layer done
+  (with no spare core, see below, the model thread advances them here instead);
 - `wait_for_layer_load(layer)` (before layer i's attention) -> `wait_layer_loaded`: waits until
   the thread has written layer i; layer i + 1 is being copied while layer i computes;
 - `save_kv_layer(layer)` (after layer i's attention wrote its KV) -> `save_layer`: at the step's
@@ -16,6 +17,14 @@ vLLM calls, per step:
   copy thread  : |ld 0|ld 1|ld 2|...                (loads run ahead, waited on per layer)
                           |st 0    |st 1    |st 2 ... (stores follow the layers written)
 ```
+
+The copy thread only helps where it has a core the forward pass does not use. When the model's
+OpenMP team already covers every CPU the process may use (vLLM's CPU worker on a machine of its
+own), a hit's copy on that thread runs on one core and competes with the team, while the model
+thread waits with its team idle: layer-wise hits took 1.16x a whole-chunk load's TTFT so. There
+the model thread copies each layer itself when it asks for it (`wait_for_layer_load`), with its
+team, as a whole-chunk load does; a second OpenMP team on the copy thread is no way out (while it
+exists, libgomp throttles every spin-wait in the process: `lmcache/background_threads.py`).
 
 A load that fails part-way (a tier read raising) leaves later layers unwritten: the whole
 request's promised blocks are reported as load errors, as a short synchronous load is. The step
@@ -31,7 +40,7 @@ from typing import TYPE_CHECKING, Callable, Generator, Optional
 
 import torch
 
-from lmcache.background_threads import thread_initializer
+from lmcache.background_threads import process_cpus, thread_initializer
 from lmcache.integration.vllm.v1.request_state import ReqMeta
 from lmcache.integration.vllm.v1.transfer_arguments import load_arguments, store_arguments
 from lmcache.logging import init_logger
@@ -58,7 +67,8 @@ class _Save:
 
 class LayerwiseWorker:
     """One worker's layer-wise loads and stores, advanced on one copy thread (FIFO, so a layer's
-    store never runs before the loads queued ahead of it)."""
+    store never runs before the loads queued ahead of it) or, loads with no spare core, on the
+    model thread (which has copied layer i before it computes and stores it)."""
 
     def __init__(self, side: "LMCacheWorkerSide") -> None:
         self.side = side
@@ -68,7 +78,9 @@ class LayerwiseWorker:
         )
         self._layer_done: list[threading.Event] = []
         self._loads_done: Optional[Future] = None
+        self._inline_loads: Optional[list[_Load]] = None  # copied by the model thread, layer by layer
         self._next_load_layer = 0
+        self._spare_core: Optional[bool] = None  # known at the first load, on the model thread
         self._saves: list[_Save] = []
         self._save_futures: list[Future] = []
         self._step_has_saved = False  # save_layer ran this step (the storers exist)
@@ -76,7 +88,8 @@ class LayerwiseWorker:
     # ----- loads -------------------------------------------------------------------------------
 
     def start_loads(self, loads: list[ReqMeta], kv_caches: list[torch.Tensor]) -> None:
-        """Start copying every request's promised chunks, layer by layer, on the copy thread."""
+        """Start copying every request's promised chunks, layer by layer, on the copy thread (or
+        get them ready for the model thread to copy)."""
         self.finish_loads()  # a previous step's loads nobody waited for (no attention hooks ran)
         side = self.side
         jobs: list[_Load] = []
@@ -93,22 +106,37 @@ class LayerwiseWorker:
         num_layers = len(kv_caches)
         self._layer_done = [threading.Event() for _ in range(num_layers)]
         self._next_load_layer = 0
-        self._loads_done = self._thread.submit(self._run_loads, jobs, num_layers)
+        if self._spare_core is None:
+            self._spare_core = len(process_cpus()) > torch.get_num_threads()
+            logger.info(
+                "layer-wise loads are copied %s",
+                "on a thread of their own, overlapping the forward pass" if self._spare_core
+                else "by the model thread, layer by layer (its OpenMP team covers every CPU: no core to overlap on)",
+            )
+        if self._spare_core:
+            self._loads_done = self._thread.submit(self._run_loads, jobs, num_layers)
+        else:
+            self._inline_loads = jobs
 
     def _run_loads(self, jobs: list[_Load], num_layers: int) -> None:
         try:
             for layer in range(num_layers):
-                for job in jobs:
-                    self._advance_load(job)
+                self._load_layer(jobs)
                 self._layer_done[layer].set()
-            for job in jobs:
-                self._advance_load(job)  # the last next() yields the token mask
+            self._load_layer(jobs)  # the last next() yields the token mask
         finally:
             for event in self._layer_done:
                 event.set()
-            for job in jobs:
-                self.side.settle_load(job.req, job.slots, job.got)
-            self.side.unpin([job.req.req_id for job in jobs])
+            self._settle(jobs)
+
+    def _load_layer(self, jobs: list[_Load]) -> None:
+        for job in jobs:
+            self._advance_load(job)
+
+    def _settle(self, jobs: list[_Load]) -> None:
+        for job in jobs:
+            self.side.settle_load(job.req, job.slots, job.got)
+        self.side.unpin([job.req.req_id for job in jobs])
 
     def _advance_load(self, job: _Load) -> None:
         if job.retriever is None:
@@ -124,18 +152,32 @@ class LayerwiseWorker:
             job.retriever, job.got = None, None
 
     def wait_layer_loaded(self) -> None:
-        """Block until the next layer (in model order) of this step's loads is written."""
-        if self._loads_done is None:
+        """Block until the next layer (in model order) of this step's loads is written (or, with
+        no spare core, write it)."""
+        if self._loads_done is None and self._inline_loads is None:
             return
         layer = self._next_load_layer
         self._next_load_layer += 1
-        if layer < len(self._layer_done):
+        if self._inline_loads is not None:
+            if layer < len(self._layer_done):
+                self._load_layer(self._inline_loads)
+        elif layer < len(self._layer_done):
             self._layer_done[layer].wait()
         if self._next_load_layer >= len(self._layer_done):
             self.finish_loads()
 
     def finish_loads(self) -> None:
-        """Wait for this step's loads to be settled (counted, errors reported, pins released)."""
+        """Finish this step's loads and settle them (counted, errors reported, pins released):
+        wait for the copy thread, or copy the layers no `wait_for_layer_load` asked for."""
+        jobs, self._inline_loads = self._inline_loads, None
+        if jobs is not None:
+            try:
+                while self._next_load_layer < len(self._layer_done):
+                    self._next_load_layer += 1
+                    self._load_layer(jobs)
+                self._load_layer(jobs)  # the last next() yields the token mask
+            finally:
+                self._settle(jobs)
         done, self._loads_done = self._loads_done, None
         if done is not None:
             done.result()
