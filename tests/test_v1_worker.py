@@ -273,14 +273,18 @@ def test_kv_caches_that_contradict_the_metadata_are_refused(setup):
 # ----- use_layerwise: the same plans, moved layer by layer on the copy thread -------------------
 
 
-def test_layerwise_saves_per_layer_and_loads_layer_i_by_the_ith_wait(layerwise_setup):
-    worker, side, driver, caches = layerwise_setup
-    meta = driver.admit(make_request("a", PROMPT), len(PROMPT))
-    worker.start_load_kv(meta, None)  # nothing to load
+def layerwise_step(worker, meta):
+    """A step as vLLM runs it with `use_layerwise`: loads started, a wait and a save per layer."""
+    worker.start_load_kv(meta, None)
     for _ in range(LAYERS):
         worker.wait_for_layer_load()
         worker.save_kv_layer(meta)
     worker.wait_for_save(meta)
+
+
+def test_layerwise_saves_per_layer_and_loads_layer_i_by_the_ith_wait(layerwise_setup):
+    worker, side, driver, caches = layerwise_setup
+    layerwise_step(worker, driver.admit(make_request("a", PROMPT), len(PROMPT)))  # nothing to load
     assert worker.pop_request_counters("a").stored_tokens == 600
     assert worker.engine.stats().stored_tokens == 600
     expected = token_kv(caches, driver.slots("a", 600))
@@ -345,12 +349,7 @@ def test_layerwise_loads_are_copied_by_the_model_thread_when_no_core_is_spare(sp
     gen = make_setup(use_layerwise=True)
     worker, side, driver, caches = next(gen)
     try:
-        meta = driver.admit(make_request("a", PROMPT), len(PROMPT))
-        worker.start_load_kv(meta, None)  # nothing to load
-        for _ in range(LAYERS):
-            worker.wait_for_layer_load()
-            worker.save_kv_layer(meta)
-        worker.wait_for_save(meta)
+        layerwise_step(worker, driver.admit(make_request("a", PROMPT), len(PROMPT)))
         expected = token_kv(caches, driver.slots("a", 600))
         meta = driver.admit(make_request("b", PROMPT), len(PROMPT))
         copied_on = []
