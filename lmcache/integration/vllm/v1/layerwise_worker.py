@@ -1,5 +1,5 @@
 """The v1 door's layer-wise path (`use_layerwise: true`): loads and stores one layer at a time on a
-thread of their own, so the copies overlap the forward pass.
+thread of their own, so the copies overlap the forward pass (loads only where a core is spare).
 
 vLLM calls, per step:
 - `start_load_kv` -> `start_loads`: one `retrieve_layer` generator per request with a load; the
