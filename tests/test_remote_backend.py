@@ -11,7 +11,7 @@ import pytest
 import torch
 from helpers import key
 from tier_helpers import (
-    PATIENT_REMOTE,
+    FAST_REMOTE,
     REMOTE_CHUNK,
     REMOTE_LAYERS,
     remote_backend,
@@ -127,7 +127,7 @@ def test_pending_puts_are_served_from_memory_and_a_full_queue_drops(lm_server) -
 
 def test_dead_server_is_a_fast_miss_and_logged(lmcache_log) -> None:  # noqa: F811
     cpu = remote_cpu()
-    backend = remote_backend(f"lm://127.0.0.1:{free_port()}", cpu=cpu)
+    backend = remote_backend(f"lm://127.0.0.1:{free_port()}", options=FAST_REMOTE, cpu=cpu)
     obj = remote_chunk(cpu, seed=1)
     assert not backend.contains(key(1))
     assert backend.get_blocking(key(1)) is None
@@ -160,7 +160,7 @@ def test_black_hole_server_times_out_once_then_misses_at_once() -> None:
 def test_server_killed_mid_run_then_restarted_resumes_on_its_own(tmp_path, lmcache_log) -> None:  # noqa: F811
     server = LMServerProcess(log_path=tmp_path / "server.log").start()
     cpu = remote_cpu()
-    backend = remote_backend(server.url, cpu=cpu)
+    backend = remote_backend(server.url, options=FAST_REMOTE, cpu=cpu)
     try:
         backend.submit_put_task(key(1), remote_chunk(cpu, seed=1))
         assert backend.flush() and backend.contains(key(1))
@@ -188,14 +188,14 @@ def test_server_killed_mid_run_then_restarted_resumes_on_its_own(tmp_path, lmcac
 def test_corrupt_foreign_and_misshapen_chunks_are_misses(lm_server) -> None:
     url = _lm_url(lm_server)
     cpu = remote_cpu()
-    writer = remote_backend(url, "cachegen", PATIENT_REMOTE, cpu=cpu)
+    writer = remote_backend(url, "cachegen", cpu=cpu)
     writer.submit_put_task(key(1), remote_chunk(cpu, seed=1))
     writer.close()
-    naive_reader = remote_backend(url, "naive", PATIENT_REMOTE)
+    naive_reader = remote_backend(url, "naive")
     assert naive_reader.contains(key(1)) and naive_reader.get_blocking(key(1)) is None
 
     raw = LMServerConnector(*lm_server.address)
-    good = remote_backend(url, "naive", PATIENT_REMOTE, cpu=cpu)
+    good = remote_backend(url, "naive", cpu=cpu)
     good.submit_put_task(key(2), remote_chunk(cpu, seed=2))
     good.flush()
     blob = bytearray(raw.get(key(2).to_string()))
@@ -210,9 +210,9 @@ def test_corrupt_foreign_and_misshapen_chunks_are_misses(lm_server) -> None:
     assert raw.put(key(5).to_string(), raw.get(key(4).to_string()))
     assert good.get_blocking(key(5)) is None
 
-    other_model = remote_backend(url, "naive", PATIENT_REMOTE, metadata=remote_metadata(layers=REMOTE_LAYERS + 1))
+    other_model = remote_backend(url, "naive", metadata=remote_metadata(layers=REMOTE_LAYERS + 1))
     assert other_model.get_blocking(key(4)) is None
-    other_dtype = remote_backend(url, "naive", PATIENT_REMOTE, metadata=remote_metadata(dtype=torch.bfloat16))
+    other_dtype = remote_backend(url, "naive", metadata=remote_metadata(dtype=torch.bfloat16))
     assert other_dtype.get_blocking(key(4)) is None
     assert good.remote_stats().gets_rejected == 3
     for b in (naive_reader, good, other_model, other_dtype):

@@ -21,7 +21,7 @@ import pytest
 import redis
 import torch
 from helpers import key
-from tier_helpers import remote_backend, remote_chunk, remote_cpu, wait_for
+from tier_helpers import FAST_REMOTE, remote_backend, remote_chunk, remote_cpu, wait_for
 from redis_fixture import ROOT, LMServerProcess, RedisServer, free_port
 
 from lmcache.experimental.config import LMCacheEngineConfig, mask_url, parse_remote_url
@@ -230,7 +230,7 @@ def test_redis_password_from_the_config_key_and_a_wrong_one(redis_auth, lmcache_
     url = f"redis://127.0.0.1:{redis_auth.port}"
     _store_one(url, 5, password=REDIS_PASSWORD)
     for bad_url in (url, f"redis://:{WRONG_TOKEN}@127.0.0.1:{redis_auth.port}"):
-        bad = remote_backend(bad_url)
+        bad = remote_backend(bad_url, options=FAST_REMOTE)
         assert not bad.contains(key(5)) and bad.get_blocking(key(5)) is None
         assert not bad.is_up
         bad.close()
@@ -271,7 +271,7 @@ def test_lm_token_client_stores_and_hits_and_intruders_get_nothing(token_server,
 
     for intruder_url in (_lm_url(token_server), _lm_url(token_server, f":{WRONG_TOKEN}@")):
         intruder_cpu = remote_cpu()
-        intruder = remote_backend(intruder_url, cpu=intruder_cpu)
+        intruder = remote_backend(intruder_url, options=FAST_REMOTE, cpu=intruder_cpu)
         assert not intruder.contains(key(1))
         assert intruder.get_blocking(key(1)) is None
         intruder.submit_put_task(key(1), remote_chunk(intruder_cpu, seed=666))  # try to overwrite
@@ -325,13 +325,13 @@ def test_lms_with_the_right_ca_works_and_plaintext_or_wrong_ca_get_nothing(tls_s
     monkeypatch.setenv(CLIENT_CA_ENV, str(tls_files.ca))
     original = _store_one(f"lms://:{TOKEN_IN_URL}@127.0.0.1:{port}", 2)
 
-    plaintext = remote_backend(f"lm://:{TOKEN_IN_URL}@127.0.0.1:{port}")
+    plaintext = remote_backend(f"lm://:{TOKEN_IN_URL}@127.0.0.1:{port}", options=FAST_REMOTE)
     assert not plaintext.contains(key(2)) and plaintext.get_blocking(key(2)) is None
     plaintext.close()
     monkeypatch.setenv(CLIENT_CA_ENV, str(tls_files.other_ca))
     with pytest.raises(RemoteAuthError, match="TLS handshake failed"):
         create_connector(f"lms://:{TOKEN_IN_URL}@127.0.0.1:{port}").ping()
-    wrong_ca = remote_backend(f"lms://:{TOKEN_IN_URL}@127.0.0.1:{port}")
+    wrong_ca = remote_backend(f"lms://:{TOKEN_IN_URL}@127.0.0.1:{port}", options=FAST_REMOTE)
     assert not wrong_ca.contains(key(2)) and wrong_ca.get_blocking(key(2)) is None
     wrong_ca.close()
 
@@ -377,7 +377,7 @@ def test_protected_mode_refuses_a_public_bind_without_a_token() -> None:
 def test_no_secret_in_anything_logged(token_server, tls_server, redis_auth, lmcache_lines) -> None:
     # One more refused client of each kind, so this test has lines of its own when run alone.
     for url in (_lm_url(token_server, f":{WRONG_TOKEN}@"), f"redis://{ACL_USER}:{WRONG_TOKEN}@127.0.0.1:{redis_auth.port}"):
-        backend = remote_backend(url)
+        backend = remote_backend(url, options=FAST_REMOTE)
         assert not backend.contains(key(7))
         backend.close()
     text = "\n".join(lmcache_lines.lines)

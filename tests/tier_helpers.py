@@ -21,10 +21,11 @@ from lmcache.experimental.storage_backend.remote_backend import RemoteBackend, R
 # ---------------------------------------------------------------- remote backends
 
 REMOTE_LAYERS, REMOTE_HEADS, REMOTE_HEAD_SIZE, REMOTE_CHUNK = 4, 2, 64, 256
+# For tests about a tier that fails: it is found down within a second and retried quickly.
 FAST_REMOTE = RemoteBackendOptions(lookup_timeout_s=0.5, timeout_s=2.0, backoff_initial_s=0.05, backoff_max_s=0.2)
-# For tests about what is read back, not about timing: a lookup or get that times out on a loaded
-# machine would read as a miss (or mark the tier down) and fail them for the wrong reason.
-PATIENT_REMOTE = RemoteBackendOptions(lookup_timeout_s=10.0, timeout_s=10.0)
+# The default, for tests about what is stored and read back: on a loaded machine (CI) a first
+# connect can take over 0.5 s, which would mark the tier down and drop the puts under test.
+PATIENT_REMOTE = RemoteBackendOptions(lookup_timeout_s=10.0, timeout_s=10.0, backoff_initial_s=0.05, backoff_max_s=0.2)
 
 
 def remote_metadata(layers: int = REMOTE_LAYERS, dtype: torch.dtype = torch.float16) -> LMCacheEngineMetadata:
@@ -43,7 +44,7 @@ def remote_chunk(cpu: LocalCPUBackend, seed: int, tokens: int = REMOTE_CHUNK, dt
     return obj
 
 
-def remote_backend(url: str, serde: str = "naive", options: RemoteBackendOptions = FAST_REMOTE, **kwargs) -> RemoteBackend:
+def remote_backend(url: str, serde: str = "naive", options: RemoteBackendOptions = PATIENT_REMOTE, **kwargs) -> RemoteBackend:
     return RemoteBackend(
         url, serde, kwargs.pop("metadata", remote_metadata()), kwargs.pop("cpu", remote_cpu()), options=options, **kwargs
     )
