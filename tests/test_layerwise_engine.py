@@ -2,6 +2,8 @@
 store/retrieve on every paged layout (each path reads what the other wrote), layer i written by
 the i-th next() and not before, masks and misses, memory released when a generator is dropped."""
 
+import time
+
 import pytest
 import torch
 from helpers import CHUNK, check_loaded, config, geometry, make_engine, prompt, slots_for
@@ -152,8 +154,6 @@ def test_store_of_uncomputed_slots_and_bad_masks_raise_before_any_layer():
 def test_layer_generators_time_only_their_own_work(monkeypatch):
     """`time_to_store` / `time_to_retrieve` of a layer-wise call count the time it ran, not the
     forward pass between its layers (which made layer-wise hits look 3-9x slower than memcpy)."""
-    import time
-
     geo = geometry(KVLayout.CPU_IPEX, torch.float32)
     engine = make_engine(geo, config())
     seen = {}

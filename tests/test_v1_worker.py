@@ -4,7 +4,6 @@ stored from, and loaded into, paged KV caches in vLLM's CPU layout, slot by slot
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 import uuid
