@@ -30,7 +30,7 @@ serve: setup
 	@$(PY) scripts/serve_demo.py
 
 bench: setup
-	@$(PY) scripts/bench_kernels.py
-	@$(PY) scripts/bench_engine.py
-	@$(PY) scripts/bench_remote.py
-	@$(PY) scripts/bench_serving.py
+	@$(PY) scripts/bench/bench_kernels.py
+	@$(PY) scripts/bench/bench_engine.py
+	@$(PY) scripts/bench/bench_remote.py
+	@$(PY) scripts/bench/bench_serving.py

@@ -1,7 +1,7 @@
 """Start a PD deployment on this machine as a user would: a decoder and a prefiller, each an
 `lmcache_vllm serve` process configured through `LMCACHE_*` variables, and the proxy.
 
-Used by `tests/test_pd_e2e.py` and `scripts/bench_pd.py`. Every process binds 127.0.0.1 and is
+Used by `tests/test_pd_e2e.py` and `scripts/bench/bench_pd.py`. Every process binds 127.0.0.1 and is
 started in its own session, so `stop` ends it with all its children.
 """
 

@@ -17,7 +17,7 @@ import pytest
 
 from conftest import ROOT, VLLM_TEST_ENV
 
-sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(ROOT / "scripts" / "bench"))
 
 from bench_serving_client import PrefixCounters, parse_prefix_counters  # noqa: E402
 from bench_serving_report import (  # noqa: E402
@@ -219,7 +219,7 @@ def test_quick_run_on_a_real_server_writes_sane_json_and_png(tmp_path):
     """`--quick`: tiny model, our server with the disk tier, every workload including the restart;
     and `interference` on the slow lm:// tier with asynchronous loading."""
     env = {**os.environ, **VLLM_TEST_ENV, "OMP_NUM_THREADS": "2"}
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_serving.py"), "--quick",
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench" / "bench_serving.py"), "--quick",
                            "--servers", "lmcache-disk,lmcache-remote-slow-async", "--out-dir", str(tmp_path)],
                           capture_output=True, text=True, env=env, cwd=str(ROOT), timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lmcache.integration.vllm.blend_model import QUERY_BLOCK, AttentionShape, LlamaBlendModel
+from lmcache.integration.vllm.blend.model import QUERY_BLOCK, AttentionShape, LlamaBlendModel
 
 
 def reference(q, positions, keys, values, shape: AttentionShape) -> torch.Tensor:

@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
-from lmcache.integration.vllm.blend_model import AttentionShape, LlamaBlendModel
-from lmcache.integration.vllm.blend_runner import Blender
+from lmcache.integration.vllm.blend.model import AttentionShape, LlamaBlendModel
+from lmcache.integration.vllm.blend.runner import Blender
 
 LAYERS, HIDDEN, VOCAB = 4, 16, 50
 SHAPE = AttentionShape(num_heads=2, num_kv_heads=1, head_size=8, scaling=8**-0.5)

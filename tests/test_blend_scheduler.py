@@ -8,7 +8,7 @@ import pytest
 from v1_helpers import RecordingChannel, StepDriver, make_request, make_settings
 
 from lmcache.experimental.blend.segments import Segment, segment_salt
-from lmcache.integration.vllm.v1.blend_plan import BlendScheduler
+from lmcache.integration.vllm.blend.plan import BlendScheduler
 from lmcache.integration.vllm.v1.scheduler_side import LMCacheSchedulerSide
 from lmcache.integration.vllm.vllm_compat import blend_unsupported_reason
 

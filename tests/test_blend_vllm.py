@@ -5,7 +5,7 @@ A RAG-shaped prompt (system prompt, three documents between `[BLEND_SEP]`s, a qu
 then the same documents in another order. The first stores each document under its own tokens;
 the second finds all three at new positions and blends. With `blend_recompute_ratio: 1.0` the
 blend recomputes every token, so its greedy tokens must be the cache-off ones; at the default
-ratio it recomputes a share only (the quality of that is `scripts/bench_blend.py`'s job).
+ratio it recomputes a share only (the quality of that is `scripts/bench/bench_blend.py`'s job).
 """
 
 from __future__ import annotations

@@ -205,7 +205,7 @@ def test_the_grafana_dashboard_queries_only_published_names():
 
 
 def test_bench_metrics_agreement_and_dashboard_png(tmp_path):
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts" / "bench"))
     from bench_metrics import agreement, dashboard_png
 
     from lmcache.integration.vllm.request_log import RequestCounters, RequestStats, format_request_line

@@ -1,6 +1,6 @@
-"""The short form of `scripts/soak_server.py`: a real server process under mixed load with idle
+"""The short form of `scripts/bench/soak_server.py`: a real server process under mixed load with idle
 and drip-feeding sockets; every get is correct or a miss, every client served, RSS under its
-bound. The full form (200 clients, 60 s) is run by hand: `scripts/soak_server.py`."""
+bound. The full form (200 clients, 60 s) is run by hand: `scripts/bench/soak_server.py`."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import sys
 
 from conftest import ROOT
 
-sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(ROOT / "scripts" / "bench"))
 
 from soak_server import check_value, make_value, run_soak  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""The v0 door (`vllm_adapter`) on a real LMCacheEngine and CPU KV caches in vLLM's IPEX layout.
+"""The v0 door (`v0/connector.py`) on a real LMCacheEngine and CPU KV caches in vLLM's IPEX layout.
 
 Steps are built by vLLM's own CPU input builder (`v0_inputs`); "the forward pass" is simulated by
 writing known values into the slots the step computes, so the tests can check which KV the
@@ -19,9 +19,9 @@ from v0_inputs import BLOCK, Seq, assert_cpu_inputs_equal, build_cpu_input, deco
 
 from lmcache.experimental.cache_engine import LMCacheEngineBuilder
 from lmcache.experimental.kv_layout import KVLayout
-from lmcache.integration.vllm import vllm_adapter
+from lmcache.integration.vllm.v0 import connector as v0_connector
 from lmcache.integration.vllm.utils import ENGINE_NAME
-from lmcache.integration.vllm.vllm_adapter import (
+from lmcache.integration.vllm.v0.connector import (
     RetrieveStatus,
     StoreStatus,
     execute_with_cache,
@@ -276,7 +276,7 @@ def test_execute_with_cache_runs_vllms_step_on_the_rebuilt_input(engine):
 
     step = build_cpu_input([seq], {}, chunked=False)
     assert execute_with_cache(fake_runner(), step, caches, vllm_step) == ["output"]
-    vllm_adapter.flush_stores()  # the store ran after the step
+    v0_connector.flush_stores()  # the store ran after the step
     assert seen["input"] is step and engine.lookup(torch.tensor(seq.prompt)) == 50
     step2 = build_cpu_input([Seq(40, list(seq.prompt), [40, 41, 42, 43])], {}, chunked=False)
     execute_with_cache(fake_runner(), step2, caches, vllm_step)
@@ -308,7 +308,7 @@ def test_a_failing_retrieve_computes_the_whole_step(engine, monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("tier exploded")
 
-    monkeypatch.setattr(vllm_adapter, "rebuild_model_input", broken)
+    monkeypatch.setattr(v0_connector, "rebuild_model_input", broken)
     step2 = build_cpu_input([Seq(50, list(seq.prompt), [40, 41, 42, 43])], {}, chunked=False)
     seen = []
     execute_with_cache(fake_runner(), step2, caches, seen.append)

@@ -26,7 +26,7 @@ from v0_inputs import (
     make_seqs,
 )
 
-from lmcache.integration.vllm.v0_model_input import (
+from lmcache.integration.vllm.v0.model_input import (
     CPU_SDPA,
     FLASH_ATTN,
     block_table_from_slots,

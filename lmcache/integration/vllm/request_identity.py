@@ -3,7 +3,7 @@
 `cache_identity(...)` is the one function that turns a request's inputs into the salt (or the
 reason it must bypass the cache); the v1 door reads them from vLLM's `Request`
 (`v1/request_policy.request_identity`), the v0 door from a step's LoRA mapping
-(`vllm_adapter`). Because both call this, a prompt stored through one door hits through the other.
+(`v0/connector.py`). Because both call this, a prompt stored through one door hits through the other.
 
 NOTE: the salt is JSON with sorted keys, so it is the same string in every process and after a
 restart (keys must never depend on `hash()` of Python objects or on random seeds).

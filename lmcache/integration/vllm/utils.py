@@ -1,4 +1,4 @@
-"""What both vLLM doors (v0 `vllm_adapter.py`, v1 `vllm_v1_adapter.py`) need to know about vLLM.
+"""What both vLLM doors (v0 `v0/`, v1 `v1/`) need to know about vLLM.
 
 Operations:
 - `ENGINE_NAME`: the one name the engine is registered under in each worker process (vLLM's

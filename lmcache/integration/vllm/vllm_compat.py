@@ -310,7 +310,7 @@ def wrapper_patch_points() -> List[PatchPoint]:
 
 # ----- CacheBlend: the model it runs layer by layer ----------------------------------------------
 
-# Model classes whose modules `blend_model.py` knows how to call one layer at a time.
+# Model classes whose modules `blend/model.py` knows how to call one layer at a time.
 BLEND_ARCHITECTURES = ("LlamaForCausalLM",)
 
 

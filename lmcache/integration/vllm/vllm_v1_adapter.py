@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
 from lmcache.integration.vllm.utils import extra_config_of, lmcache_get_config
-from lmcache.integration.vllm.v1.blend_plan import BlendScheduler
+from lmcache.integration.vllm.blend.plan import BlendScheduler
 from lmcache.integration.vllm.v1.request_policy import DoorSettings
 from lmcache.integration.vllm.v1.request_state import LMCacheConnectorMetadata
 from lmcache.integration.vllm.v1.scheduler_side import LMCacheSchedulerSide

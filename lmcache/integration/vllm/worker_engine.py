@@ -1,6 +1,6 @@
 """The engine of one vLLM worker process: built for vLLM's config in one place, closed at exit.
 
-Both doors (v0 `vllm_adapter.init_lmcache_engine`, v1 `LMCacheWorkerSide.from_vllm_config`) call
+Both doors (v0 `v0.connector.init_lmcache_engine`, v1 `LMCacheWorkerSide.from_vllm_config`) call
 `open_worker_engine`; it builds the engine's metadata, finds the paged KV layout, creates the
 connector and registers the engine under `ENGINE_NAME` (an engine that exists already is reused),
 starts its status API when the config asks for it (`api_server.py`), then has

@@ -30,7 +30,7 @@ from lmcache.experimental.pd.disagg_spec import DisaggSpec
 from lmcache.integration.vllm.v1.request_policy import DoorSettings
 
 if TYPE_CHECKING:
-    from lmcache.integration.vllm.v1.blend_plan import BlendStep
+    from lmcache.integration.vllm.blend.plan import BlendStep
 
 
 @dataclass

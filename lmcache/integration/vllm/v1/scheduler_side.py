@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from lmcache.experimental.metrics import record_vllm_hit_tokens
 from lmcache.integration.vllm.v1.pd_requests import PDRequests
-from lmcache.integration.vllm.v1.blend_plan import BlendScheduler
+from lmcache.integration.vllm.blend.plan import BlendScheduler
 from lmcache.integration.vllm.request_log import RequestCounters, RequestStats, format_request_line
 from lmcache.integration.vllm.v1.request_policy import DoorSettings, RequestPolicy, request_policy
 from lmcache.integration.vllm.v1.request_state import (

@@ -45,9 +45,9 @@ from lmcache.experimental.cache_engine import LMCacheEngine
 from lmcache.experimental.config import LMCacheEngineConfig
 from lmcache.experimental.kv_layout import KVLayout
 from lmcache.experimental.pd.sender import PDSender
-from lmcache.integration.vllm.blend_runner import Blender
+from lmcache.integration.vllm.blend.runner import Blender
 from lmcache.integration.vllm.utils import check_kv_caches
-from lmcache.integration.vllm.v1.blend_plan import check_blending
+from lmcache.integration.vllm.blend.plan import check_blending
 from lmcache.integration.vllm.request_log import RequestCounters
 from lmcache.integration.vllm.off_step_saver import OffStepSaver
 from lmcache.integration.vllm.v1.async_loader import AsyncLoader

@@ -29,8 +29,8 @@ from lmcache.experimental.blend.segments import segment_salt
 from lmcache.experimental.blend.selection import kv_deviation, select_recompute
 from lmcache.experimental.cache_engine import LMCacheEngine
 from lmcache.experimental.kv_layout import KVLayout
-from lmcache.integration.vllm.blend_kv import BlendKV
-from lmcache.integration.vllm.blend_model import LlamaBlendModel
+from lmcache.integration.vllm.blend.kv import BlendKV
+from lmcache.integration.vllm.blend.model import LlamaBlendModel
 from lmcache.integration.vllm.v1.request_state import ReqMeta
 from lmcache.integration.vllm.vllm_compat import find_causal_lm
 from lmcache.logging import init_logger

@@ -13,7 +13,7 @@ and the ratios kernel/copy (target >= 0.70) and kernel/torch (target > 1). Each 
 of --repeat rounds (the machine is shared and noisy: the minimum is the least disturbed run), and
 the contenders run interleaved round by round so a slow patch hits all of them alike.
 
-Usage: .venv/bin/python scripts/bench_kernels.py [--threads 2] [--repeat 25] [--blocks 64]
+Usage: .venv/bin/python scripts/bench/bench_kernels.py [--threads 2] [--repeat 25] [--blocks 64]
        [--dtypes float32,bfloat16] [--layouts FLASH,CPU_IPEX,CPU_PACKED,CPU_ATTN] [--block-size 16]
 """
 

@@ -1,6 +1,6 @@
 """PD benchmark: push bandwidth beside raw loopback in the same run, and the TTFT split.
 
-    .venv/bin/python scripts/bench_pd.py [--prompts 1024,4096] [--push-mb 256] [--no-serve]
+    .venv/bin/python scripts/bench/bench_pd.py [--prompts 1024,4096] [--push-mb 256] [--no-serve]
 
 1. Transport, in this process over 127.0.0.1 (bench-model geometry: 8 layers, 8 KV heads,
    head 64, float32, 256-token chunks):
@@ -31,9 +31,10 @@ from pathlib import Path
 import torch
 import zmq
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(ROOT / "scripts" / "bench"))
 
 from lmcache.config import LMCacheEngineMetadata  # noqa: E402
 from lmcache.experimental.cache_engine import LMCacheEngine  # noqa: E402

@@ -18,7 +18,7 @@ order first. TTFT is the time of a `generate` call for one token. Both engines s
 asked in turn, `--reps` times each (the machine is shared: load must fall on both sides alike);
 the medians and the median of the per-pair ratios are reported, with the load average.
 
-    python scripts/bench_blend.py [--examples 400] [--layers 4] [--ablations] [--doc-tokens 1000] [--reps 6]
+    python scripts/bench/bench_blend.py [--examples 400] [--layers 4] [--ablations] [--doc-tokens 1000] [--reps 6]
 
 Writes `bench/results/blend-<time>.json` and a plot beside it. Each engine runs in a child
 process (`--job`: the job's JSON on the first stdin line, then one prompt per line) because
@@ -40,8 +40,8 @@ import time
 from pathlib import Path
 from typing import Optional
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "scripts"))
 
 from blend_task import BlendTask  # noqa: E402
 from make_tiny_model import TinyModelSpec, make_tiny_model  # noqa: E402
@@ -62,7 +62,7 @@ def replace_selection(ablation: str) -> None:
     import torch
 
     from lmcache.experimental.blend.selection import select_recompute
-    from lmcache.integration.vllm import blend_runner
+    from lmcache.integration.vllm.blend import runner as blend_runner
 
     if ablation == "no_selection":
         blend_runner.select_recompute = lambda deviation, reused, ratio: select_recompute(deviation, reused, 0.0)
@@ -287,7 +287,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     for name in ("examples", "doc_tokens", "reps", "layers"):
         if getattr(args, name) <= 0:
             sys.exit(f"bench_blend: --{name.replace('_', '-')} must be positive")
-    result: dict = {"command": "python scripts/bench_blend.py " + " ".join(sys.argv[1:] if argv is None else argv)}
+    result: dict = {"command": "python scripts/bench/bench_blend.py " + " ".join(sys.argv[1:] if argv is None else argv)}
     if not args.skip_quality:
         result.update(quality(args.examples, args.seed, args.layers, args.ablations))
     if not args.skip_ttft:

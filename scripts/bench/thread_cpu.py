@@ -3,8 +3,8 @@
 py-spy cannot sample processes on the 2-core dev machine (docs/design.md, "The no-reuse cost"), so
 this reads the kernel's per-thread accounting instead:
 
-    .venv/bin/python scripts/thread_cpu.py sample <bench_serving pid> samples.jsonl   # while it runs
-    .venv/bin/python scripts/thread_cpu.py table samples.jsonl bench/results/serving-<ts>.json
+    .venv/bin/python scripts/bench/thread_cpu.py sample <bench_serving pid> samples.jsonl   # while it runs
+    .venv/bin/python scripts/bench/thread_cpu.py table samples.jsonl bench/results/serving-<ts>.json
 
 `sample` writes, once a second, every thread of every process under the benchmark (utime+stime,
 name, nice, CPU mask) and every process's user/system time and minor faults. `table` prints, for

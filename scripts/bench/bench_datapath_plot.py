@@ -1,7 +1,7 @@
 """Plot the data-path benchmark JSONs (`bench_engine.py --json`, `bench_remote.py --json`): each
 measured path's ratio to its limit, with the issue's target for that path.
 
-Usage: .venv/bin/python scripts/bench_datapath_plot.py bench/results/engine.json bench/results/remote.json \
+Usage: .venv/bin/python scripts/bench/bench_datapath_plot.py bench/results/engine.json bench/results/remote.json \
            --out bench/results/datapath.png
 """
 

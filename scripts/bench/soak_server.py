@@ -1,6 +1,6 @@
 """A bounded soak of the `lm://` server: many clients, idle and drip-feeding sockets, an RSS bound.
 
-    .venv/bin/python scripts/soak_server.py [--duration 60 --clients 200 --idle 50 --drip 10]
+    .venv/bin/python scripts/bench/soak_server.py [--duration 60 --clients 200 --idle 50 --drip 10]
 
 Starts `python -m lmcache.server` as its own process with small limits, then for `--duration`
 seconds runs `--clients` client threads (one `LMServerConnector` each) doing mixed puts and gets
@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from lmcache.experimental.remote.connector import RemoteUnavailableError  # noqa: E402

@@ -14,7 +14,7 @@ step's; and to load or store a chunk that straddles `c` it needs the slots of th
 
 Operations:
 - `plan_step(model_input) -> Optional[StepPlan]`: the plan (None for an attention backend
-  `v0_model_input` does not know).
+  `model_input` does not know).
 - `StepPlans`: remembers the plan of the last step for vLLM's own v0 connector, which calls the
   door four times per step with the original and then the rebuilt input.
 
@@ -35,7 +35,7 @@ from typing import Any, List, Optional
 import torch
 
 from lmcache.integration.vllm.request_identity import cache_identity
-from lmcache.integration.vllm.v0_model_input import SeqSpan, StepLayout, prefill_block_row, read_step
+from lmcache.integration.vllm.v0.model_input import SeqSpan, StepLayout, prefill_block_row, read_step
 from lmcache.logging import init_logger
 
 logger = init_logger(__name__)
@@ -155,7 +155,7 @@ def _sequence_tokens(group: Any, seq: SeqSpan, step_tokens: torch.Tensor) -> Opt
 
 def plan_step(model_input: Any) -> Optional[StepPlan]:
     """The plan of a step as vLLM built it (no prefills for decode-only steps); None for attention
-    backends `v0_model_input` does not know."""
+    backends `model_input` does not know."""
     step = read_step(model_input)
     if step is None:
         warn_once(

@@ -19,7 +19,7 @@ the rows with every round's time.
 - The XXH3-64 checksum the disk tier computes on every write and read, as its ceiling.
 
 The geometry is Llama-8B-like by default; the disk rows use the CPU_IPEX bfloat16 case.
-Usage: OMP_NUM_THREADS=2 .venv/bin/python scripts/bench_engine.py [--tokens 2048] [--rounds 7]
+Usage: OMP_NUM_THREADS=2 .venv/bin/python scripts/bench/bench_engine.py [--tokens 2048] [--rounds 7]
        [--json bench/results/engine.json]
 """
 

@@ -1,6 +1,6 @@
 """Where the v1 door's time goes when nothing is reused, measured in one process (issue 12).
 
-    .venv/bin/python scripts/profile_no_reuse.py --tier cpu     # or disk; --prompts 4 --tokens 2048
+    .venv/bin/python scripts/bench/profile_no_reuse.py --tier cpu     # or disk; --prompts 4 --tokens 2048
 
 Runs vLLM's v1 engine in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, so the scheduler, the
 worker and our connector share one profile) on the benchmark-size model (`.cache/bench-model`,
@@ -25,11 +25,12 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # make_tiny_model
 
 from bench_serving import BENCH_MODEL  # noqa: E402
 from make_tiny_model import make_tiny_model  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 WATCHED = {
     "wait_for_save": ("worker_side.py", "wait_for_save"),
     "start_load_kv": ("worker_side.py", "start_load_kv"),

@@ -1,8 +1,8 @@
 """Serving benchmark: what LMCache buys over vLLM alone, measured over HTTP on real servers (issue 8).
 
-    .venv/bin/python scripts/bench_serving.py            # full run (~15-20 min on 2 quiet cores)
-    .venv/bin/python scripts/bench_serving.py --quick    # tiny model, 2-3 requests per workload
-    .venv/bin/python scripts/bench_serving.py --vllm-line latest   # the same on vLLM 0.32
+    .venv/bin/python scripts/bench/bench_serving.py            # full run (~15-20 min on 2 quiet cores)
+    .venv/bin/python scripts/bench/bench_serving.py --quick    # tiny model, 2-3 requests per workload
+    .venv/bin/python scripts/bench/bench_serving.py --vllm-line latest   # the same on vLLM 0.32
 
 The vLLM line is the venv's the script runs from (.venv: 0.9.2, .venv-latest: 0.32);
 `--vllm-line legacy|latest` starts it again from that venv. Results of a line other than 0.9 are
@@ -40,6 +40,7 @@ import aiohttp
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # make_tiny_model
 
 from bench_metrics import MetricsSampler, agreement, dashboard_png  # noqa: E402
 from bench_serving_report import (  # noqa: E402
@@ -57,7 +58,7 @@ from make_tiny_model import TinyModelSpec, make_tiny_model  # noqa: E402
 
 from lmcache_vllm.compat import installed_vllm_version, release_of  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 FAILURES = (ServerError, RequestFailed, aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError)
 SCHEMA = "lmcache-bench-serving/1"
 BENCH_MODEL = TinyModelSpec(hidden=1024, layers=8, heads=16, kv_heads=8, max_position=8192)
@@ -416,7 +417,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         "schema": SCHEMA,
         "started": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(started)),
         "duration_s": round(time.time() - started, 1),
-        "command": " ".join([Path(sys.executable).name, "scripts/bench_serving.py", *(argv or sys.argv[1:])]),
+        "command": " ".join([Path(sys.executable).name, "scripts/bench/bench_serving.py", *(argv or sys.argv[1:])]),
         "machine": {"cpus": os.cpu_count(), "load_before": load_before, "load_after": os.getloadavg(),
                     "platform": platform.platform()},
         "versions": versions(),

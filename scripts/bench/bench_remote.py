@@ -1,6 +1,6 @@
 """Remote tier throughput over loopback, measured beside raw socket bandwidth in the same run.
 
-    .venv/bin/python scripts/bench_remote.py [--chunks 8 --layers 32 --kv-heads 8 --head-size 128
+    .venv/bin/python scripts/bench/bench_remote.py [--chunks 8 --layers 32 --kv-heads 8 --head-size 128
                                               --dtype float16 --repeats 3]
 
 Prints, for 256-token chunks of the given geometry:
@@ -39,15 +39,16 @@ from typing import Callable, Dict, List, Optional, Tuple
 import numpy
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts" / "bench"))
 
 from lmcache.experimental.memory_management import HostMemoryAllocator, MemoryFormat, MemoryObj  # noqa: E402
 from lmcache.experimental.remote.lm_connector import LMServerConnector  # noqa: E402
 from lmcache.experimental.remote.redis_connector import RedisConnector  # noqa: E402
 from lmcache.server.security import client_tls_context  # noqa: E402
 from lmcache.experimental.remote.serde import CacheGenSerde, NaiveSerde  # noqa: E402
-from bench_engine import interleaved, timed  # noqa: E402  (scripts/ is on sys.path when run)
+from bench_engine import interleaved, timed  # noqa: E402
 
 TOKENS = 256
 RAW_BLOCK = 8 << 20
