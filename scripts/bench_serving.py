@@ -41,7 +41,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_metrics import MetricsSampler, agreement, dashboard_png  # noqa: E402
+from bench_metrics import MetricsSampler, agreement, dashboard_png, dashboard_title, scraped_series  # noqa: E402
 from bench_serving_report import (  # noqa: E402
     attach_lmcache_hits, beside, hit_retrieve_gbps, interference, plot, plot_title, ratios, summarize, targets,
 )
@@ -444,10 +444,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     plot(summaries, rat, plot_title(result), png_path, itl)
     shutil.copyfile(json_path, out_dir / f"latest{tag}.json")
     shutil.copyfile(png_path, out_dir / f"latest{tag}.png")
-    series = {f"{kind}#{i + 1}": run["lmcache_metrics"]["series"] for kind, runs in bench.processes.items()
-              for i, run in enumerate(runs) if "lmcache_metrics" in run}
-    metrics_png = dashboard_png(series, out_dir / f"serving{tag}-{stamp}-metrics.png",
-                                f"lmcache: metrics scraped from /metrics during the run of {result['started']}")
+    metrics_png = dashboard_png(scraped_series(bench.processes), out_dir / f"serving{tag}-{stamp}-metrics.png",
+                                dashboard_title(result["started"]))
     if metrics_png is not None:
         shutil.copyfile(metrics_png, out_dir / f"latest{tag}-metrics.png")
     print_table(summaries, rat, tgt)

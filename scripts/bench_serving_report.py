@@ -17,7 +17,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Iterable, Mapping, Optional, Sequence
 
-from bench_serving_servers import OUR_KINDS, PERSISTENT_KINDS, SLOW_REMOTE_KINDS, VLLM_KIND
+from bench_metrics import dashboard_png, dashboard_title, scraped_series
+from bench_serving_servers import KIND_COLORS, OUR_KINDS, PERSISTENT_KINDS, SLOW_REMOTE_KINDS, VLLM_KIND
 from bench_serving_workloads import PhaseTotals, RequestRecord
 
 from lmcache.integration.vllm.request_log import parse_request_lines
@@ -284,11 +285,6 @@ def targets(r: Mapping[str, Mapping[str, Optional[float]]], itl: Optional[Mappin
     return rows
 
 
-SERVER_COLORS = {VLLM_KIND: "#7f7f7f", "lmcache-cpu": "#1f77b4", "lmcache-disk": "#2ca02c",
-                 "lmcache-remote": "#d62728", "lmcache-cpu-layerwise": "#17becf", "lmcache-disk-async": "#ff7f0e",
-                 "lmcache-remote-slow": "#ff9896", "lmcache-remote-slow-async": "#9467bd"}
-
-
 def _bars(ax, labels: Sequence[str], groups: Sequence[tuple[str | Sequence[str], Sequence[Optional[float]]]],
           ylabel: str, log: bool) -> None:
     """Grouped bars: one group per label, one bar per (server kind, values) in `groups`, coloured by
@@ -302,7 +298,7 @@ def _bars(ax, labels: Sequence[str], groups: Sequence[tuple[str | Sequence[str],
     for j, (kinds, values) in enumerate(groups):
         xs = [i + (j - (len(groups) - 1) / 2) * width for i in range(len(labels))]
         ys = [v if v is not None else 0.0 for v in values]
-        colors = [SERVER_COLORS.get(k) for k in kinds] if not isinstance(kinds, str) else SERVER_COLORS.get(kinds)
+        colors = [KIND_COLORS.get(k) for k in kinds] if not isinstance(kinds, str) else KIND_COLORS.get(kinds)
         bars = ax.bar(xs, ys, width, color=colors)
         for bar, v in zip(bars, values):
             if v is not None:
@@ -353,7 +349,7 @@ def figure(s: Summaries, r: Mapping[str, Mapping[str, Optional[float]]], title: 
     grid = fig.add_gridspec(3, 3, height_ratios=[1, 1, 0.035 * len(notes) + 1e-3])
     axes = [[fig.add_subplot(grid[row, col]) for col in range(3)] for row in range(2)]
     # The title heads the legend: constrained layout stacks a suptitle and an outside legend on each other.
-    fig.legend([Patch(color=SERVER_COLORS.get(k)) for k in (*servers, *slow)],
+    fig.legend([Patch(color=KIND_COLORS.get(k)) for k in (*servers, *slow)],
                [f"{k} (vLLM alone)" if k == VLLM_KIND else k for k in (*servers, *slow)],
                loc="outside upper center", ncol=max(len(servers) + len(slow), 1), fontsize=9, frameon=False,
                title=title, title_fontsize=10)
@@ -426,19 +422,22 @@ def plot_title(result: Mapping) -> str:
             f"{result['settings']['engine_kv_tokens']} tokens; {result['machine']['cpus']} CPUs")
 
 
-def replot(json_path: Path) -> Path:
-    """Draw a written result JSON again (same data, current drawing code) as the PNG beside it."""
+def replot(json_path: Path) -> list[Path]:
+    """Draw a written result JSON again (same data, current drawing code): `<name>.png` beside it and,
+    where servers were scraped, `<name>-metrics.png` - the names the benchmark gives them."""
     result = json.loads(json_path.read_text())
     out = json_path.with_suffix(".png")
     plot(result["summary"], result["ratios_vllm_over_ours"], plot_title(result), out, result.get("interference"))
-    return out
+    dashboard = dashboard_png(scraped_series(result["processes"]), json_path.with_name(f"{json_path.stem}-metrics.png"),
+                              dashboard_title(result["started"]))
+    return [out] + ([dashboard] if dashboard else [])
 
 
 if __name__ == "__main__":
     import argparse
 
     parser = argparse.ArgumentParser(description="Redraw serving benchmark PNGs from their result JSONs "
-                                                 "(bench/results/<name>.json -> <name>.png), without rerunning.")
+                                                 "(<name>.json -> <name>.png, <name>-metrics.png), without rerunning.")
     parser.add_argument("json", nargs="+", type=Path)
     for path in parser.parse_args().json:
-        print(f"wrote {replot(path)}")
+        print("wrote " + ", ".join(map(str, replot(path))))

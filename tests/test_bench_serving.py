@@ -16,6 +16,7 @@ import sys
 import pytest
 
 from conftest import ROOT, VLLM_TEST_ENV
+from helpers import text_clashes
 
 sys.path.insert(0, str(ROOT / "scripts"))
 
@@ -191,47 +192,15 @@ def test_summary_ratios_and_targets_from_known_numbers(tmp_path):
 
 
 
-def text_clashes(fig) -> list[str]:
-    """Every pair of drawn texts that overlap, and every text over a framed axes it does not belong to
-    (legends in an axes count as over it) or sticking out of the one it is drawn in (value labels,
-    notes), in pixels after layout at the figure's own dpi (the PNG's)."""
-    fig.canvas.draw()
-    renderer = fig.canvas.get_renderer()
-    texts = []  # (text, the axes it is drawn inside or None)
-    for ax in fig.axes:
-        for axis in (ax.xaxis, ax.yaxis):
-            lo, hi = sorted(axis.get_view_interval())
-            texts += [(t.label1, None) for t in axis.get_major_ticks() + axis.get_minor_ticks()
-                      if t.label1.get_visible() and lo <= t.get_loc() <= hi]
-            texts.append((axis.label, None))
-        texts += [(ax.title, None)] + [(t, ax) for t in ax.texts]
-    texts += [(t, None) for t in fig.texts]
-    for legend in fig.legends + [ax.get_legend() for ax in fig.axes if ax.get_legend()]:
-        texts += [(t, None) for t in (legend.get_title(), *legend.get_texts())]
-    texts = [(t, ax, t.get_window_extent(renderer)) for t, ax in texts if t.get_visible() and t.get_text().strip()]
-    framed = [ax for ax in fig.axes if ax.axison]
-    clashes = []
-    for i, (a, _, box_a) in enumerate(texts):
-        clashes += [f"{a.get_text()[:40]!r} over {b.get_text()[:40]!r}" for b, _, box_b in texts[i + 1:]
-                    if box_a.overlaps(box_b)]
-    for t, own, box in texts:
-        clashes += [f"{t.get_text()[:40]!r} over the axes {ax.get_title()[:40]!r}" for ax in framed
-                    if ax is not own and box.overlaps(ax.get_window_extent(renderer))]
-        frame = own.get_window_extent(renderer) if own is not None else None
-        if frame is not None and not (frame.x0 <= box.x0 and box.x1 <= frame.x1
-                                      and frame.y0 <= box.y0 and box.y1 <= frame.y1):
-            clashes.append(f"{t.get_text()[:40]!r} sticks out of the axes {own.get_title()[:40]!r}")
-    return clashes
-
-
 def test_the_committed_serving_plot_has_no_text_over_text_or_axes(tmp_path):
     # The latest full run: six servers, every panel filled, the ratio table below.
     result = json.loads((ROOT / "bench/results/latest.json").read_text())
     fig = figure(result["summary"], result["ratios_vllm_over_ours"], plot_title(result), result["interference"])
     assert text_clashes(fig) == []
-    # Redrawing from the JSON writes the PNG beside it.
-    (tmp_path / "run.json").write_text(json.dumps(result))
-    assert replot(tmp_path / "run.json").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # Redrawing a run from its JSON writes the PNG beside it (this older run scraped no metrics).
+    (tmp_path / "run.json").write_text((ROOT / "bench/results/latest-vllm0.32.0.json").read_text())
+    assert replot(tmp_path / "run.json") == [tmp_path / "run.png"]
+    assert (tmp_path / "run.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_layerwise_target_compares_our_two_hits_without_a_vllm_alone_run():
