@@ -316,15 +316,15 @@ def _bars(ax, labels: Sequence[str], groups: Sequence[tuple[str | Sequence[str],
 def _notes(r: Mapping[str, Mapping[str, Optional[float]]], itl: Mapping[str, dict]) -> list[str]:
     """The ratios as a fixed-width table (a row per kind that has one) and the slow tiers' rounds."""
     rows = {kind: vals for kind, vals in r.items() if any(v is not None for v in vals.values())}
-    if not rows and not itl:
-        return []
-    lines = ["vLLM alone / ours (hit_over_limit = ours / vLLM's own prefix hit; hit_ttft_s = our hit TTFT, s)"]
-    names = list(dict.fromkeys(name for vals in rows.values() for name in vals))
-    kind_w = max((len(k) for k in (*rows, *itl)), default=0) + 1
-    lines.append(" " * kind_w + " ".join(f"{n:>{len(n)}}" for n in names))
-    for kind, vals in rows.items():
-        cells = [f"{vals[n]:.2f}" if vals.get(n) is not None else "-" for n in names]
-        lines.append(f"{kind:<{kind_w}}" + " ".join(f"{c:>{len(n)}}" for c, n in zip(cells, names)))
+    lines = []
+    if rows:
+        names = list(dict.fromkeys(name for vals in rows.values() for name in vals))
+        kind_w = max(len(k) for k in rows) + 1
+        lines += ["vLLM alone / ours (hit_over_limit = ours / vLLM's own prefix hit; hit_ttft_s = our hit TTFT, s)",
+                  " " * kind_w + " ".join(names)]
+        for kind, vals in rows.items():
+            cells = [f"{vals[n]:.2f}" if vals.get(n) is not None else "-" for n in names]
+            lines.append(f"{kind:<{kind_w}}" + " ".join(f"{c:>{len(n)}}" for c, n in zip(cells, names)))
     for kind, found in itl.items():
         lines.append(f"{kind}: ITL with load / alone, per round: "
                      + ", ".join(f"{x['ratio']:.2f}" for x in found["rounds"]))
