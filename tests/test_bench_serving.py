@@ -16,13 +16,14 @@ import sys
 import pytest
 
 from conftest import ROOT, VLLM_TEST_ENV
+from helpers import text_clashes
 
 sys.path.insert(0, str(ROOT / "scripts" / "bench"))
 
 from bench_serving_client import PrefixCounters, parse_prefix_counters  # noqa: E402
 from bench_serving_report import (  # noqa: E402
-    attach_lmcache_hits, decode_itl, hit_retrieve_gbps, interference, itl_during, percentile, plot, ratios,
-    summarize, targets,
+    attach_lmcache_hits, decode_itl, figure, hit_retrieve_gbps, interference, itl_during, percentile, plot,
+    plot_title, ratios, replot, summarize, targets,
 )
 from bench_serving_workloads import (  # noqa: E402
     FIRST_ORDINARY_TOKEN, PhaseTotals, RequestRecord, WorkloadSizes, build_plan, query_order,
@@ -189,6 +190,17 @@ def test_summary_ratios_and_targets_from_known_numbers(tmp_path):
     plot(s, r, "test", out)
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
+
+
+def test_the_committed_serving_plot_has_no_text_over_text_or_axes(tmp_path):
+    # The latest full run: six servers, every panel filled, the ratio table below.
+    result = json.loads((ROOT / "bench/results/latest.json").read_text())
+    fig = figure(result["summary"], result["ratios_vllm_over_ours"], plot_title(result), result["interference"])
+    assert text_clashes(fig) == []
+    # Redrawing a run from its JSON writes the PNG beside it (this older run scraped no metrics).
+    (tmp_path / "run.json").write_text((ROOT / "bench/results/latest-vllm0.32.0.json").read_text())
+    assert replot(tmp_path / "run.json") == [tmp_path / "run.png"]
+    assert (tmp_path / "run.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_layerwise_target_compares_our_two_hits_without_a_vllm_alone_run():

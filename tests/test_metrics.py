@@ -4,12 +4,14 @@ and a real engine publishing into the default one (what vLLM's `/metrics` serves
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from helpers import text_clashes
 from prometheus_client import REGISTRY, CollectorRegistry
 
 from lmcache.experimental.metrics import ENGINE_COUNTERS, EngineMetrics, EngineObservation
@@ -174,7 +176,6 @@ def test_the_cli_shares_metrics_across_processes_for_a_v1_serve(args, env, share
 
 
 def test_the_grafana_dashboard_queries_only_published_names():
-    import json
     import re
 
     from prometheus_client import generate_latest
@@ -222,6 +223,18 @@ def test_bench_metrics_agreement_and_dashboard_png(tmp_path):
     png = dashboard_png({"lmcache-cpu#1": series}, tmp_path / "d.png", "test")
     assert png is not None and png.read_bytes()[:4] == b"\x89PNG"
     assert dashboard_png({"x": []}, tmp_path / "e.png", "empty") is None
+
+
+def test_the_committed_dashboard_has_no_text_over_text_or_axes():
+    # The committed metrics run: a CPU-tier server and two remote-tier processes (a restart).
+    root = Path(__file__).resolve().parent.parent
+    sys.path.insert(0, str(root / "scripts"))
+    from bench_metrics import dashboard_figure, dashboard_title, scraped_series
+
+    result = json.loads((root / "bench/results/metrics/serving-20261123-164902.json").read_text())
+    series = scraped_series(result["processes"])
+    assert list(series) == ["lmcache-cpu#1", "lmcache-remote#1", "lmcache-remote#2"]
+    assert text_clashes(dashboard_figure(series, dashboard_title(result["started"]))) == []
 
 
 def test_an_older_observation_published_late_never_counts_twice():

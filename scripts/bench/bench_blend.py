@@ -20,9 +20,9 @@ the medians and the median of the per-pair ratios are reported, with the load av
 
     python scripts/bench/bench_blend.py [--examples 400] [--layers 4] [--ablations] [--doc-tokens 1000] [--reps 6]
 
-Writes `bench/results/blend-<time>.json` and a plot beside it. Each engine runs in a child
-process (`--job`: the job's JSON on the first stdin line, then one prompt per line) because
-vLLM's v1 engine spawns its core process.
+Writes `bench/results/blend-<time>.json` and a plot beside it (`--replot JSON...` redraws plots only).
+Each engine runs in a child process (`--job`: the job's JSON on the first stdin line, then one prompt
+per line) because vLLM's v1 engine spawns its core process.
 """
 
 from __future__ import annotations
@@ -245,28 +245,35 @@ def ttft(doc_tokens: int, reps: int) -> dict:
 
 
 def plot(result: dict, path: Path) -> None:
+    """A panel for each part the run measured (quality, TTFT), nothing for a part it skipped."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    parts = [part for part in ("accuracy_blend", "ttft_full_s") if part in result]
+    fig, axes = plt.subplots(1, max(len(parts), 1), figsize=(5 * max(len(parts), 1), 4), squeeze=False,
+                             layout="constrained")
+    panels = iter(axes[0])
     if "accuracy_blend" in result:
+        ax = next(panels)
         bars = [("full\nrecompute", "full_recompute", "grey"), (f"CacheBlend\n{DEFAULT_RATIO}", "blend", "tab:blue"),
                 ("naive\nreuse", "naive_reuse", "tab:red"), ("no\nselection", "no_selection", "tab:orange"),
                 ("random\nselection", "random_selection", "tab:purple")]
         bars = [(label, result[f"accuracy_{key}"], color) for label, key, color in bars if f"accuracy_{key}" in result]
-        left.bar([b[0] for b in bars], [b[1] for b in bars], color=[b[2] for b in bars])
-        left.set_ylim(0, 1)
-        left.set_title(f"accuracy, {result['quality_model_layers']}-layer model, "
-                       f"{result['quality_examples']} held-out prompts")
+        ax.bar([b[0] for b in bars], [b[1] for b in bars], color=[b[2] for b in bars])
+        ax.set_ylim(0, 1)
+        layers = result.get("quality_model_layers")
+        ax.set_title(f"accuracy, {f'{layers}-layer model, ' if layers else ''}"
+                     f"{result['quality_examples']} held-out prompts")
     if "ttft_full_s" in result:
-        right.bar(["full prefill", f"CacheBlend {DEFAULT_RATIO}"], [result["ttft_full_s"], result["ttft_blend_s"]],
-                  color=["grey", "tab:blue"])
-        right.set_ylabel("seconds")
-        right.set_title(f"TTFT, {result['ttft_prompt_tokens']}-token prompt, 4 documents")
-    fig.tight_layout()
+        ax = next(panels)
+        ax.bar(["full prefill", f"CacheBlend {DEFAULT_RATIO}"], [result["ttft_full_s"], result["ttft_blend_s"]],
+               color=["grey", "tab:blue"])
+        ax.set_ylabel("seconds")
+        ax.set_title(f"TTFT, {result['ttft_prompt_tokens']}-token prompt, 4 documents")
     fig.savefig(path)
+    plt.close(fig)
 
 
 def main(argv: Optional[list[str]] = None) -> None:
@@ -280,7 +287,14 @@ def main(argv: Optional[list[str]] = None) -> None:
     p.add_argument("--skip-quality", action="store_true")
     p.add_argument("--skip-ttft", action="store_true")
     p.add_argument("--job", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--replot", nargs="+", type=Path, metavar="JSON",
+                   help="only redraw the PNG beside each of these result JSONs (no benchmark run)")
     args = p.parse_args(argv)
+    if args.replot:
+        for path in args.replot:
+            plot(json.loads(path.read_text()), path.with_suffix(".png"))
+            print(f"wrote {path.with_suffix('.png')}")
+        return
     if args.job:
         serve_job(json.loads(sys.stdin.readline()))
         return

@@ -12,7 +12,9 @@ import threading
 import time
 import urllib.request
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, List, Mapping, Optional, Sequence
+
+from bench_serving_servers import KIND_COLORS
 
 from lmcache.experimental.metrics import lmcache_samples
 from lmcache.integration.vllm.request_log import parse_request_lines
@@ -110,41 +112,61 @@ def _mean_latency(points: List[dict], name: str) -> tuple:
     return ts, means
 
 
-def dashboard_png(series_by_server: Dict[str, List[dict]], png_path: Path, title: str) -> Optional[Path]:
-    """The dashboard's six panels over every server's scraped series; None when nothing was scraped."""
-    if not any(series_by_server.values()):
-        return None
+def scraped_series(processes: Mapping[str, Sequence[dict]]) -> Dict[str, List[dict]]:
+    """Each server process's scraped series from a result JSON's `processes`, named `<kind>#<n>`."""
+    return {f"{kind}#{i + 1}": run["lmcache_metrics"]["series"] for kind, runs in processes.items()
+            for i, run in enumerate(runs) if "lmcache_metrics" in run}
+
+
+def dashboard_title(started: str) -> str:
+    return f"lmcache: metrics scraped from /metrics during the run of {started}"
+
+
+def dashboard_figure(series_by_server: Dict[str, List[dict]], title: str):
+    """The dashboard's six panels over every server process's scraped series: a colour per server kind
+    (its processes ran one after another), solid and dashed lines for a panel's two series, one legend."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
 
-    fig, axes = plt.subplots(2, 3, figsize=(16, 8))
+    fig, axes = plt.subplots(2, 3, figsize=(16, 8), dpi=90, layout="constrained")
+    hit_rate, usage = "lmcache:retrieve_hit_rate", HOT_USAGE
     panels = [
-        ("hit / requested tokens per s", lambda p: [_rate(p, "lmcache:num_hit_tokens_total"),
-                                                     _rate(p, "lmcache:num_requested_tokens_total")], ["hit", "requested"]),
-        ("stored tokens per s", lambda p: [_rate(p, "lmcache:num_stored_tokens_total")], ["stored"]),
-        ("retrieve hit rate (since start)", lambda p: [([x["t"] for x in p],
-                                                        [x["samples"].get("lmcache:retrieve_hit_rate", 0) for x in p])], [""]),
-        ("CPU tier usage (MiB)", lambda p: [([x["t"] for x in p],
-                                             [x["samples"].get(HOT_USAGE, 0) / 2**20 for x in p])], [""]),
-        ("mean time to retrieve / store (ms)", lambda p: [_mean_latency(p, "lmcache:time_to_retrieve"),
-                                                          _mean_latency(p, "lmcache:time_to_store")], ["retrieve", "store"]),
-        ("remote read / write bytes per s", lambda p: [_rate(p, "lmcache:remote_read_bytes_total"),
-                                                       _rate(p, "lmcache:remote_write_bytes_total")], ["read", "write"]),
+        ("hit (solid) / requested (dashed) tokens per s",
+         lambda p: [_rate(p, "lmcache:num_hit_tokens_total"), _rate(p, "lmcache:num_requested_tokens_total")]),
+        ("stored tokens per s", lambda p: [_rate(p, "lmcache:num_stored_tokens_total")]),
+        ("retrieve hit rate (since start)",
+         lambda p: [([x["t"] for x in p], [x["samples"].get(hit_rate, 0) for x in p])]),
+        ("CPU tier usage (MiB)", lambda p: [([x["t"] for x in p], [x["samples"].get(usage, 0) / 2**20 for x in p])]),
+        ("mean time to retrieve (solid) / store (dashed), ms",
+         lambda p: [_mean_latency(p, "lmcache:time_to_retrieve"), _mean_latency(p, "lmcache:time_to_store")]),
+        ("remote read (solid) / write (dashed) bytes per s",
+         lambda p: [_rate(p, "lmcache:remote_read_bytes_total"), _rate(p, "lmcache:remote_write_bytes_total")]),
     ]
-    for ax, (name, lines_of, labels) in zip(axes.flat, panels):
+    kinds = list(dict.fromkeys(server.split("#")[0] for server in series_by_server))
+    colors = {kind: KIND_COLORS.get(kind, f"C{i}") for i, kind in enumerate(kinds)}
+    for ax, (name, lines_of) in zip(axes.flat, panels):
         for server, points in series_by_server.items():
-            for (ts, ys), label in zip(lines_of(points), labels):
+            for (ts, ys), style in zip(lines_of(points), ("-", "--")):
                 if ts:
-                    ax.plot(ts, ys, marker=".", label=f"{server} {label}".strip())
+                    ax.plot(ts, ys, style, marker=".", markersize=3, color=colors[server.split("#")[0]])
         ax.set_title(name, fontsize=10)
         ax.set_xlabel("seconds since the bench started", fontsize=8)
         ax.grid(alpha=0.3)
-        if ax.lines:
-            ax.legend(fontsize=7)
-    fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    fig.savefig(png_path, dpi=90)
+    fig.legend([Line2D([], [], color=colors[k], marker=".") for k in kinds], kinds, loc="outside upper center",
+               ncol=max(len(kinds), 1), fontsize=9, frameon=False, title=title, title_fontsize=10)
+    return fig
+
+
+def dashboard_png(series_by_server: Dict[str, List[dict]], png_path: Path, title: str) -> Optional[Path]:
+    """`dashboard_figure` as a PNG; None when nothing was scraped."""
+    if not any(series_by_server.values()):
+        return None
+    import matplotlib.pyplot as plt
+
+    fig = dashboard_figure(series_by_server, title)
+    fig.savefig(png_path)
     plt.close(fig)
     return png_path

