@@ -89,6 +89,8 @@ class ReceiverAuth:
         handshake = self._pending.pop(peer, None)
         if handshake is None:
             raise AuthRefused("a proof without a hello first")
+        if not message.data:
+            raise AuthRefused("the peer could not verify this decoder's proof: it has a different token")
         handshake.step(message.data)
         _remember(self._sessions, peer, _Session(handshake.session_key()), MAX_SESSIONS)
         return b""

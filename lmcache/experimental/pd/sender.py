@@ -91,12 +91,16 @@ class PushClient:
         handshake = ClientHandshake(self._token, PD_AUTH_LABEL)
         self._seq += 1
         reply = self._exchange(auth_frames(self._seq, "hello", handshake.nonce))
+        if not reply.ok:
+            raise PushAuthError(f"{self.address} refused the token handshake: {reply.error or 'refused'}")
         try:
-            if not reply.ok:
-                raise AuthRefused(reply.error or "refused")
             proof = handshake.answer(reply.auth)
         except AuthRefused as err:
-            raise PushAuthError(f"{self.address} failed the token handshake: {err}") from None
+            # An empty proof tells the receiver (which counts and logs it); a real one could be
+            # relayed by an impostor to the decoder it pretends to be.
+            self._seq += 1
+            self._exchange(auth_frames(self._seq, "proof", b""))
+            raise PushAuthError(f"{self.address} failed the token handshake: {err}; set {HOW_TO_SET}") from None
         self._seq += 1
         reply = self._exchange(auth_frames(self._seq, "proof", proof))
         if not reply.ok:
