@@ -17,13 +17,13 @@ from redis_fixture import free_port
 from tier_helpers import ENGINE_CHUNK_BYTES, ENGINE_GEO, small_engine, store_prompt
 
 from lmcache.experimental.config import LMCacheEngineConfig
+from lmcache.experimental.memory_management import HostMemoryAllocator
 from lmcache.experimental.pd.auth import PD_AUTH_LABEL, PD_TOKEN_ENV, pd_token
 from lmcache.experimental.pd.disagg_spec import DisaggSpec
 from lmcache.experimental.pd.receiver import AUTH_LOG_EVERY
 from lmcache.experimental.pd.sender import PDSender
 from lmcache.experimental.pd.wire import auth_frames, push_frames, push_mac, read_reply
 from lmcache.experimental.storage_backend import LocalCPUBackend
-from lmcache.experimental.memory_management import HostMemoryAllocator
 from lmcache.server.security import ClientHandshake
 
 TOKEN, WRONG = b"pd-token-Hq7/z", b"pd-token-wrong"

@@ -30,13 +30,22 @@ import zmq
 from lmcache.config import LMCacheEngineMetadata
 from lmcache.experimental.memory_management import HostMemoryAllocator, MemoryFormat, MemoryObj
 from lmcache.experimental.pd.auth import NoSession, ReceiverAuth, check_protected_mode
-from lmcache.experimental.pd.wire import PUSH_FRAMES, Push, PushReply, WireError, peek_seq, read_auth, read_push, reply_frame
-from lmcache.server.security import AuthRefused
+from lmcache.experimental.pd.wire import (
+    PUSH_FRAMES,
+    Push,
+    PushReply,
+    WireError,
+    peek_seq,
+    read_auth,
+    read_push,
+    reply_frame,
+)
 from lmcache.experimental.stats import TierStats
 from lmcache.experimental.storage_backend.abstract_backend import StorageBackendInterface
 from lmcache.experimental.storage_backend.chunk_format import ChunkHeader, copy_into_new
 from lmcache.experimental.storage_backend.local_cpu_backend import LocalCPUBackend
 from lmcache.logging import init_logger
+from lmcache.server.security import AuthRefused
 from lmcache.utils import CacheEngineKey
 
 logger = init_logger(__name__)

@@ -26,8 +26,8 @@ import zmq
 from lmcache.experimental.pd.auth import HOW_TO_SET, PD_AUTH_LABEL
 from lmcache.experimental.pd.disagg_spec import DisaggSpec
 from lmcache.experimental.pd.wire import Frame, PushReply, WireError, auth_frames, push_frames, push_mac, read_reply
-from lmcache.server.security import AuthRefused, ClientHandshake
 from lmcache.logging import init_logger
+from lmcache.server.security import AuthRefused, ClientHandshake
 
 if TYPE_CHECKING:
     from lmcache.experimental.cache_engine import LMCacheEngine
@@ -99,7 +99,10 @@ class PushClient:
             # An empty proof tells the receiver (which counts and logs it); a real one could be
             # relayed by an impostor to the decoder it pretends to be.
             self._seq += 1
-            self._exchange(auth_frames(self._seq, "proof", b""))
+            try:
+                self._exchange(auth_frames(self._seq, "proof", b""))
+            except PushError:
+                pass  # the receiver's loss: the error below is this sender's news
             raise PushAuthError(f"{self.address} failed the token handshake: {err}; set {HOW_TO_SET}") from None
         self._seq += 1
         reply = self._exchange(auth_frames(self._seq, "proof", proof))

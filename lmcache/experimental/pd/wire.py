@@ -38,9 +38,8 @@ WIRE_VERSION = 1
 MAX_META_BYTES = 1024
 MAX_REPLY_BYTES = 4096
 PUSH_FRAMES = 3
-MAC_BYTES = hashlib.sha256().digest_size
 AUTH_STEPS = ("hello", "proof")
-MAX_AUTH_DATA_BYTES = 64  # a nonce (32) or a proof (32), hex-encoded in the message
+MAX_AUTH_DATA_BYTES = 64  # a step carries a nonce or a proof (32 bytes each), hex-encoded
 
 Frame = Union[bytes, bytearray, memoryview]
 
