@@ -1,11 +1,15 @@
 """The PD push channel with a token, through real ZeroMQ sockets: prefiller and decoder with the
 same token push and load; no token, a wrong token, a receiver that cannot prove the token, a
 forged MAC and pushes replayed from a captured authenticated session are refused, counted and
-logged (rate-limited) while the receiver keeps serving; protected mode; where the token comes from."""
+logged (rate-limited) while the receiver keeps serving; protected mode; where the token comes
+from; `pd_encrypt` (CURVE): the KV is not on the wire, plain or foreign senders are refused."""
 
 from __future__ import annotations
 
 import logging
+import select
+import socket
+import threading
 from typing import Iterator
 
 import psutil
@@ -243,3 +247,99 @@ def test_the_token_comes_from_the_file_key_else_the_variable(tmp_path) -> None:
     with pytest.raises(ValueError, match=r"pd_token_file '.*empty' is empty"):
         pd_token(LMCacheEngineConfig.from_defaults(pd_token_file=str(tmp_path / "empty")), {})
     assert LMCacheEngineConfig.from_env({"LMCACHE_PD_NO_AUTH": "true"}).pd_no_auth is True
+
+
+class Relay:
+    """A TCP relay on 127.0.0.1 that keeps every byte a client sends through it (what a peer on
+    the network path would see)."""
+
+    def __init__(self, upstream_port: int) -> None:
+        self.port, self.seen = free_port(), bytearray()
+        self._listener = socket.create_server(("127.0.0.1", self.port))
+        self._upstream = upstream_port
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        self._listener.settimeout(0.2)
+        pairs: list[tuple[socket.socket, socket.socket]] = []
+        while not self._stop.is_set():
+            try:
+                client = self._listener.accept()[0]
+                pairs.append((client, socket.create_connection(("127.0.0.1", self._upstream))))
+            except socket.timeout:
+                pass
+            ends = [s for pair in pairs for s in pair]
+            for sock in select.select(ends, [], [], 0.05)[0] if ends else []:
+                pair = next((pair for pair in pairs if sock in pair), None)
+                if pair is None:
+                    continue  # closed below, earlier in this round
+                data = sock.recv(1 << 20)
+                if not data:  # one end closed: so does the other
+                    pairs.remove(pair)
+                    pair[0].close()
+                    pair[1].close()
+                    continue
+                if sock is pair[0]:
+                    self.seen += data
+                (pair[1] if sock is pair[0] else pair[0]).sendall(data)
+        for client, server in pairs:
+            client.close()
+            server.close()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self._listener.close()
+
+
+@pytest.mark.parametrize("encrypt", [True, False])
+def test_encrypted_pushes_load_and_keep_the_kv_off_the_wire(monkeypatch, encrypt) -> None:
+    port = free_port()
+    decoder = receiver_engine(port, monkeypatch=monkeypatch, pd_encrypt=encrypt)
+    prefiller, relay = small_engine(64), Relay(port)
+    sender = PDSender(worker_id=0, timeout_s=5, token=TOKEN, encrypt=encrypt)
+    try:
+        tokens, _, _ = store_prompt(prefiller, N, seed=5)
+        chunk_key = next(prefiller.token_database.process_tokens(tokens))[2]
+        chunk = prefiller.storage_manager.get_resident(chunk_key)
+        assert chunk is not None
+        kv_bytes = bytes(memoryview(chunk.byte_array).cast("B")[1000:1064])
+        chunk.ref_count_down()
+        pushed = sender.push_stored(prefiller, spec(relay.port), tokens, torch.ones(N, dtype=torch.bool), "")
+        assert pushed == N and decoder.lookup(tokens) == N and len(relay.seen) > 2 * ENGINE_CHUNK_BYTES
+        # What the path sees: the KV and the chunk's key in the clear without encryption, neither with it.
+        assert (kv_bytes in relay.seen) is (not encrypt)
+        assert (chunk_key.chunk_hash.encode() in relay.seen) is (not encrypt)
+    finally:
+        sender.close()
+        relay.close()
+        prefiller.close()
+        decoder.close()
+
+
+@pytest.mark.parametrize("sender_token,sender_encrypts", [(TOKEN, False), (WRONG, True)])
+def test_an_encrypting_decoder_refuses_plain_or_foreign_senders(monkeypatch, lines, sender_token, sender_encrypts):
+    port = free_port()
+    decoder, prefiller = receiver_engine(port, monkeypatch=monkeypatch, pd_encrypt=True), small_engine(64)
+    sender = PDSender(worker_id=0, timeout_s=1, token=sender_token, encrypt=sender_encrypts)
+    try:
+        tokens, _, _ = store_prompt(prefiller, N, seed=6)
+        assert sender.push_stored(prefiller, spec(port), tokens, torch.ones(N, dtype=torch.bool), "") == 0
+        assert decoder.lookup(tokens) == 0 and refusals(decoder) >= 1
+        assert any("failed the encrypted handshake" in r.getMessage() for r in lines), [r.getMessage() for r in lines]
+        if sender_encrypts:  # the prefiller sees its encrypted connection fail: an error naming the cause
+            errors = [r.getMessage() for r in lines if r.levelno == logging.ERROR]
+            assert any("encrypted connection" in e and "another token" in e for e in errors), errors
+    finally:
+        sender.close()
+        prefiller.close()
+        decoder.close()
+
+
+def test_encryption_needs_a_token(monkeypatch) -> None:
+    with pytest.raises(ValueError, match=r"pd_encrypt=True: .*LMCACHE_PD_TOKEN"):
+        receiver_engine(free_port(), token=None, monkeypatch=monkeypatch, pd_encrypt=True)
+    with pytest.raises(ValueError, match=r"pd_encrypt=True"):
+        PDSender(worker_id=0, encrypt=True)

@@ -397,6 +397,8 @@ class LMCacheEngineConfig:
     pd_token_file: Optional[str] = None
     # A decoder may listen beyond loopback without a token (protected mode off), as `--no-auth`.
     pd_no_auth: bool = False
+    # Encrypt the push channel (ZeroMQ CURVE, keys from the token); both sides must set it.
+    pd_encrypt: bool = False
 
     def shown_fields(self) -> Dict[str, Any]:
         """Every field as logs, dumps and the status API may show it (`shown_value`)."""
@@ -523,6 +525,7 @@ class LMCacheEngineConfig:
         transfer_channel: Optional[str] = None,
         pd_token_file: Optional[str] = None,
         pd_no_auth: bool = False,
+        pd_encrypt: bool = False,
         **unknown: Any,
     ) -> "LMCacheEngineConfig":
         """The spec's defaults with some fields replaced; an unknown keyword is a ValueError."""

@@ -13,16 +13,25 @@ session is refused in any other and in its own.
   unless `pd_no_auth`, as the `lm://` server's `--no-auth`.
 - `ReceiverAuth`: the decoder's side, per sender routing id: answers handshake steps and checks
   each push's MAC and sequence number before anything of it is parsed or kept.
+- `encrypt_server` / `encrypt_client` (`pd_encrypt`): ZeroMQ's CURVE on the socket. The
+  decoder's key pair is derived from the token, so a prefiller encrypts only to a token holder;
+  each prefiller connection has a fresh key pair (the token handshake inside proves the
+  prefiller). A peer failing CURVE is seen only through the socket's monitor
+  (`HANDSHAKE_FAILED_EVENTS`).
 The sender's side is `sender.PushClient` with a `security.ClientHandshake`.
 """
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import os
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Mapping, Optional, Sequence, TypeVar
+
+import zmq
+from zmq.utils import z85
 
 from lmcache.experimental.config import LMCacheEngineConfig
 from lmcache.experimental.pd.wire import PUSH_FRAMES, AuthStep, Frame, push_mac
@@ -37,6 +46,11 @@ AUTH_REQUIRED = f"authentication required: this decoder takes a token ({HOW_TO_S
 # Apart, so hellos from peers without the token can never push out an authenticated sender.
 MAX_PENDING = 64
 MAX_SESSIONS = 256
+
+# What a socket's monitor reports for a peer that failed ZeroMQ's own (CURVE) handshake.
+HANDSHAKE_FAILED_EVENTS = (
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+)
 
 V = TypeVar("V")
 
@@ -61,6 +75,30 @@ def check_protected_mode(host: str, port: int, token: Optional[bytes], no_auth: 
             f"reaches the port could push KV that this decoder serves to other users' requests. Set "
             f"{HOW_TO_SET}, or set pd_no_auth: true (LMCACHE_PD_NO_AUTH=true) to insist"
         )
+
+
+def check_encryption(encrypt: bool, token: Optional[bytes]) -> None:
+    """A ValueError for `pd_encrypt` without a token (its keys come from the token)."""
+    if encrypt and token is None:
+        raise ValueError(f"pd_encrypt=True: the push channel's keys come from its token; set {HOW_TO_SET}")
+
+
+def _server_keys(token: bytes) -> tuple[bytes, bytes]:
+    """The decoder's CURVE key pair (public, secret; Z85), a function of the token alone."""
+    secret = z85.encode(hmac.new(token, PD_AUTH_LABEL + b"curve-server-key", hashlib.sha256).digest())
+    return zmq.curve_public(secret), secret
+
+
+def encrypt_server(socket: zmq.Socket, token: bytes) -> None:
+    """Make `socket` (before it binds) a CURVE server with the token's key pair."""
+    socket.curve_publickey, socket.curve_secretkey = _server_keys(token)
+    socket.curve_server = True
+
+
+def encrypt_client(socket: zmq.Socket, token: bytes) -> None:
+    """Make `socket` (before it connects) encrypt to the token's decoder, with a fresh key pair."""
+    socket.curve_serverkey = _server_keys(token)[0]
+    socket.curve_publickey, socket.curve_secretkey = zmq.curve_keypair()
 
 
 @dataclass

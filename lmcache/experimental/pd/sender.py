@@ -9,8 +9,9 @@ recomputes what it lacks) and never fails the prefill; a receiver that timed out
 `PEER_RETRY_S` so a dead decoder does not slow every prefill.
 
 With a token (`auth.py`) each connection first proves it (and checks that the receiver knows it
-too), then signs every push. A receiver that refuses the token, or that cannot prove it, is an
-error in this log (a misconfiguration, not a network blip), and is skipped like a dead one.
+too), then signs every push; with `pd_encrypt` it is CURVE-encrypted to the token's decoder too.
+A receiver that refuses the token, or that cannot prove it, is an error in this log (a
+misconfiguration, not a network blip), and is skipped like a dead one.
 """
 
 from __future__ import annotations
@@ -22,8 +23,15 @@ from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
-from lmcache.experimental.pd.auth import HOW_TO_SET, PD_AUTH_LABEL
+from lmcache.experimental.pd.auth import (
+    HANDSHAKE_FAILED_EVENTS,
+    HOW_TO_SET,
+    PD_AUTH_LABEL,
+    check_encryption,
+    encrypt_client,
+)
 from lmcache.experimental.pd.disagg_spec import DisaggSpec
 from lmcache.experimental.pd.wire import Frame, PushReply, WireError, auth_frames, push_frames, push_mac, read_reply
 from lmcache.logging import init_logger
@@ -51,7 +59,8 @@ class PushAuthError(PushError):
 class PushClient:
     """One DEALER connection to a receiver; `push` sends one chunk and waits for its reply."""
 
-    def __init__(self, address: str, timeout_s: float, token: Optional[bytes] = None) -> None:
+    def __init__(self, address: str, timeout_s: float, token: Optional[bytes] = None, encrypt: bool = False) -> None:
+        check_encryption(encrypt, token)
         self.address = address
         self._timeout_ms = int(timeout_s * 1000)
         self._seq = 0
@@ -62,6 +71,11 @@ class PushClient:
         sock.setsockopt(zmq.IMMEDIATE, 1)  # no queueing for a receiver that is not connected
         sock.setsockopt(zmq.SNDTIMEO, self._timeout_ms)
         sock.setsockopt(zmq.SNDHWM, 4)
+        self._monitor: Optional[zmq.Socket] = None
+        if encrypt:
+            assert token is not None
+            encrypt_client(sock, token)
+            self._monitor = sock.get_monitor_socket(HANDSHAKE_FAILED_EVENTS)
         sock.connect(address)
         self._socket = sock
 
@@ -125,22 +139,40 @@ class PushClient:
                 if reply.seq == seq:  # an older message's late reply is skipped
                     return reply
         except zmq.Again:
+            if self._encryption_failed():
+                raise PushAuthError(f"the encrypted connection to {self.address} failed: the decoder has another "
+                                    f"token, or no pd_encrypt (set both the same on prefiller and decoder)") from None
             raise PushError(f"{self.address} is not accepting pushes (not listening, or busy)") from None
         except (zmq.ZMQError, WireError) as err:
             raise PushError(f"{self.address}: {err}") from err
 
+    def _encryption_failed(self) -> bool:
+        """Whether the socket's monitor saw ZeroMQ's (CURVE) handshake fail."""
+        failed = False
+        while self._monitor is not None and self._monitor.poll(0):
+            recv_monitor_message(self._monitor)
+            failed = True
+        return failed
+
     def close(self) -> None:
+        if self._monitor is not None:
+            self._socket.disable_monitor()
+            self._monitor.close()
         self._socket.close()
 
 
 class PDSender:
     """Pushes stored chunks to the receivers that requests' `disagg_spec`s name (proving
-    `token` to them when given: `auth.pd_token`)."""
+    `token` to them when given: `auth.pd_token`; encrypted to them with `encrypt`)."""
 
-    def __init__(self, worker_id: int, timeout_s: float = PUSH_TIMEOUT_S, token: Optional[bytes] = None) -> None:
+    def __init__(
+        self, worker_id: int, timeout_s: float = PUSH_TIMEOUT_S, token: Optional[bytes] = None, encrypt: bool = False
+    ) -> None:
+        check_encryption(encrypt, token)
         self._worker_id = worker_id
         self._timeout_s = timeout_s
         self._token = token
+        self._encrypt = encrypt
         self._clients: "OrderedDict[str, PushClient]" = OrderedDict()
         self._down: dict[str, tuple[float, str]] = {}  # address -> (skipped until, why)
         self._failed: "OrderedDict[str, None]" = OrderedDict()
@@ -149,7 +181,7 @@ class PDSender:
         return f"tcp://{spec.receiver_host}:{spec.receiver_init_port + self._worker_id}"
 
     def _client(self, address: str) -> PushClient:
-        client = self._clients.pop(address, None) or PushClient(address, self._timeout_s, self._token)
+        client = self._clients.pop(address, None) or PushClient(address, self._timeout_s, self._token, self._encrypt)
         self._clients[address] = client
         while len(self._clients) > MAX_PEERS:
             self._clients.popitem(last=False)[1].close()

@@ -79,7 +79,8 @@ def _pd_receive_buffer(
     assert config.pd_peer_host is not None and config.pd_peer_init_port is not None  # the config checks it
     token = pd_token(config)
     buffer = PDReceiveBuffer(metadata, config.pd_buffer_size, cpu, stats.tier(PDReceiveBuffer.__name__))
-    buffer.listen(config.pd_peer_host, config.pd_peer_init_port + metadata.worker_id, token, config.pd_no_auth)
+    buffer.listen(config.pd_peer_host, config.pd_peer_init_port + metadata.worker_id, token, config.pd_no_auth,
+                  config.pd_encrypt)
     return buffer
 
 
