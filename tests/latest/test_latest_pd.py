@@ -1,9 +1,9 @@
 """PD end to end on vLLM 0.32 (.venv-latest): a prefiller (`kv_producer`, `pd_role: sender`) and
 a decoder (`kv_consumer`, `pd_role: receiver`), both `lmcache_vllm serve` with the same
 `LMCACHE_PD_TOKEN` and `pd_encrypt` on (the 0.9.2 e2e runs the token without encryption), and
-the proxy. Through the proxy the decoder loads the pushed prompt (its
-per-request line) and its greedy tokens and logprobs equal the decoder computing the prompt
-itself (it keeps no CPU tier, so the direct repeat finds nothing cached)."""
+the proxy. Through the proxy the decoder loads the pushed prompt (its per-request line) and its
+greedy tokens and logprobs equal the decoder computing the prompt itself (it keeps no CPU tier,
+so the direct repeat finds nothing cached)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Who may push KV into a decoder: the push channel's token, its handshake and protected mode.
+"""Who may push KV into a decoder: the push channel's token, its handshake, protected mode and
+encryption.
 
 A pushed chunk is served to whichever request's tokens hash to its key, so a decoder that takes
 pushes from anyone lets anyone change other users' answers. With a token, a sender proves it
