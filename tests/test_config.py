@@ -37,6 +37,7 @@ EXTRA_DEFAULTS = {
     "internal_api_server_token": None, "pd_role": None, "pd_buffer_size": 1 << 30,
     "pd_buffer_device": "cpu", "pd_peer_host": None, "pd_peer_init_port": None,
     "pd_peer_alloc_port": None, "pd_proxy_host": None, "pd_proxy_port": None, "transfer_channel": None,
+    "pd_token_file": None, "pd_no_auth": False, "pd_encrypt": False,
 }
 SPEC_FROM_LEGACY = {
     "chunk_size": 256, "backend": "cpu", "remote_url": "lm://localhost:65432", "remote_serde": "naive",
@@ -58,6 +59,7 @@ NON_DEFAULT: Dict[str, Any] = {
     "internal_api_server_token": "s3cret-token", "pd_role": "receiver", "pd_buffer_size": 4096,
     "pd_buffer_device": "cpu", "pd_peer_host": "127.0.0.2", "pd_peer_init_port": 7300,
     "pd_peer_alloc_port": 7400, "pd_proxy_host": "127.0.0.3", "pd_proxy_port": 7500, "transfer_channel": "zmq",
+    "pd_token_file": "/etc/lmcache/pd-token", "pd_no_auth": True, "pd_encrypt": True,
 }
 
 

@@ -1,10 +1,19 @@
 """PD end to end on vLLM 0.9.2 (v1): two real servers (a prefiller, `kv_producer` +
 `pd_role: sender`, started with vLLM's own OpenAI server module, and a decoder, `kv_consumer` +
 `pd_role: receiver`, started with `lmcache_vllm serve`) and the proxy, shared by every test here.
+The push channel takes a token: the decoder reads it from `pd_token_file`, the prefillers from
+`LMCACHE_PD_TOKEN`.
 
-- Through the proxy the decoder loads the prompt the prefiller pushed (its per-request line) and
-  its greedy tokens and logprobs equal the decoder computing the same prompt with nothing cached
-  (the decoder keeps no CPU tier, so a direct repeat is a cache-off run of the same engine).
+- Through the proxy the decoder loads the prompt the prefiller pushed (its per-request line and
+  `lmcache:num_hit_tokens`) and its greedy tokens and logprobs equal the decoder computing the
+  same prompt with nothing cached (the decoder keeps no CPU tier, so a direct repeat is a
+  cache-off run of the same engine).
+- A third process pushing garbage KV for a prompt without the token, with a wrong one as a
+  prefiller would, and with a wrong one ignoring the decoder's proof, is refused: counted in
+  `lmcache:num_auth_refusals`, logged with its address, and the decoder's answer is unchanged.
+  The same pushes with the token are taken and loaded (so the keys were the prompt's).
+- A decoder told to listen on this machine's own non-loopback address without a token does not
+  start, and says how to set one.
 - Chat streaming and token-id prompts pass through; the prefiller pushed chunk by chunk (its
   prefill runs in several chunked-prefill steps).
 - A bad `disagg_spec` sent to the prefiller is an error for that request, naming the field; the
@@ -23,14 +32,18 @@ import json
 import os
 import re
 import signal
+import subprocess
+import sys
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
+import psutil
 import pytest
-from conftest import random_prompt
+from conftest import ROOT, random_prompt
 from pd_servers import Server, free_port, pd_env, post, start_proxy, start_vllm
 
+from lmcache.experimental.metrics import lmcache_samples
 from lmcache.integration.vllm.request_log import parse_request_lines
 
 pytestmark = pytest.mark.vllm
@@ -40,6 +53,10 @@ PROMPT_TOKENS = 600  # four whole chunks and a partial one
 PREFILL_STEP_TOKENS = 256  # the prefiller's chunked prefill: three steps for the prompt
 PUSH_LINE = re.compile(r"PD: request (pd-\S+) pushed (\d+) tokens to \S+ in ([\d.]+) ms \(tokens (\d+\.\.\d+)(, last prefill)?\)")
 COMMON_ENV = {"LMCACHE_CHUNK_SIZE": str(CHUNK), "LMCACHE_MAX_LOCAL_CPU_SIZE": "0.25"}
+TOKEN = "pd-e2e-token-Vx3"
+SENDER_ENV = {**COMMON_ENV, "LMCACHE_PD_TOKEN": TOKEN}
+HIT_TOKENS = "lmcache:num_hit_tokens_total"
+AUTH_REFUSALS = 'lmcache:num_auth_refusals_total{tier="PDReceiveBuffer"}'
 
 
 @pytest.fixture(scope="module")
@@ -48,11 +65,14 @@ def pd(tiny_model, tmp_path_factory):
     init_port, status_port = free_port(), free_port()
     status_env = {"LMCACHE_INTERNAL_API_SERVER_ENABLED": "True",
                   "LMCACHE_INTERNAL_API_SERVER_PORT_START": str(status_port)}
+    token_file = logs / "pd-token"
+    token_file.write_text(TOKEN + "\n")
+    token_file.chmod(0o600)
     decoder = start_vllm("decoder", tiny_model, "kv_consumer",
                          {**COMMON_ENV, **pd_env("receiver", init_port, 64 << 20), "LMCACHE_LOCAL_CPU": "False",
-                          **status_env},
+                          "LMCACHE_PD_TOKEN_FILE": str(token_file), **status_env},
                          logs / "decoder.log")
-    prefiller = start_vllm("prefiller", tiny_model, "kv_producer", {**COMMON_ENV, **pd_env("sender", init_port)},
+    prefiller = start_vllm("prefiller", tiny_model, "kv_producer", {**SENDER_ENV, **pd_env("sender", init_port)},
                            logs / "prefiller.log",
                            ["--max-num-batched-tokens", str(PREFILL_STEP_TOKENS), "--enable-chunked-prefill"],
                            own_cli=True)
@@ -82,15 +102,25 @@ def _completion(model: str, prompt, **extra) -> dict:
     return {"model": model, "prompt": prompt, "max_tokens": 8, "temperature": 0.0, "logprobs": 1, "seed": 0, **extra}
 
 
+def _metrics(server: Server) -> dict[str, float]:
+    with urllib.request.urlopen(f"{server.url}/metrics", timeout=10) as resp:
+        return lmcache_samples(resp.read().decode())
+
+
 def test_completion_through_proxy_loads_pushed_kv_and_equals_compute(pd):
     decoder, prefiller, proxy, model = pd["decoder"], pd["prefiller"], pd["proxy"], pd["model"]
+    assert re.search(r"PD receiver listening on tcp://127\.0\.0\.1:\d+ \(buffer \d+ bytes, token required\)",
+                     decoder.log_text())
     prompt = random_prompt(PROMPT_TOKENS, seed=11)
-    before = len(parse_request_lines(decoder.log_text()))
+    before, metrics_before = len(parse_request_lines(decoder.log_text())), _metrics(decoder)
     status, via_proxy = post(f"{proxy.url}/v1/completions", _completion(model, prompt))
     assert status == 200, via_proxy
     line = _lines(decoder, before + 1)[before]
     assert line.stats.prompt_tokens == PROMPT_TOKENS
     assert line.stats.lmcache_hit_tokens == PROMPT_TOKENS and line.counters.loaded_tokens >= PROMPT_TOKENS - 1, line
+    metrics = _metrics(decoder)
+    assert metrics[HIT_TOKENS] - metrics_before.get(HIT_TOKENS, 0) == line.counters.loaded_tokens
+    assert metrics.get(AUTH_REFUSALS, 0) == metrics_before.get(AUTH_REFUSALS, 0)
     assert line.counters.stored_tokens == 0 and "kv_consumer" in line.reason
     # The prefiller pushed as its chunked prefill went: whole chunks first, the partial one last.
     pushes = [m for m in PUSH_LINE.finditer(prefiller.log_text())]
@@ -206,7 +236,7 @@ def test_prefiller_killed_mid_push_the_decoder_computes_the_rest(pd):
     decoder, model, logs = pd["decoder"], pd["model"], pd["logs"]
     # A prefiller of this test's own (the shared one serves the other tests), one chunk per step.
     prefiller = start_vllm("doomed prefiller", model, "kv_producer",
-                           {**COMMON_ENV, **pd_env("sender", pd["init_port"])}, logs / "prefiller-killed.log",
+                           {**SENDER_ENV, **pd_env("sender", pd["init_port"])}, logs / "prefiller-killed.log",
                            ["--max-num-batched-tokens", str(CHUNK), "--enable-chunked-prefill"])
     proxy = start_proxy([prefiller], [(decoder, pd["init_port"])], logs / "proxy-killed-prefiller.log")
     try:
@@ -247,3 +277,70 @@ def test_prefiller_killed_mid_push_the_decoder_computes_the_rest(pd):
     finally:
         proxy.stop()
         prefiller.stop()
+
+
+def _intrude(pd, prompt: list[int], attempts: list[dict]) -> dict:
+    """`pd_intruder.py` in its own process against the shared decoder: its JSON answer."""
+    job = {"address": f"tcp://127.0.0.1:{pd['init_port']}", "model": pd["model"], "chunk": CHUNK,
+           "prompt": prompt, "attempts": attempts}
+    env = {key: value for key, value in os.environ.items() if key != "LMCACHE_PD_TOKEN"}
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "pd_intruder.py"), json.dumps(job)],
+                          capture_output=True, text=True, timeout=120, env=env, cwd=str(ROOT))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_pushes_without_the_token_are_refused_and_the_answer_is_unchanged(pd):
+    decoder, model = pd["decoder"], pd["model"]
+    prompt = random_prompt(3 * CHUNK + 20, seed=31)
+    before = len(parse_request_lines(decoder.log_text()))
+    status, reference = post(f"{decoder.url}/v1/completions", _completion(model, prompt))  # nothing pushed
+    assert status == 200 and _lines(decoder, before + 1)[before].stats.lmcache_hit_tokens == 0
+    refused_before, (taken_before, _) = _metrics(decoder).get(AUTH_REFUSALS, 0), _receive_buffer(pd["decoder_status"])
+
+    got = _intrude(pd, prompt, [{"token": None}, {"token": "not-" + TOKEN}, {"token": "not-" + TOKEN, "hostile": True}])
+    none, wrong, hostile = got["results"]
+    assert got["chunks"] == 3 and all(r["taken"] == 0 for r in got["results"]), got
+    assert "takes a token and this prefiller has none" in none["refused"]
+    assert "failed the token handshake" in wrong["refused"]
+    assert "wrong token" in hostile["refused"] and "authentication required" in hostile["refused"]
+    assert _receive_buffer(pd["decoder_status"])[0] == taken_before
+    assert re.search(r"PD receiver on tcp://\S+: refused a peer at 127\.0\.0\.1", decoder.log_text())
+
+    status, after = post(f"{decoder.url}/v1/completions", _completion(model, prompt))
+    assert status == 200 and _lines(decoder, before + 2)[before + 1].stats.lmcache_hit_tokens == 0
+    got, want = after["choices"][0], reference["choices"][0]
+    assert got["text"] == want["text"] and got["logprobs"]["tokens"] == want["logprobs"]["tokens"]
+    diffs = [abs(a - b) for a, b in zip(got["logprobs"]["token_logprobs"], want["logprobs"]["token_logprobs"])]
+    assert len(diffs) == 8 and max(diffs) < 1e-3
+    # none: 1 push; wrong: its empty proof; hostile: its proof and 3 pushes (published at that lookup)
+    assert _metrics(decoder)[AUTH_REFUSALS] - refused_before == 6
+
+    # The same garbage pushed with the token is taken and loaded: the refusals were the token's doing.
+    got = _intrude(pd, prompt, [{"token": TOKEN}])
+    assert got["results"] == [{"taken": 3, "refused": None}], got
+    status, _ = post(f"{decoder.url}/v1/completions", _completion(model, prompt))
+    assert status == 200 and _lines(decoder, before + 3)[before + 2].stats.lmcache_hit_tokens == 3 * CHUNK
+
+
+def _own_address() -> str:
+    for addrs in psutil.net_if_addrs().values():
+        for addr in addrs:
+            if addr.family.name == "AF_INET" and not addr.address.startswith("127."):
+                return addr.address
+    pytest.skip("this machine has no non-loopback IPv4 address")
+
+
+def test_decoder_on_a_public_address_without_a_token_does_not_start(tiny_model, tmp_path):
+    address, port = _own_address(), free_port()
+    decoder = start_vllm("open decoder", tiny_model, "kv_consumer",
+                         {**COMMON_ENV, **pd_env("receiver", port, 16 << 20, LMCACHE_PD_PEER_HOST=address)},
+                         tmp_path / "decoder.log")
+    try:
+        decoder.proc.wait(timeout=300)
+    finally:
+        decoder.stop()
+    assert decoder.proc.returncode != 0
+    log = decoder.log_text()
+    assert f"refusing to listen for PD pushes on {address}:{port}" in log, log[-4000:]
+    assert "LMCACHE_PD_TOKEN" in log and "pd_no_auth" in log

@@ -49,6 +49,8 @@ NON_FIELD_ENV_VARS: Tuple[str, ...] = (
     "LMCACHE_REMOTE_TOKEN",
     "LMCACHE_REMOTE_TLS_CA",
     "LMCACHE_SERVER_TOKEN",
+    # The PD push channel's token when `pd_token_file` is not set (`lmcache/experimental/pd/auth.py`).
+    "LMCACHE_PD_TOKEN",
 )
 
 # Keys of the old `lmcache_vllm` config, loaded from YAML and `LMCACHE_<KEY>` variables with a
@@ -390,6 +392,13 @@ class LMCacheEngineConfig:
     pd_proxy_host: Optional[str] = None
     pd_proxy_port: Optional[int] = None
     transfer_channel: Optional[str] = None  # None or "zmq" (the one transport here)
+    # A file holding the push channel's shared secret (wins over `LMCACHE_PD_TOKEN`); prefiller
+    # and decoder need the same one (`pd/auth.py`). The token itself is never a config value.
+    pd_token_file: Optional[str] = None
+    # A decoder may listen beyond loopback without a token (protected mode off), as `--no-auth`.
+    pd_no_auth: bool = False
+    # Encrypt the push channel (ZeroMQ CURVE, keys from the token); both sides must set it.
+    pd_encrypt: bool = False
 
     def shown_fields(self) -> Dict[str, Any]:
         """Every field as logs, dumps and the status API may show it (`shown_value`)."""
@@ -514,6 +523,9 @@ class LMCacheEngineConfig:
         pd_proxy_host: Optional[str] = None,
         pd_proxy_port: Optional[int] = None,
         transfer_channel: Optional[str] = None,
+        pd_token_file: Optional[str] = None,
+        pd_no_auth: bool = False,
+        pd_encrypt: bool = False,
         **unknown: Any,
     ) -> "LMCacheEngineConfig":
         """The spec's defaults with some fields replaced; an unknown keyword is a ValueError."""

@@ -50,6 +50,7 @@ TIER_COUNTERS: Dict[str, Tuple[str, str]] = {
     "evicted_chunks": ("lmcache:num_evicted_chunks", "Chunks a tier dropped to make room"),
     "errors": ("lmcache:num_tier_errors", "Failed tier reads and writes, rejected chunks included"),
     "rejected_chunks": ("lmcache:num_integrity_misses", "Chunks whose bytes failed the checksum/key/shape checks"),
+    "auth_refusals": ("lmcache:num_auth_refusals", "Pushes and handshakes refused for a missing or wrong token"),
 }
 # Remote tier put/health counter name -> (metric name, help).
 REMOTE_COUNTERS: Dict[str, Tuple[str, str]] = {

@@ -24,6 +24,7 @@ class TierStatsSnapshot:
     evicted_bytes: int = 0
     errors: int = 0  # failed reads/writes and rejected (corrupt, foreign) chunks
     rejected_chunks: int = 0  # of those errors, chunks whose bytes failed the integrity checks
+    auth_refusals: int = 0  # pushes and handshakes refused for a missing or wrong token (PD receiver)
 
 
 @dataclass(frozen=True)
@@ -89,6 +90,10 @@ class TierStats:
     def record_rejected(self) -> None:
         """A chunk whose header, checksum, key or geometry did not match: an integrity miss."""
         self._add(errors=1, rejected_chunks=1)
+
+    def record_auth_refusal(self) -> None:
+        """A peer refused for its token (none, a wrong one, or a push not signed by its session)."""
+        self._add(auth_refusals=1)
 
     def snapshot(self) -> TierStatsSnapshot:
         with self._lock:

@@ -33,7 +33,6 @@ certificate every connection starts with a TLS handshake, which must finish with
 
 from __future__ import annotations
 
-import ipaddress
 import json
 import logging
 import mmap
@@ -67,6 +66,7 @@ from lmcache.server.security import (
     SERVER_TOKEN_ENV,
     AuthRefused,
     ServerHandshake,
+    is_loopback,
     server_tls_context,
 )
 from lmcache.server.store import LRUChunkStore, Reservation
@@ -162,16 +162,6 @@ class ServerConfig:
                 f"{SERVER_TOKEN_ENV}=... or --token-file PATH (clients then use "
                 f"lm://:TOKEN@host:port or LMCACHE_REMOTE_TOKEN), or pass --no-auth to insist"
             )
-
-
-def is_loopback(host: str) -> bool:
-    """Whether `host` is a loopback address (or `localhost`): the only place without a token."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False  # a host name other than localhost: it may resolve anywhere
 
 
 class _PendingBudget:

@@ -7,7 +7,10 @@
    - raw loopback: ZeroMQ DEALER -> ROUTER, the same payload sizes, one reply per message;
    - PD push: `PDSender.push_stored` from an engine's CPU tier into a decoder engine's
      `PDReceiveBuffer` (header, checksum on both sides, copy into the buffer, reply);
-   reported as GB/s and as the ratio push / raw (best of `--repeats`).
+   - PD push with a token (`pd_token_file`): the handshake once, then a MAC per push;
+   - PD push with a token and `pd_encrypt` (ZeroMQ CURVE);
+   reported as GB/s and as the ratios push / raw, token / no token and encrypted / no token (best
+   of `--repeats`; the three pushes take turns, so load falls on all alike).
 2. TTFT split (unless `--no-serve`): a prefiller and a decoder (`lmcache_vllm serve`, the
    bench-size random model: hidden 1024, 8 layers) on this machine; for each prompt length,
    the prefill hop (POST to the prefiller with max_tokens=1 and a disagg_spec; wall time, push
@@ -27,6 +30,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Optional
 
 import torch
 import zmq
@@ -42,6 +46,7 @@ from lmcache.experimental.config import LMCacheEngineConfig  # noqa: E402
 from lmcache.experimental.gpu_connector import VLLMPagedMemGPUConnectorV2  # noqa: E402
 from lmcache.experimental.kv_layout import KVLayout  # noqa: E402
 from lmcache.experimental.memory_management import HostMemoryAllocator  # noqa: E402
+from lmcache.experimental.pd.auth import pd_token  # noqa: E402
 from lmcache.experimental.pd.disagg_spec import DisaggSpec  # noqa: E402
 from lmcache.experimental.pd.sender import PDSender  # noqa: E402
 from lmcache.experimental.token_database import ChunkedTokenDatabase  # noqa: E402
@@ -88,17 +93,20 @@ def raw_loopback(num: int, nbytes: int) -> float:
     return num * nbytes / elapsed / 1e9
 
 
-def pd_push(num_chunks: int) -> tuple[float, float]:
-    """GB/s of `PDSender.push_stored` for a prompt of `num_chunks` chunks (and its seconds)."""
+def pd_push(num_chunks: int, token_file: Optional[Path] = None, encrypt: bool = False) -> tuple[float, float]:
+    """GB/s of `PDSender.push_stored` for a prompt of `num_chunks` chunks (and its seconds),
+    both sides taking the token in `token_file` when given (and encrypting with `encrypt`)."""
     port = free_port()
     tokens = num_chunks * CHUNK
     chunk_bytes = 2 * LAYERS * CHUNK * KV_HEADS * HEAD * 4
     pool = (num_chunks + 2) * chunk_bytes
-    base = LMCacheEngineConfig.from_defaults(chunk_size=CHUNK, remote_url=None, max_local_cpu_size=pool / 2**30)
+    base = LMCacheEngineConfig.from_defaults(chunk_size=CHUNK, remote_url=None, max_local_cpu_size=pool / 2**30,
+                                             pd_token_file=None if token_file is None else str(token_file),
+                                             pd_encrypt=encrypt)
     sender_engine = _engine(base, pool)
     decoder = _engine(base.with_overrides({"enable_pd": True, "pd_role": "receiver", "pd_peer_host": "127.0.0.1",
                                            "pd_peer_init_port": port, "pd_buffer_size": pool}), pool)
-    sender = PDSender(worker_id=0)
+    sender = PDSender(worker_id=0, token=pd_token(base), encrypt=encrypt)
     try:
         num_blocks = tokens // 16 + 1
         caches = [torch.randn(2, num_blocks, 16, KV_HEADS, HEAD) for _ in range(LAYERS)]
@@ -121,11 +129,18 @@ def transport(push_mb: int, repeats: int) -> dict:
     chunk_bytes = 2 * LAYERS * CHUNK * KV_HEADS * HEAD * 4
     num = max(1, push_mb * 2**20 // chunk_bytes)
     raw = max(raw_loopback(num, chunk_bytes) for _ in range(repeats))
-    push = max(pd_push(num)[0] for _ in range(repeats))
+    with tempfile.TemporaryDirectory(prefix="bench-pd-token-") as tmp:
+        token_file = Path(tmp) / "token"
+        token_file.write_text("bench-pd-token\n")
+        runs = [(pd_push(num)[0], pd_push(num, token_file)[0], pd_push(num, token_file, encrypt=True)[0])
+                for _ in range(repeats)]
+    push, with_token, encrypted = (max(r[i] for r in runs) for i in range(3))
     print(f"transport: {num} chunks of {chunk_bytes / 2**20:.1f} MiB: raw zmq loopback {raw:.2f} GB/s, "
-          f"PD push {push:.2f} GB/s, push/raw {push / raw:.2f}")
+          f"PD push {push:.2f} GB/s, push/raw {push / raw:.2f}; with a token {with_token:.2f} GB/s "
+          f"({with_token / push:.2f}x of no token), encrypted {encrypted:.2f} GB/s ({encrypted / push:.2f}x)")
     return {"chunk_bytes": chunk_bytes, "chunks": num, "raw_loopback_gbps": raw, "pd_push_gbps": push,
-            "push_over_raw": push / raw}
+            "push_over_raw": push / raw, "pd_push_token_gbps": with_token, "token_over_plain": with_token / push,
+            "pd_push_encrypted_gbps": encrypted, "encrypted_over_plain": encrypted / push}
 
 
 def _prompt(n: int, seed: int) -> list[int]:
@@ -189,7 +204,9 @@ def plot(result: dict, path: Path) -> None:
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     t = result["transport"]
-    axes[0].bar(["raw zmq loopback", "PD push"], [t["raw_loopback_gbps"], t["pd_push_gbps"]], color=["grey", "C0"])
+    axes[0].bar(["raw zmq loopback", "PD push", "PD push, token", "PD push, encrypted"],
+                [t["raw_loopback_gbps"], t["pd_push_gbps"], t["pd_push_token_gbps"], t["pd_push_encrypted_gbps"]],
+                color=["grey", "C0", "C1", "C2"])
     axes[0].set_ylabel("GB/s")
     axes[0].set_title(f"push bandwidth ({t['chunks']} chunks of {t['chunk_bytes'] / 2**20:.0f} MiB)")
     rows = result["ttft"]

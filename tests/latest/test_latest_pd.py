@@ -1,8 +1,9 @@
 """PD end to end on vLLM 0.32 (.venv-latest): a prefiller (`kv_producer`, `pd_role: sender`) and
-a decoder (`kv_consumer`, `pd_role: receiver`), both `lmcache_vllm serve`, and the proxy. Through
-the proxy the decoder loads the pushed prompt (its per-request line) and its greedy tokens and
-logprobs equal the decoder computing the prompt itself (it keeps no CPU tier, so the direct
-repeat finds nothing cached)."""
+a decoder (`kv_consumer`, `pd_role: receiver`), both `lmcache_vllm serve` with the same
+`LMCACHE_PD_TOKEN` and `pd_encrypt` on (the 0.9.2 e2e runs the token without encryption), and
+the proxy. Through the proxy the decoder loads the pushed prompt (its per-request line) and its
+greedy tokens and logprobs equal the decoder computing the prompt itself (it keeps no CPU tier,
+so the direct repeat finds nothing cached)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ pytestmark = pytest.mark.vllm
 
 CHUNK = 128
 PROMPT_TOKENS = 600
-ENV = {"LMCACHE_CHUNK_SIZE": str(CHUNK), "LMCACHE_MAX_LOCAL_CPU_SIZE": "0.25"}
+ENV = {"LMCACHE_CHUNK_SIZE": str(CHUNK), "LMCACHE_MAX_LOCAL_CPU_SIZE": "0.25", "LMCACHE_PD_TOKEN": "pd-latest-Tk9",
+       "LMCACHE_PD_ENCRYPT": "true"}
 
 
 def _line(server, index: int, timeout: float = 20):
@@ -49,7 +51,7 @@ def test_proxy_decoder_loads_pushed_prompt_and_equals_compute(tiny_model, tmp_pa
         assert status == 200, via_proxy
         line = _line(decoder, 0)
         assert line.stats.lmcache_hit_tokens == PROMPT_TOKENS and line.counters.loaded_tokens >= PROMPT_TOKENS - 1
-        assert "last prefill" in prefiller.log_text()
+        assert "last prefill" in prefiller.log_text() and "token required, encrypted" in decoder.log_text()
         status, computed = post(f"{decoder.url}/v1/completions", body)
         assert status == 200 and _line(decoder, 1).stats.lmcache_hit_tokens == 0
         got, want = via_proxy["choices"][0], computed["choices"][0]

@@ -7,7 +7,11 @@
   decoder then recomputes those tokens). A chunk nobody claims within `ttl_s` is freed.
 - `PushServer` (started by `PDReceiveBuffer.listen`) binds a ZeroMQ ROUTER socket on the configured host and port, reads pushes
   (`wire.read_push`: size-capped, checksummed) on one thread and answers each one, so a sender
-  knows at once whether its chunk was taken.
+  knows at once whether its chunk was taken. With a token (`auth.py`) a push is taken only from
+  a sender that passed the handshake, signed with its session's key and not seen before; other
+  pushes are refused, counted (`auth_refusals`) and logged, rate-limited, with the peer's address.
+  Without one it listens only on loopback, unless `pd_no_auth` (protected mode). With
+  `pd_encrypt` the socket is a CURVE server too; peers failing that are counted from its monitor.
 
 Nothing is ever written by the engine's own stores here (`submit_put_task` ignores them): the
 decoder is a `kv_consumer`, and this tier only holds what a prefiller pushed.
@@ -23,15 +27,34 @@ from typing import Callable, Optional
 
 import torch
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from lmcache.config import LMCacheEngineMetadata
 from lmcache.experimental.memory_management import HostMemoryAllocator, MemoryFormat, MemoryObj
-from lmcache.experimental.pd.wire import Push, PushReply, WireError, read_push, reply_frame
+from lmcache.experimental.pd.auth import (
+    HANDSHAKE_FAILED_EVENTS,
+    NoSession,
+    ReceiverAuth,
+    check_encryption,
+    check_protected_mode,
+    encrypt_server,
+)
+from lmcache.experimental.pd.wire import (
+    PUSH_FRAMES,
+    Push,
+    PushReply,
+    WireError,
+    peek_seq,
+    read_auth,
+    read_push,
+    reply_frame,
+)
 from lmcache.experimental.stats import TierStats
 from lmcache.experimental.storage_backend.abstract_backend import StorageBackendInterface
 from lmcache.experimental.storage_backend.chunk_format import ChunkHeader, copy_into_new
 from lmcache.experimental.storage_backend.local_cpu_backend import LocalCPUBackend
 from lmcache.logging import init_logger
+from lmcache.server.security import AuthRefused
 from lmcache.utils import CacheEngineKey
 
 logger = init_logger(__name__)
@@ -44,6 +67,8 @@ POLL_MS = 200
 FRAME_SLACK_BYTES = 64 * 1024
 # Pushes queued per connected sender (a sender waits for each reply, so it has one in flight).
 QUEUED_PUSHES_PER_PEER = 4
+# Refused peers are logged once, then once per this many refusals.
+AUTH_LOG_EVERY = 100
 
 
 @dataclass
@@ -78,11 +103,22 @@ class PDReceiveBuffer(StorageBackendInterface):
         self._held: "OrderedDict[CacheEngineKey, _Held]" = OrderedDict()  # oldest first
         self._server: Optional[PushServer] = None
 
-    def listen(self, host: str, port: int) -> None:
-        """Start taking pushes on `tcp://host:port` (stopped by `close`)."""
-        server = PushServer(self, host, port)
+    def listen(
+        self, host: str, port: int, token: Optional[bytes] = None, no_auth: bool = False, encrypt: bool = False
+    ) -> None:
+        """Start taking pushes on `tcp://host:port` (stopped by `close`), only from senders
+        that prove `token` when one is given; without one, beyond loopback only with `no_auth`.
+        `encrypt`: CURVE-encrypted connections only (keys from `token`)."""
+        check_protected_mode(host, port, token, no_auth)
+        check_encryption(encrypt, token)
+        server = PushServer(self, host, port, token, encrypt)
         server.start()
         self._server = server
+
+    def record_auth_refusal(self) -> int:
+        """Count a push or handshake refused for its token; the count so far."""
+        self._stats.record_auth_refusal()
+        return self._stats.snapshot().auth_refusals
 
     @property
     def used_bytes(self) -> int:
@@ -202,60 +238,124 @@ class PDReceiveBuffer(StorageBackendInterface):
 class PushServer:
     """Answers pushes on `tcp://host:port` into a `PDReceiveBuffer`, on one thread."""
 
-    def __init__(self, buffer: PDReceiveBuffer, host: str, port: int) -> None:
+    def __init__(
+        self, buffer: PDReceiveBuffer, host: str, port: int, token: Optional[bytes] = None, encrypt: bool = False
+    ) -> None:
         self._buffer = buffer
+        self._auth = ReceiverAuth(token) if token is not None else None
         self.address = f"tcp://{host}:{port}"
         self._ctx = zmq.Context.instance()
         self._socket = self._ctx.socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.LINGER, 0)
+        self._monitor: Optional[zmq.Socket] = None
+        if encrypt:
+            assert token is not None  # `check_encryption`
+            encrypt_server(self._socket, token)
+            self._monitor = self._socket.get_monitor_socket(HANDSHAKE_FAILED_EVENTS)
         # A peer sending a frame bigger than one chunk is disconnected by zmq before it is buffered.
         self._socket.setsockopt(zmq.MAXMSGSIZE, buffer.max_chunk_bytes + FRAME_SLACK_BYTES)
         self._socket.setsockopt(zmq.RCVHWM, QUEUED_PUSHES_PER_PEER)
         try:
             self._socket.bind(self.address)
         except zmq.ZMQError as err:
-            self._socket.close()
+            self._close_sockets()
             raise OSError(f"PD receiver cannot listen on {self.address} (pd_peer_host/pd_peer_init_port): {err}") from err
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="lmcache-pd-receiver", daemon=True)
 
     def start(self) -> None:
         self._thread.start()
-        logger.info("PD receiver listening on %s (buffer %d bytes)", self.address, self._buffer.capacity)
+        logger.info("PD receiver listening on %s (buffer %d bytes, %s%s)", self.address, self._buffer.capacity,
+                    "token required" if self._auth is not None else "no authentication",
+                    ", encrypted" if self._monitor is not None else "")
 
     def _serve(self) -> None:
         poller = zmq.Poller()
         poller.register(self._socket, zmq.POLLIN)
+        if self._monitor is not None:
+            poller.register(self._monitor, zmq.POLLIN)
         try:
             while not self._stop.is_set():
-                if poller.poll(POLL_MS):
+                ready = dict(poller.poll(POLL_MS))
+                if self._socket in ready:
                     self._answer(self._socket.recv_multipart(copy=False))
+                if self._monitor is not None and self._monitor in ready:
+                    event = recv_monitor_message(self._monitor)
+                    self._count_refusal("an address ZeroMQ does not report",
+                                        f"failed the encrypted handshake ({event['value']!s}): another token, or no "
+                                        "pd_encrypt")
                 self._buffer.reap()
         except zmq.ZMQError as err:
             if not self._stop.is_set():
                 logger.error("PD receiver on %s stopped: %s", self.address, err)
         finally:
-            self._socket.close()
+            self._close_sockets()
+
+    def _close_sockets(self) -> None:
+        if self._monitor is not None:
+            self._socket.disable_monitor()
+            self._monitor.close()
+        self._socket.close()
 
     def _answer(self, frames: list) -> None:
-        identity, body = frames[0], [frame.buffer for frame in frames[1:]]
-        seq = 0
+        identity, body = bytes(frames[0].buffer), [frame.buffer for frame in frames[1:]]
+        refused_for_token = False
         try:
-            push = read_push(body)
-            seq = push.seq
-            error = self._buffer.accept(push)
+            reply = self._reply(identity, body)
+        except AuthRefused as err:
+            reply, refused_for_token = self._refuse(frames, body, err), True
         except WireError as err:
-            error = f"bad push: {err}"
+            reply = PushReply(peek_seq(body), False, f"bad push: {err}")
         except Exception as err:  # a bad push must not stop the receiver
             logger.exception("PD receiver: push failed")
-            error = f"receiver error: {err}"
-        if error:
-            logger.warning("PD receiver: refused a push: %s", error)
-        self._socket.send_multipart([identity, reply_frame(PushReply(seq, error is None, error or ""))])
+            reply = PushReply(peek_seq(body), False, f"receiver error: {err}")
+        if not reply.ok and not refused_for_token:
+            logger.warning("PD receiver: refused a push: %s", reply.error)
+        self._socket.send_multipart([identity, reply_frame(reply)])
+
+    def _reply(self, identity: bytes, body: list) -> PushReply:
+        """The answer to one message: a handshake step, or a push (checked by `auth` first)."""
+        if self._auth is None:
+            step = read_auth(body)
+            if step is not None:
+                return PushReply(step.seq, True)  # no token here: no proof (the sender says so)
+            push = read_push(body)
+        else:
+            try:
+                step = read_auth(body)
+            except WireError as err:
+                raise AuthRefused(f"not a handshake message: {err}") from None
+            if step is not None:
+                return PushReply(step.seq, True, auth=self._auth.step(identity, step))
+            self._auth.check_push(identity, body)
+            push = read_push(body[:PUSH_FRAMES])
+            self._auth.take_seq(identity, push.seq)
+        error = self._buffer.accept(push)
+        return PushReply(push.seq, error is None, error or "")
+
+    def _refuse(self, frames: list, body: list, err: AuthRefused) -> PushReply:
+        """The reply to a message refused for its token, counted and logged."""
+        self._count_refusal(_peer_address(frames), str(err))
+        return PushReply(peek_seq(body), False, str(err), auth_required=isinstance(err, NoSession))
+
+    def _count_refusal(self, peer: str, why: str) -> None:
+        """Count a peer refused for its token; log it the first time and every `AUTH_LOG_EVERY`."""
+        count = self._buffer.record_auth_refusal()
+        if count % AUTH_LOG_EVERY == 1:
+            logger.warning("PD receiver on %s: refused a peer at %s: %s (%d refused so far)",
+                           self.address, peer, why, count)
 
     def close(self) -> None:
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout=5)
         else:
-            self._socket.close()
+            self._close_sockets()
+
+
+def _peer_address(frames: list) -> str:
+    """The sender's IP address as ZeroMQ saw it (for log lines)."""
+    try:
+        return frames[-1].get("Peer-Address")
+    except (zmq.ZMQError, AttributeError):
+        return "an unknown address"

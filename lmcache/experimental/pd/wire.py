@@ -9,13 +9,25 @@ A push is one ZeroMQ multipart message of three frames::
 and its reply one frame, JSON `{"seq": n, "ok": true}` or `{"seq": n, "ok": false, "error": "..."}`.
 The header and payload frames are exactly what the disk and remote tiers store, so a push is
 checked by the same code; `read_push` refuses anything else with `WireError` naming what is wrong.
+
+With a token (`auth.py`) a sender first runs the handshake, two one-frame messages
+`{"v": 1, "seq": n, "auth": "hello" | "proof", "data": "<hex>"}` (the reply to the hello carries
+the receiver's nonce and proof in `"auth"`), and then adds a fourth frame to every push::
+
+    [ mac: HMAC-SHA256(session key, len(meta) | meta | header) ]
+
+The header holds the payload's length and checksum, so the MAC binds the whole push to the
+session without hashing the payload twice. A push the receiver wants a handshake for first is
+answered with `"auth_required": true`.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 from dataclasses import dataclass
-from typing import Any, Sequence, Union
+from typing import Any, Optional, Sequence, Union
 
 from lmcache.experimental.memory_management import MemoryObj
 from lmcache.experimental.storage_backend import chunk_format
@@ -26,6 +38,8 @@ WIRE_VERSION = 1
 MAX_META_BYTES = 1024
 MAX_REPLY_BYTES = 4096
 PUSH_FRAMES = 3
+AUTH_STEPS = ("hello", "proof")
+MAX_AUTH_DATA_BYTES = 64  # a step carries a nonce or a proof (32 bytes each), hex-encoded
 
 Frame = Union[bytes, bytearray, memoryview]
 
@@ -49,6 +63,17 @@ class PushReply:
     seq: int
     ok: bool
     error: str = ""
+    auth: bytes = b""  # the receiver's answer to a handshake step (its nonce and proof)
+    auth_required: bool = False  # no session (yet, or any more): handshake, then push again
+
+
+@dataclass(frozen=True)
+class AuthStep:
+    """One handshake message: the client's nonce (`hello`) or its proof (`proof`)."""
+
+    seq: int
+    step: str
+    data: bytes
 
 
 def _json_object(frame: Frame, limit: int, what: str) -> dict[str, Any]:
@@ -79,6 +104,45 @@ def push_frames(seq: int, req_id: str, key: CacheEngineKey, obj: MemoryObj) -> l
     return [meta, header, payload]
 
 
+def peek_seq(frames: Sequence[Frame]) -> int:
+    """The sequence number a message claims (0 if none): a refusal's reply carries it, so the
+    sender matches it to its push; nothing else of a refused message is read."""
+    try:
+        return _int_field(_json_object(frames[0], MAX_META_BYTES, "meta"), "seq", "meta")
+    except (WireError, IndexError):
+        return 0
+
+
+def push_mac(session_key: bytes, frames: Sequence[Frame]) -> bytes:
+    """The MAC frame of a push under `session_key` (over its meta and header frames)."""
+    meta, header = bytes(frames[0]), bytes(frames[1])
+    return hmac.new(session_key, len(meta).to_bytes(4, "big") + meta + header, hashlib.sha256).digest()
+
+
+def auth_frames(seq: int, step: str, data: bytes) -> list[Frame]:
+    """The one frame of handshake step `step` ("hello": the nonce, "proof": the proof)."""
+    return [json.dumps({"v": WIRE_VERSION, "seq": seq, "auth": step, "data": data.hex()}).encode()]
+
+
+def read_auth(frames: Sequence[Frame]) -> Optional[AuthStep]:
+    """The handshake step in `frames`, None when they are not one (a push), or `WireError`."""
+    if len(frames) != 1:
+        return None
+    meta = _json_object(frames[0], MAX_META_BYTES, "auth")
+    if meta.get("v") != WIRE_VERSION:
+        raise WireError(f"auth field 'v'={meta.get('v')!r}: this receiver speaks version {WIRE_VERSION}")
+    step, data = meta.get("auth"), meta.get("data")
+    if step not in AUTH_STEPS:
+        raise WireError(f"auth field 'auth'={step!r}: expected one of {AUTH_STEPS}")
+    if not isinstance(data, str) or len(data) > 2 * MAX_AUTH_DATA_BYTES:
+        raise WireError("auth field 'data': expected a short hex string")
+    try:
+        raw = bytes.fromhex(data)
+    except ValueError:
+        raise WireError("auth field 'data' is not hex") from None
+    return AuthStep(_int_field(meta, "seq", "auth"), step, raw)
+
+
 def read_push(frames: Sequence[Frame]) -> Push:
     """The checked push in `frames`, or `WireError` (never a partly trusted chunk)."""
     if len(frames) != PUSH_FRAMES:
@@ -106,6 +170,10 @@ def reply_frame(reply: PushReply) -> bytes:
     body: dict[str, Any] = {"seq": reply.seq, "ok": reply.ok}
     if reply.error:
         body["error"] = reply.error[:1000]
+    if reply.auth:
+        body["auth"] = reply.auth.hex()
+    if reply.auth_required:
+        body["auth_required"] = True
     return json.dumps(body).encode()
 
 
@@ -115,4 +183,10 @@ def read_reply(frame: Frame) -> PushReply:
     if not isinstance(ok, bool):
         raise WireError(f"reply field 'ok'={ok!r}: expected a bool")
     error = obj.get("error", "")
-    return PushReply(_int_field(obj, "seq", "reply"), ok, error if isinstance(error, str) else repr(error))
+    auth = obj.get("auth", "")
+    try:
+        auth_bytes = bytes.fromhex(auth) if isinstance(auth, str) else b""
+    except ValueError:
+        raise WireError("reply field 'auth' is not hex") from None
+    return PushReply(_int_field(obj, "seq", "reply"), ok, error if isinstance(error, str) else repr(error),
+                     auth_bytes, obj.get("auth_required") is True)

@@ -71,12 +71,16 @@ def create_storage_backends(
 def _pd_receive_buffer(
     config: LMCacheEngineConfig, metadata: LMCacheEngineMetadata, cpu: LocalCPUBackend, stats: EngineStats
 ) -> StorageBackendInterface:
-    """The decoder's buffer for pushed KV, listening on the peer port plus the worker id."""
+    """The decoder's buffer for pushed KV, listening on the peer port plus the worker id (for
+    senders with the token, if one is set: `pd.auth`)."""
+    from lmcache.experimental.pd.auth import pd_token
     from lmcache.experimental.pd.receiver import PDReceiveBuffer
 
     assert config.pd_peer_host is not None and config.pd_peer_init_port is not None  # the config checks it
+    token = pd_token(config)
     buffer = PDReceiveBuffer(metadata, config.pd_buffer_size, cpu, stats.tier(PDReceiveBuffer.__name__))
-    buffer.listen(config.pd_peer_host, config.pd_peer_init_port + metadata.worker_id)
+    buffer.listen(config.pd_peer_host, config.pd_peer_init_port + metadata.worker_id, token, config.pd_no_auth,
+                  config.pd_encrypt)
     return buffer
 
 

@@ -44,6 +44,7 @@ import torch
 from lmcache.experimental.cache_engine import LMCacheEngine
 from lmcache.experimental.config import LMCacheEngineConfig
 from lmcache.experimental.kv_layout import KVLayout
+from lmcache.experimental.pd.auth import pd_token
 from lmcache.experimental.pd.sender import PDSender
 from lmcache.integration.vllm.blend.runner import Blender
 from lmcache.integration.vllm.utils import check_kv_caches
@@ -113,7 +114,7 @@ class LMCacheWorkerSide:
         worker = open_worker_engine(vllm_config, config, "v1 worker")
         side = cls(worker.engine, worker.layout, vllm_config.cache_config.block_size)
         if config.enable_pd and config.pd_role == "sender":
-            side.pd_sender = PDSender(worker.rank)
+            side.pd_sender = PDSender(worker.rank, token=pd_token(config), encrypt=config.pd_encrypt)
         if config.enable_blending:
             check_blending(vllm_config)
             side.blender = Blender(worker.engine, worker.layout, side.block_size, config.blend_recompute_ratio)
