@@ -12,6 +12,8 @@ the main process and in those children alike.
 from __future__ import annotations
 
 import multiprocessing.util
+import signal
+import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
@@ -66,11 +68,27 @@ def open_worker_engine(vllm_config: "VllmConfig", config: LMCacheEngineConfig, d
     global _status_api
     _status_api = start_status_api(engine, rank)
     multiprocessing.util.Finalize(None, close_worker_engine, args=(door,), exitpriority=ENGINE_EXIT_PRIORITY)
+    shield_exit_closes_from_stop_signals()
     logger.info(
         "LMCache %s: engine ready (worker %d of %d, layout %s, chunk size %d, KV %s %s)",
         door, rank, world_size, layout.name, config.chunk_size, metadata.kv_dtype, metadata.kv_shape,
     )
     return WorkerEngine(engine, layout, world_size, rank)
+
+
+def _ignore_stop_signals() -> None:
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)
+
+
+def shield_exit_closes_from_stop_signals() -> None:
+    """At exit, before any of our closes: SIGINT and SIGTERM ignored. vLLM's engine process keeps a
+    SIGTERM handler that raises KeyboardInterrupt, and on Ctrl-C its API server sends SIGTERM
+    while the engine process is already exiting: the interrupt cut the off-step saver's close
+    short and skipped the engine's, losing pending disk writes. Exit is under way, so the signals
+    have nothing left to stop; a close that hangs still yields to SIGKILL."""
+    multiprocessing.util.Finalize(None, _ignore_stop_signals, exitpriority=ENGINE_EXIT_PRIORITY + 2)
 
 
 def close_worker_engine(door: str) -> bool:
