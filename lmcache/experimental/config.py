@@ -96,7 +96,7 @@ class RemoteUrl:
     """A parsed `remote_url`: the scheme, one (host, port) per server (several for a cluster or
     the Sentinels), for `redis-sentinel://` the master's service name when the URL names it, the
     userinfo (percent-decoded; for `lm://` the password is the token) and a Redis database number.
-    `lm+shm:///PATH` has no hosts, only the unix socket's `path`. The password never shows in
+    `lm+shm:///PATH` has no hosts, only the unix `socket` path. The password never shows in
     `repr`."""
 
     scheme: str
@@ -105,15 +105,15 @@ class RemoteUrl:
     username: Optional[str] = None
     password: Optional[str] = dataclasses.field(default=None, repr=False)
     db: Optional[int] = None
-    path: Optional[str] = None
+    socket: Optional[str] = None  # `lm+shm://`: the unix socket's path
 
     def display(self) -> str:
         """The URL for log lines and errors: `mask_url` of it (password or token as `***`)."""
         user = urllib.parse.quote(self.username or "", safe="")
         password = urllib.parse.quote(self.password or "", safe="")
         userinfo = f"{user}:{password}@" if password else (f"{user}@" if user else "")
-        if self.path is not None:
-            return mask_url(f"{self.scheme}://{userinfo}{self.path}")
+        if self.socket is not None:
+            return mask_url(f"{self.scheme}://{userinfo}{self.socket}")
         hosts = ",".join(f"[{h}]:{p}" if ":" in h else f"{h}:{p}" for h, p in self.hosts)
         tail = f"/{self.service}" if self.service else (f"/{self.db}" if self.db is not None else "")
         return mask_url(f"{self.scheme}://{userinfo}{hosts}{tail}")
@@ -191,7 +191,7 @@ def _parse_pool_url(rest: str, key: str, shown: str) -> RemoteUrl:
     if not path.startswith("/") or (not at and userinfo) or len(path) < 2:
         raise ValueError(f"{key}={shown!r}: expected lm+shm:///absolute/path/of/the/socket (a token as lm+shm://:TOKEN@/path)")
     username, password = _split_userinfo(userinfo) if at else (None, None)
-    return RemoteUrl(POOL_SCHEME, (), username=username, password=password, path=path)
+    return RemoteUrl(POOL_SCHEME, (), username=username, password=password, socket=path)
 
 
 def _split_userinfo(userinfo: str) -> Tuple[Optional[str], Optional[str]]:

@@ -51,9 +51,9 @@ def create_connector(
     if parsed.scheme == POOL_SCHEME:
         from lmcache.experimental.remote.pool_connector import PoolConnector
 
-        assert parsed.path is not None  # parse_remote_url gives every pool URL its path
+        assert parsed.socket is not None  # parse_remote_url gives every pool URL its path
         return PoolConnector(
-            parsed.path,
+            parsed.socket,
             timeout=timeout,
             lookup_timeout=lookup_timeout,
             pool_size=pool_size,

@@ -36,6 +36,7 @@ from lmcache.experimental.config import POOL_SCHEME, RemoteUrl
 from lmcache.experimental.remote.connector import (
     Buffer,
     Receive,
+    RemoteAuthError,
     RemoteUnavailableError,
     Value,
     value_buffers,
@@ -43,6 +44,7 @@ from lmcache.experimental.remote.connector import (
 )
 from lmcache.experimental.remote.lm_connector import Exchange, LMServerConnector, Request, key_bytes, open_session
 from lmcache.experimental.remote.value_reader import BufferReader
+from lmcache.server.security import AUTH_REQUIRED
 from lmcache.server.protocol import (
     ARENA_ID_BYTES,
     HEADER_SIZE,
@@ -58,6 +60,8 @@ from lmcache.server.protocol import (
 
 _MAP_REPLY = struct.Struct(f"!{ARENA_ID_BYTES}sQ")
 _LEASE_REPLY = struct.Struct("!QQQ")
+# The longest answer MAP may get (an error's reason included).
+_MAX_REPLY = 4096
 # Copies larger than this go through numpy, which lets the GIL go (the model thread keeps running).
 _NUMPY_COPY_FROM = 64 * 1024
 
@@ -113,8 +117,10 @@ def map_arena(sock: socket.socket, known: Optional[PoolArena]) -> PoolArena:
         if not data:
             raise ProtocolError("the pool closed the connection before answering MAP")
         raw = bytes(data) + bytes(recv_exact(sock, HEADER_SIZE - len(data), "a MAP reply header"))
-        header = parse_header(raw, _MAP_REPLY.size, is_request=False)
+        header = parse_header(raw, _MAX_REPLY, is_request=False)
         payload = bytes(recv_exact(sock, header.payload_len, "a MAP reply"))
+        if header.op == Op.ERROR and payload == AUTH_REQUIRED.encode():
+            raise RemoteAuthError(AUTH_REQUIRED)
         if header.op != Op.MAP or header.status != Status.OK or len(payload) != _MAP_REPLY.size:
             raise ProtocolError(f"MAP answered {header.op.name} {header.status.name}: {payload[:200]!r}")
         arena_id, size = _MAP_REPLY.unpack(payload)
@@ -142,7 +148,7 @@ class PoolConnector(LMServerConnector):
     ) -> None:
         super().__init__("localhost", 0, timeout, lookup_timeout, pool_size, token=token, **limits)
         self._path = path
-        self._url = RemoteUrl(POOL_SCHEME, (), password=token, path=path).display()
+        self._url = RemoteUrl(POOL_SCHEME, (), password=token, socket=path).display()
         self._arena: Optional[PoolArena] = None  # the newest arena mapped
         self._arena_lock = threading.Lock()
 
@@ -158,6 +164,9 @@ class PoolConnector(LMServerConnector):
         try:
             with self._arena_lock:
                 sock.arena = self._arena = map_arena(sock, self._arena)
+        except RemoteAuthError:
+            sock.close()
+            raise
         except (OSError, ProtocolError) as err:
             sock.close()
             raise RemoteUnavailableError(f"cannot map the pool's arena at {self.url}: {err}") from err
