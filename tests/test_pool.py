@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import stat
 import subprocess
 import sys
@@ -27,6 +28,9 @@ from lmcache.experimental.config import RemoteUrl, parse_remote_url
 from lmcache.experimental.remote import create_connector
 from lmcache.experimental.remote.connector import RemoteAuthError, RemoteUnavailableError
 from lmcache.experimental.remote.lm_connector import LMServerConnector
+from lmcache.experimental.remote.pool_connector import map_arena
+from lmcache.server import LMCacheServer, ServerConfig
+from lmcache.server.protocol import HEADER_SIZE, POOL_WORD, Op, Status, parse_header, recv_exact, send_frame
 
 ROOT = Path(__file__).resolve().parent.parent
 # One value of this size fits the 1 MiB store below, two do not: a held block shows at once.
@@ -231,3 +235,29 @@ def test_server_cli_takes_the_unix_socket_alone(tmp_path) -> None:
         _parse_args([])
     with pytest.raises(RemoteUnavailableError):  # nobody listens there
         create_connector(f"lm+shm://{tmp_path / 'p.sock'}").ping()
+
+
+def test_pool_ops_are_refused_over_tcp_and_a_foreign_commit_closes_the_connection(tmp_path) -> None:
+    server = LMCacheServer(ServerConfig(port=0, unix_socket=str(tmp_path / "p.sock"), max_size_bytes=1 << 20))
+    host, port = server.start_in_thread() or ("", 0)
+    try:
+        with socket.create_connection((host, port), timeout=5) as tcp:
+            send_frame(tcp, Op.LEASE, key=b"k")
+            head = parse_header(recv_exact(tcp, HEADER_SIZE, "header"), 1 << 16, is_request=False)
+            reason = bytes(recv_exact(tcp, head.payload_len, "reason")).decode()
+            assert head.op == Op.ERROR and "unix socket only" in reason
+        with socket.socket(socket.AF_UNIX) as unix:
+            unix.connect(str(tmp_path / "p.sock"))
+            arena = map_arena(unix, None)
+            send_frame(unix, Op.RESERVE, key=b"mine", payload=POOL_WORD.pack(1000))
+            head = parse_header(recv_exact(unix, HEADER_SIZE, "header"), 1 << 16, is_request=False)
+            (offset,) = POOL_WORD.unpack(bytes(recv_exact(unix, head.payload_len, "offset")))
+            assert head.status == Status.OK and offset + 1000 <= arena.size
+            assert server.info()["pool_reservations"] == 1
+            send_frame(unix, Op.COMMIT, key=b"other", payload=POOL_WORD.pack(offset))  # not this key's block
+            head = parse_header(recv_exact(unix, HEADER_SIZE, "header"), 1 << 16, is_request=False)
+            assert head.op == Op.ERROR and unix.recv(4096) and unix.recv(4096) == b""  # answered, then closed
+        assert wait_for(lambda: server.info()["pool_reservations"] == 0, timeout=5)
+        assert server.info()["entries"] == 0
+    finally:
+        server.shutdown()
