@@ -226,7 +226,7 @@ def test_server_killed_and_restarted_is_a_miss_then_a_new_arena(pool, lmcache_lo
         backend.close()
 
 
-def test_server_cli_takes_the_unix_socket_alone(tmp_path) -> None:
+def test_server_cli_takes_the_unix_socket_alone_and_never_takes_over_a_live_one(pool, tmp_path) -> None:
     from lmcache.server.__main__ import _parse_args
 
     config = _parse_args(["--unix-socket", str(tmp_path / "p.sock")])
@@ -235,6 +235,12 @@ def test_server_cli_takes_the_unix_socket_alone(tmp_path) -> None:
         _parse_args([])
     with pytest.raises(RemoteUnavailableError):  # nobody listens there
         create_connector(f"lm+shm://{tmp_path / 'p.sock'}").ping()
+    (tmp_path / "plain").write_text("not a socket")
+    for path, why in ((pool.unix_socket, "another server listens there"), (tmp_path / "plain", "not a socket")):
+        second = subprocess.run([sys.executable, "-m", "lmcache.server", "--unix-socket", str(path)],
+                                capture_output=True, text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(ROOT)})
+        assert second.returncode == 1 and why in second.stderr
+    assert create_connector(pool.pool_url).put("still", b"served")  # the live server kept its socket
 
 
 def test_pool_ops_are_refused_over_tcp_and_a_foreign_commit_closes_the_connection(tmp_path) -> None:

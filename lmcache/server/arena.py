@@ -110,6 +110,8 @@ ARENA_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 
 def shared_memory_fd(size: int) -> int:
     """An anonymous memfd of `size` bytes, sealed at that size (Linux 3.17+)."""
+    if not hasattr(os, "memfd_create"):
+        raise OSError("the node pool (--unix-socket) needs Linux: this system has no memfd_create")
     fd = os.memfd_create("lmcache-pool", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
         os.ftruncate(fd, size)
