@@ -22,6 +22,9 @@ TLS context (`lms://`) it is TLS first, certificate and host name checked. A ser
 the token (or cannot prove it knows it, or wants one we do not have) is `RemoteAuthError`: logged
 as an error (rate-limited), never retried at once, and to the remote tier a down store - every
 lookup a miss, probed again with backoff - never data.
+
+The node pool's client (`pool_connector.py`) is this connector on a unix socket, with its own
+dial (which maps the server's arena) and its own puts and gets (in place, in the arena).
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ import socket
 import ssl
 import threading
 from dataclasses import dataclass
-from typing import Callable, Generic, Optional, Protocol, Sequence, Tuple, TypeVar
+from typing import Callable, Optional, Sequence, Tuple, TypeVar
 
 from lmcache.experimental.config import RemoteUrl
 from lmcache.experimental.remote.connector import (
@@ -86,11 +89,6 @@ class Reply:
     payload: Optional[memoryview]
 
 
-class Closable(Protocol):
-    def close(self) -> None: ...
-
-
-Conn = TypeVar("Conn", bound=Closable)
 T = TypeVar("T")
 
 
@@ -116,18 +114,18 @@ def open_session(
     return sock
 
 
-class ConnectionPool(Generic[Conn]):
+class ConnectionPool:
     """Idle connections to one server, made by `connect` (which raises
     `RemoteUnavailableError`); a connection is used by one thread at a time."""
 
-    def __init__(self, connect: Callable[[], Conn], max_idle: int) -> None:
+    def __init__(self, connect: Callable[[], socket.socket], max_idle: int) -> None:
         self._connect = connect
         self._max_idle = max_idle
-        self._idle: list[Conn] = []
+        self._idle: list[socket.socket] = []
         self._lock = threading.Lock()
         self._closed = False
 
-    def acquire(self) -> Tuple[Conn, bool]:
+    def acquire(self) -> Tuple[socket.socket, bool]:
         """A connection and whether it was reused from the pool."""
         with self._lock:
             if self._closed:
@@ -136,12 +134,12 @@ class ConnectionPool(Generic[Conn]):
                 return self._idle.pop(), True
         return self._connect(), False
 
-    def release(self, conn: Conn) -> None:
+    def release(self, sock: socket.socket) -> None:
         with self._lock:
             if not self._closed and len(self._idle) < self._max_idle:
-                self._idle.append(conn)
+                self._idle.append(sock)
                 return
-        conn.close()
+        sock.close()
 
     def clear(self) -> None:
         """Close every idle connection (they are suspect after a failure)."""
@@ -189,7 +187,7 @@ class LMServerConnector(RemoteConnector):
         self._auth_refusals = 0
         self._secret = None if token is None else token.encode("utf-8")
         self._tls = tls
-        self._pool: ConnectionPool[socket.socket] = ConnectionPool(self._dial, pool_size)
+        self._pool = ConnectionPool(self._dial, pool_size)
         scheme = "lm" if tls is None else "lms"
         self._url = RemoteUrl(scheme, ((host, port),), password=token).display()
 

@@ -43,7 +43,7 @@ from lmcache.experimental.remote.connector import (
     value_nbytes,
 )
 from lmcache.experimental.remote.lm_connector import Exchange, LMServerConnector, Request, key_bytes, open_session
-from lmcache.experimental.remote.value_reader import BufferReader
+from lmcache.experimental.remote.value_reader import BufferReader, ValueReader
 from lmcache.server.security import AUTH_REQUIRED
 from lmcache.server.protocol import (
     ARENA_ID_BYTES,
@@ -62,8 +62,6 @@ _MAP_REPLY = struct.Struct(f"!{ARENA_ID_BYTES}sQ")
 _LEASE_REPLY = struct.Struct("!QQQ")
 # The longest answer MAP may get (an error's reason included).
 _MAX_REPLY = 4096
-# Copies larger than this go through numpy, which lets the GIL go (the model thread keeps running).
-_NUMPY_COPY_FROM = 64 * 1024
 
 
 class PoolArena:
@@ -88,17 +86,15 @@ class PoolArena:
         return memoryview(self._array[offset : offset + length])
 
     def write(self, offset: int, value: Value) -> None:
-        """Copy `value`'s buffers one after the other into the block at `offset`."""
+        """Copy `value`'s buffers one after the other into the block at `offset` (numpy lets the
+        GIL go while it copies: the model thread keeps running)."""
         target = self._array[offset : offset + value_nbytes(value)]
         if target.nbytes != value_nbytes(value):
             raise ProtocolError(f"block at {offset} for {value_nbytes(value)} bytes is outside the {self.size}-byte arena")
         pos = 0
         for part in value_buffers(value):
             view = memoryview(part).cast("B")
-            if view.nbytes >= _NUMPY_COPY_FROM:
-                numpy.copyto(target[pos : pos + view.nbytes], numpy.frombuffer(view, dtype=numpy.uint8))
-            else:
-                target[pos : pos + view.nbytes] = numpy.frombuffer(view, dtype=numpy.uint8)
+            numpy.copyto(target[pos : pos + view.nbytes], numpy.frombuffer(view, dtype=numpy.uint8))
             pos += view.nbytes
 
 
@@ -146,6 +142,7 @@ class PoolConnector(LMServerConnector):
         token: Optional[str] = None,
         **limits: int,
     ) -> None:
+        # The TCP address is never dialled: `_dial` below connects to the unix socket instead.
         super().__init__("localhost", 0, timeout, lookup_timeout, pool_size, token=token, **limits)
         self._path = path
         self._url = RemoteUrl(POOL_SCHEME, (), password=token, socket=path).display()
@@ -175,7 +172,7 @@ class PoolConnector(LMServerConnector):
     def batched_get(self, keys: Sequence[str]) -> list[Optional[Buffer]]:
         values: list[Optional[Buffer]] = [None] * len(keys)
 
-        def keep(i: int, reader) -> None:  # noqa: ANN001 - a ValueReader
+        def keep(i: int, reader: ValueReader) -> None:
             values[i] = reader.read(reader.remaining)
 
         self.batched_get_into(keys, keep)
