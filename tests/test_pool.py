@@ -130,8 +130,12 @@ def test_socket_is_owner_only_takes_the_token_and_shares_entries_with_tcp(pool, 
         assert bytes(tcp.get("a")) == b"A" * (BIG // 2) and bytes(tcp.get("b")) == b"tiny"
         assert tcp.put("c", b"from tcp")
         assert [None if v is None else bytes(v) for v in shm.batched_get(["c", "b", "nope"])] == [b"from tcp", b"tiny", None]
+        # A batch far over what one connection may reserve or lease at once goes in windows.
+        many = [(f"m{i}", b"%d" % i) for i in range(600)]
+        assert all(shm.batched_put(many)) and [bytes(v) for v in shm.batched_get([k for k, _ in many])] == [v for _, v in many]
         info = _info(pool)
         assert info["pool_clients"] == 1 and info["pool_leases"] == 0 and info["pool_reservations"] == 0
+        assert info["refused_puts"] == 0
     finally:
         shm.close()
         tcp.close()

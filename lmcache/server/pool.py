@@ -143,7 +143,7 @@ class PoolSession:
             reason = RefusalReason.TOO_LARGE
         elif not self._store.fits(len(key), size):
             reason = RefusalReason.OVER_STORE
-        elif len(self._reserved) >= MAX_RESERVATIONS or size == 0:
+        elif len(self._reserved) >= MAX_RESERVATIONS:
             reason = RefusalReason.BUSY
         else:
             reservation = self._store.reserve(size)

@@ -2,7 +2,8 @@
 
 The server (`lmcache.server.pool`) listens on a unix socket and hands every new client its
 arena's memfd once; values are then written and read in place, and only small control frames
-cross the socket, pipelined as on `lm://`:
+cross the socket, pipelined as on `lm://` in windows of `PIPELINE_WINDOW` values (so one
+connection holds at most that many reservations or leases):
 
     put:  RESERVE each value -> offsets; copy each value into its block; COMMIT each
     get:  LEASE each key -> (lease, offset, length); the serde reads each value from the
@@ -42,13 +43,19 @@ from lmcache.experimental.remote.connector import (
     value_buffers,
     value_nbytes,
 )
-from lmcache.experimental.remote.lm_connector import Exchange, LMServerConnector, Request, key_bytes, open_session
+from lmcache.experimental.remote.lm_connector import (
+    PIPELINE_WINDOW,
+    Exchange,
+    LMServerConnector,
+    Request,
+    key_bytes,
+    open_session,
+)
 from lmcache.experimental.remote.value_reader import BufferReader, ValueReader
 from lmcache.server.security import AUTH_REQUIRED
 from lmcache.server.protocol import (
     ARENA_ID_BYTES,
     HEADER_SIZE,
-    MAX_RELEASE_LEASES,
     POOL_WORD,
     Op,
     ProtocolError,
@@ -179,7 +186,8 @@ class PoolConnector(LMServerConnector):
         return values
 
     def batched_get_into(self, keys: Sequence[str], receive: Receive) -> None:
-        """Lease every key, hand each found value to `receive` as a reader of its block, release."""
+        """Lease a window of keys, hand each found value to `receive` as a reader of its block,
+        release the window's leases; next window."""
         if not keys:
             return
         handed = 0
@@ -188,26 +196,25 @@ class PoolConnector(LMServerConnector):
             nonlocal handed
             assert isinstance(sock, PoolSocket)
             exchange = Exchange(sock, self.url, None)
-            replies = exchange.run([Request(Op.LEASE, key_bytes(k)) for k in keys], self._timeout, self._max_payload)
-            leases: list[bytes] = []
-            for i, reply in enumerate(replies):
-                if reply.status != Status.OK:
-                    continue  # NOT_FOUND, or REFUSED (this connection holds its most): a miss
-                lease_id, offset, length = _LEASE_REPLY.unpack(bytes(reply.payload or b""))
-                leases.append(POOL_WORD.pack(lease_id))
-                block = sock.arena.block(offset, length)
-                handed += 1
-                receive(i, BufferReader(block))
-            releases = [
-                Request(Op.RELEASE, payload=b"".join(leases[s : s + MAX_RELEASE_LEASES]))
-                for s in range(0, len(leases), MAX_RELEASE_LEASES)
-            ]
-            exchange.run(releases, self._timeout, self._max_payload)
+            for start in range(0, len(keys), PIPELINE_WINDOW):
+                window = [Request(Op.LEASE, key_bytes(k)) for k in keys[start : start + PIPELINE_WINDOW]]
+                leases: list[bytes] = []
+                for i, reply in enumerate(exchange.run(window, self._timeout, self._max_payload), start):
+                    if reply.status != Status.OK:
+                        continue  # NOT_FOUND, or REFUSED (this connection holds its most): a miss
+                    lease_id, offset, length = _LEASE_REPLY.unpack(bytes(reply.payload or b""))
+                    leases.append(POOL_WORD.pack(lease_id))
+                    block = sock.arena.block(offset, length)
+                    handed += 1
+                    receive(i, BufferReader(block))
+                if leases:
+                    exchange.run([Request(Op.RELEASE, payload=b"".join(leases))], self._timeout, self._max_payload)
 
         self._on_connection(work, self._timeout, lambda: handed > 0)
 
     def batched_put(self, items: Sequence[Tuple[str, Value]]) -> list[bool]:
-        """Reserve a block per value, copy each value in, commit them: one copy, no socket payload."""
+        """Reserve a block per value of a window, copy each value in, commit them; next window.
+        One copy per value, no socket payload."""
         results: list[bool] = [False] * len(items)
         if not items:
             return results
@@ -219,19 +226,21 @@ class PoolConnector(LMServerConnector):
         def work(sock: socket.socket) -> None:
             assert isinstance(sock, PoolSocket)
             exchange = Exchange(sock, self.url, None)
-            reserve = [Request(Op.RESERVE, key_bytes(items[i][0]), POOL_WORD.pack(value_nbytes(items[i][1]))) for i in slots]
-            commits: list[Request] = []
-            committed: list[int] = []
-            for slot, reply in zip(slots, exchange.run(reserve, self._timeout, self._max_payload)):
-                if reply.status != Status.OK:
-                    self._note_refusal(reply.payload)
-                    continue
-                (offset,) = POOL_WORD.unpack(bytes(reply.payload or b""))
-                sock.arena.write(offset, items[slot][1])
-                commits.append(Request(Op.COMMIT, key_bytes(items[slot][0]), POOL_WORD.pack(offset)))
-                committed.append(slot)
-            for slot, reply in zip(committed, exchange.run(commits, self._timeout, self._max_payload)):
-                results[slot] = reply.status == Status.OK
+            for start in range(0, len(slots), PIPELINE_WINDOW):
+                window = slots[start : start + PIPELINE_WINDOW]
+                reserve = [Request(Op.RESERVE, key_bytes(items[i][0]), POOL_WORD.pack(value_nbytes(items[i][1]))) for i in window]
+                commits: list[Request] = []
+                committed: list[int] = []
+                for slot, reply in zip(window, exchange.run(reserve, self._timeout, self._max_payload)):
+                    if reply.status != Status.OK:
+                        self._note_refusal(reply.payload)
+                        continue
+                    (offset,) = POOL_WORD.unpack(bytes(reply.payload or b""))
+                    sock.arena.write(offset, items[slot][1])
+                    commits.append(Request(Op.COMMIT, key_bytes(items[slot][0]), POOL_WORD.pack(offset)))
+                    committed.append(slot)
+                for slot, reply in zip(committed, exchange.run(commits, self._timeout, self._max_payload)):
+                    results[slot] = reply.status == Status.OK
 
         if slots:
             self._on_connection(work, self._timeout, lambda: False)
