@@ -290,12 +290,15 @@ class LMServerProcess:
     port: int = field(default_factory=free_port)
     log_path: Optional[Path] = None
     proc: Optional[subprocess.Popen] = None
+    # Also serve the node pool on this unix socket (`pool_url`).
+    unix_socket: Optional[Path] = None
 
     def start(self) -> "LMServerProcess":
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
         log = open(self.log_path, "ab") if self.log_path is not None else subprocess.DEVNULL
+        pool = () if self.unix_socket is None else ("--unix-socket", str(self.unix_socket))
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "lmcache.server", "127.0.0.1", str(self.port), *self.extra_args],
+            [sys.executable, "-m", "lmcache.server", "127.0.0.1", str(self.port), *pool, *self.extra_args],
             stdout=log,
             stderr=log,
             env=env,
@@ -316,6 +319,11 @@ class LMServerProcess:
     @property
     def url(self) -> str:
         return f"lm://127.0.0.1:{self.port}"
+
+    @property
+    def pool_url(self) -> str:
+        assert self.unix_socket is not None
+        return f"lm+shm://{self.unix_socket}"
 
 
 @pytest.fixture

@@ -1,7 +1,9 @@
 """The remote tier through real vLLM (v1 engine, tiny float32 model, vLLM's own LMCacheConnectorV1).
 
 Instance A (one process) serves a long prompt and stores it in an `lm://` server; instance B (a new
-process: empty CPU tier, same remote URL) hits it and must generate what cache-off generates. With
+process: empty CPU tier, same remote URL) hits it and must generate what cache-off generates. The
+same through the node pool (`lm+shm://`, the server's arena in shared memory) with no private CPU
+tier: one copy of each chunk on the machine. With
 `cachegen` the KV is lossy by design: B still hits, and the agreement with cache-off is reported.
 A remote URL nobody listens on must cost nothing but the hits: same output, the log says why.
 """
@@ -14,6 +16,7 @@ import pytest
 from conftest import random_prompt, run_vllm_job
 from redis_fixture import LMServerProcess, free_port
 
+from lmcache.experimental.remote.lm_connector import LMServerConnector
 from lmcache.integration.vllm.request_log import parse_request_lines
 
 pytestmark = pytest.mark.vllm
@@ -73,6 +76,24 @@ def test_second_instance_hits_the_first_ones_chunks_and_a_dead_server_costs_noth
     assert tokens_c == cache_off[0]
     assert lines_c[0][:2] == (0, 0)  # no hit, and the request did not fail
     assert "is down" in log_c and "requests recompute" in log_c
+
+
+def test_second_instance_hits_through_the_node_pool_with_no_private_tier(tiny_model, cache_off, tmp_path):
+    server = LMServerProcess(log_path=tmp_path / "server.log", unix_socket=tmp_path / "pool.sock").start()
+    env = {"LMCACHE_REMOTE_URL": server.pool_url, "LMCACHE_REMOTE_SERDE": "naive", "LMCACHE_LOCAL_CPU": "False"}
+    try:
+        tokens_a, logprobs_a, lines_a, _ = _run(tiny_model, env)
+        tokens_b, logprobs_b, lines_b, _ = _run(tiny_model, env)
+        tcp = LMServerConnector("127.0.0.1", server.port)
+        info = tcp.info()
+        tcp.close()
+    finally:
+        server.stop()
+    assert lines_a == [(0, 0, 1500)] and lines_b == [(1500, 1500, 0)]
+    assert info["entries"] == -(-1500 // CHUNK) and info["pool_leases"] == 0 and info["pool_reservations"] == 0
+    for tokens, logprobs in ((tokens_a, logprobs_a), (tokens_b, logprobs_b)):
+        assert tokens == cache_off[0]
+        assert max(abs(a - b) for a, b in zip(logprobs, cache_off[1])) <= LOGPROB_TOLERANCE
 
 
 def test_cachegen_through_vllm_hits_and_reports_agreement(tiny_model, cache_off, tmp_path):

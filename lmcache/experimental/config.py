@@ -57,7 +57,9 @@ NON_FIELD_ENV_VARS: Tuple[str, ...] = (
 # deprecation warning (mapped in `legacy_config.py`).
 LEGACY_KEYS: Tuple[str, ...] = ("local_device", "max_local_cache_size", "pipelined_backend")
 
-REMOTE_SCHEMES: Tuple[str, ...] = ("lm", "lms", "redis", "rediss", "redis-cluster", "redis-sentinel")
+REMOTE_SCHEMES: Tuple[str, ...] = ("lm", "lms", "lm+shm", "redis", "rediss", "redis-cluster", "redis-sentinel")
+# The node pool: an `lm://` server's unix socket, named by its path (`lm+shm:///PATH`).
+POOL_SCHEME = "lm+shm"
 REMOTE_SERDES: Tuple[str, ...] = ("naive", "cachegen", "safetensor")
 # Schemes whose URL lists several host:port pairs (cluster nodes, Sentinels).
 MULTI_HOST_SCHEMES: Tuple[str, ...] = ("redis-cluster", "redis-sentinel")
@@ -96,7 +98,8 @@ class RemoteUrl:
     """A parsed `remote_url`: the scheme, one (host, port) per server (several for a cluster or
     the Sentinels), for `redis-sentinel://` the master's service name when the URL names it, the
     userinfo (percent-decoded; for `lm://` the password is the token) and a Redis database number.
-    The password never shows in `repr`."""
+    `lm+shm:///PATH` has no hosts, only the unix `socket` path. The password never shows in
+    `repr`."""
 
     scheme: str
     hosts: Tuple[Tuple[str, int], ...]
@@ -104,12 +107,15 @@ class RemoteUrl:
     username: Optional[str] = None
     password: Optional[str] = dataclasses.field(default=None, repr=False)
     db: Optional[int] = None
+    socket: Optional[str] = None  # `lm+shm://`: the unix socket's path
 
     def display(self) -> str:
         """The URL for log lines and errors: `mask_url` of it (password or token as `***`)."""
         user = urllib.parse.quote(self.username or "", safe="")
         password = urllib.parse.quote(self.password or "", safe="")
         userinfo = f"{user}:{password}@" if password else (f"{user}@" if user else "")
+        if self.socket is not None:
+            return mask_url(f"{self.scheme}://{userinfo}{self.socket}")
         hosts = ",".join(f"[{h}]:{p}" if ":" in h else f"{h}:{p}" for h, p in self.hosts)
         tail = f"/{self.service}" if self.service else (f"/{self.db}" if self.db is not None else "")
         return mask_url(f"{self.scheme}://{userinfo}{hosts}{tail}")
@@ -155,7 +161,7 @@ def _parse_port(text: str, key: str, whole: str) -> int:
 
 
 def parse_remote_url(url: str, key: str = "remote_url") -> RemoteUrl:
-    """Parse `lm://h:p`, `lms://h:p` (TLS), `redis://h:p[/db]`, `rediss://h:p[/db]`,
+    """Parse `lm://h:p`, `lms://h:p` (TLS), `lm+shm:///PATH` (the node pool's unix socket), `redis://h:p[/db]`, `rediss://h:p[/db]`,
     `redis-cluster://h1:p1,h2:p2` or `redis-sentinel://h1:p1,h2:p2[/service]`, each optionally
     with `[user][:password]@` before the hosts (percent-encoded). Errors show the URL masked."""
     shown = mask_url(url)
@@ -164,6 +170,8 @@ def parse_remote_url(url: str, key: str = "remote_url") -> RemoteUrl:
         raise ValueError(f"{key}={shown!r}: expected scheme://host:port with scheme in {REMOTE_SCHEMES}")
     if scheme not in REMOTE_SCHEMES:
         raise ValueError(f"{key}={shown!r}: unknown scheme {scheme!r}, expected one of {REMOTE_SCHEMES}")
+    if scheme == POOL_SCHEME:
+        return _parse_pool_url(rest, key, shown)
     userinfo, at, rest = rest.rpartition("@")
     username, password = _split_userinfo(userinfo) if at else (None, None)
     rest = rest[:-1] if rest.endswith("/") else rest
@@ -177,6 +185,15 @@ def parse_remote_url(url: str, key: str = "remote_url") -> RemoteUrl:
         raise ValueError(f"{key}={shown!r}: only {' and '.join(MULTI_HOST_SCHEMES)} take several host:port pairs")
     hosts = tuple(_parse_host_port(part, key, shown) for part in parts)
     return RemoteUrl(scheme, hosts, service, username, password, db)
+
+
+def _parse_pool_url(rest: str, key: str, shown: str) -> RemoteUrl:
+    """`/PATH` or `[:TOKEN]@/PATH` (after `lm+shm://`) -> the pool's socket path and token."""
+    userinfo, at, path = rest.partition("@") if not rest.startswith("/") else ("", "", rest)
+    if not path.startswith("/") or (not at and userinfo) or len(path) < 2:
+        raise ValueError(f"{key}={shown!r}: expected lm+shm:///absolute/path/of/the/socket (a token as lm+shm://:TOKEN@/path)")
+    username, password = _split_userinfo(userinfo) if at else (None, None)
+    return RemoteUrl(POOL_SCHEME, (), username=username, password=password, socket=path)
 
 
 def _split_userinfo(userinfo: str) -> Tuple[Optional[str], Optional[str]]:

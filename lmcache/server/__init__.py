@@ -1,7 +1,8 @@
 """The `lm://` server: a small KV-chunk store shared by LMCache instances over TCP.
 
-`protocol` is the wire format both sides speak, `store` the server's LRU memory,
-`server` the TCP server, `__main__` the `lmcache_server` command.
+`protocol` is the wire format both sides speak, `store` the server's LRU memory (its values in
+`arena`), `server` the TCP server, `pool` its unix-socket door for clients on the same machine that
+share the arena in place (the node pool), `__main__` the `lmcache_server` command.
 """
 
 from lmcache.server.server import LMCacheServer, ServerConfig

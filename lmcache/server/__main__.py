@@ -1,5 +1,7 @@
 """`lmcache_server [HOST] PORT [DEVICE]` / `python -m lmcache.server ...`: run the `lm://` server.
 
+`--unix-socket PATH` adds (or, without HOST PORT, is the only) door: the node pool, an
+owner-only unix socket whose clients (`lm+shm:///PATH`) share the store's memory (`pool.py`).
 HOST defaults to 127.0.0.1. Listening on any other interface needs a token
 (`LMCACHE_SERVER_TOKEN` or `--token-file PATH`; never a command-line value, which `ps` shows),
 or `--no-auth` to insist on none; `--tls-cert`/`--tls-key` serve TLS (`lms://` clients).
@@ -36,10 +38,17 @@ def _parse_args(argv: Optional[Sequence[str]]) -> ServerConfig:
     )
     parser.add_argument(
         "address",
-        nargs="+",
+        nargs="*",
         metavar="[HOST] PORT [DEVICE]",
         help=f"interface to bind (default {DEFAULT_HOST}), TCP port (0 = any free port) and, as the old "
         "server took it, the storage device (only 'cpu')",
+    )
+    parser.add_argument(
+        "--unix-socket",
+        metavar="PATH",
+        help="also (or, without HOST PORT, only) listen on this unix socket, created owner-only "
+        "(0600): the node pool, where clients on this machine (lm+shm:///PATH) share the store's "
+        "memory and values never cross a socket",
     )
     parser.add_argument(
         "--max-size-gb",
@@ -77,8 +86,13 @@ def _parse_args(argv: Optional[Sequence[str]]) -> ServerConfig:
         help="serve the server's counters in Prometheus text format on http://127.0.0.1:PORT/metrics",
     )
     args = parser.parse_args(argv)
-    host, port_text = _split_address(parser, args.address)
-    port = _parse_port(parser, port_text)
+    if args.address:
+        host, port_text = _split_address(parser, args.address)
+        port: Optional[int] = _parse_port(parser, port_text)
+    elif args.unix_socket is not None:
+        host, port = DEFAULT_HOST, None
+    else:
+        parser.error("give [HOST] PORT, --unix-socket PATH, or both")
     max_payload = int(args.max_frame_mb * (1 << 20))
     if not 0 < max_payload <= HARD_MAX_PAYLOAD_BYTES:
         parser.error(
@@ -92,6 +106,7 @@ def _parse_args(argv: Optional[Sequence[str]]) -> ServerConfig:
         return ServerConfig(
             host=host,
             port=port,
+            unix_socket=args.unix_socket,
             max_size_bytes=int(args.max_size_gb * GB),
             max_payload_bytes=max_payload,
             max_connections=args.max_connections,

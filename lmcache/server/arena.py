@@ -7,6 +7,10 @@ blocks of one mapping instead: a block given back when its entry is evicted keep
 the next put writes only its payload; with `prefault`, an idle-priority thread faults the whole
 mapping in at start (`--prefault`), so no put ever faults. Pages nobody touched cost nothing.
 
+With `shared`, the mapping is a sealed memfd instead (`--unix-socket`): the server hands its
+descriptor to clients on the same machine (`pool.py`), which read and write values in place.
+Sealed against shrinking, so no client can truncate it under the server (or another client).
+
 Blocks come from a first-fit free list (`lmcache.free_list`), rounded up to `ALIGN`, so a store
 of many tiny values holds a few less than its byte count says (the store evicts until a block
 fits). Not thread-safe: the store's lock guards it.
@@ -15,7 +19,9 @@ fits). Not thread-safe: the store's lock guards it.
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import mmap
+import os
 import threading
 import time
 from typing import Optional
@@ -34,11 +40,17 @@ ALIGN = 64
 class ValueArena:
     """`capacity` bytes of value memory (rounded up to `ALIGN`), handed out in blocks."""
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, shared: bool = False) -> None:
         if capacity <= 0:
             raise ValueError(f"arena capacity must be positive, got {capacity}")
         self.capacity = -(-capacity // ALIGN) * ALIGN
-        self._map = mmap.mmap(-1, self.capacity, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        # The memfd of a shared arena (kept open: every client gets a duplicate); else None.
+        self.fd: Optional[int] = None
+        if shared:
+            self.fd = shared_memory_fd(self.capacity)
+            self._map = mmap.mmap(self.fd, self.capacity, flags=mmap.MAP_SHARED)
+        else:
+            self._map = mmap.mmap(-1, self.capacity, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         self._view = memoryview(self._map)
         self._address = ctypes.addressof(ctypes.c_char.from_buffer(self._map))
         self._free = FreeList(self.capacity)
@@ -77,6 +89,12 @@ class ValueArena:
             name="lmcache-server-prefault", daemon=True,
         ).start()
 
+    def close(self) -> None:
+        """Close the memfd (mappings made from it stay valid)."""
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
     def _prefault(self) -> None:
         started = time.monotonic()
         if page_advice.prefault(self._address, self.capacity):
@@ -84,3 +102,21 @@ class ValueArena:
         else:
             logger.warning("could not fault the store's memory in ahead (needs Linux 5.14+): "
                            "pages fault in on first use")
+
+
+# Seals every shared arena carries: its size is fixed for good (a shrink would SIGBUS readers).
+ARENA_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+
+
+def shared_memory_fd(size: int) -> int:
+    """An anonymous memfd of `size` bytes, sealed at that size (Linux 3.17+)."""
+    if not hasattr(os, "memfd_create"):
+        raise OSError("the node pool (--unix-socket) needs Linux: this system has no memfd_create")
+    fd = os.memfd_create("lmcache-pool", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, size)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, ARENA_SEALS)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd

@@ -22,7 +22,9 @@ from lmcache.server.server import LMCacheServer
 METRICS_HOST = "127.0.0.1"
 PREFIX = "lmcache_server:"
 # `INFO` fields that are levels now, not counts since start; `max_*` fields (limits) are too.
-GAUGE_FIELDS = frozenset({"entries", "bytes_used", "connections", "pending_bytes"})
+GAUGE_FIELDS = frozenset(
+    {"entries", "bytes_used", "connections", "pending_bytes", "pool_clients", "pool_reservations", "pool_leases"}
+)
 
 
 def is_gauge(field: str) -> bool:

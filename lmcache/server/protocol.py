@@ -25,6 +25,18 @@ Operations:
 - `AUTH payload` (at most `MAX_AUTH_PAYLOAD_BYTES`) -> `OK` + payload or `REFUSED`: the token
   handshake of `security.py`. A server with a token serves nothing else before it succeeded.
 
+The node pool's ops (`pool.py`), served on the unix socket only (a TCP peer asking is a
+protocol error); every payload is a few integers (`POOL_WORD`, big-endian u64s):
+- `MAP [arena id]` -> `OK` + arena id (16 B) + arena size (u64); the arena's memfd rides along
+  (SCM_RIGHTS) unless the request named this arena already (the client has it mapped).
+- `RESERVE key size` -> `OK` + offset, or `REFUSED` + the JSON of a refused put: a block of the
+  arena for a value of `size` bytes, which the client fills in place.
+- `COMMIT key offset` -> `OK` (stored under `key`) or `REFUSED` (busy): publish a reserved block.
+  A block never committed goes back when its connection closes: nobody sees half a value.
+- `LEASE key` -> `OK` + lease id + offset + length, or `NOT_FOUND`: the block is not reused
+  while leased; leases are released by `RELEASE`, or all at once when the connection closes.
+- `RELEASE lease ids...` -> `OK`.
+
 Version 1 since the start: the refusal payload and the INFO limits were added without a bump
 because both sides ignore what they do not read (a reply's payload on `REFUSED`, unknown INFO
 keys), so older clients and servers still interoperate. `AUTH` was added without a bump too: a
@@ -81,6 +93,11 @@ class Op(enum.IntEnum):
     DELETE = 5
     INFO = 6
     AUTH = 7
+    MAP = 8
+    RESERVE = 9
+    COMMIT = 10
+    LEASE = 11
+    RELEASE = 12
 
 
 class Status(enum.IntEnum):
@@ -92,9 +109,22 @@ class Status(enum.IntEnum):
     BAD_REQUEST = 3
 
 
-# Ops that name a key, and the one op whose request carries a payload.
-_KEYED_OPS = frozenset({Op.PUT, Op.GET, Op.EXISTS, Op.DELETE})
-_PAYLOAD_REQUEST_OPS = frozenset({Op.PUT, Op.AUTH})
+# The node pool's ops (unix socket only), their words (u64, big-endian), leases per RELEASE.
+POOL_OPS = frozenset({Op.MAP, Op.RESERVE, Op.COMMIT, Op.LEASE, Op.RELEASE})
+POOL_WORD = struct.Struct("!Q")
+ARENA_ID_BYTES = 16
+MAX_RELEASE_LEASES = 1024
+
+# Ops that name a key; ops whose request carries a payload, and how large it may be (PUT's is
+# bounded by the frame limit).
+_KEYED_OPS = frozenset({Op.PUT, Op.GET, Op.EXISTS, Op.DELETE, Op.RESERVE, Op.COMMIT, Op.LEASE})
+_PAYLOAD_REQUEST_LIMITS = {
+    Op.AUTH: MAX_AUTH_PAYLOAD_BYTES,
+    Op.MAP: ARENA_ID_BYTES,
+    Op.RESERVE: POOL_WORD.size,
+    Op.COMMIT: POOL_WORD.size,
+    Op.RELEASE: MAX_RELEASE_LEASES * POOL_WORD.size,
+}
 
 
 class RefusalReason(str, enum.Enum):
@@ -190,10 +220,11 @@ def parse_header(raw: Buffer, max_payload_bytes: int, is_request: bool) -> Frame
             raise ProtocolError(f"{op.name} request without a key")
         if op not in _KEYED_OPS and key_len != 0:
             raise ProtocolError(f"{op.name} request must not carry a key")
-        if op not in _PAYLOAD_REQUEST_OPS and payload_len != 0:
-            raise ProtocolError(f"{op.name} request must not carry a payload")
-        if op == Op.AUTH and payload_len > MAX_AUTH_PAYLOAD_BYTES:
-            raise ProtocolError(f"AUTH payload of {payload_len} bytes exceeds {MAX_AUTH_PAYLOAD_BYTES}")
+        if op != Op.PUT and payload_len != 0:
+            if op not in _PAYLOAD_REQUEST_LIMITS:
+                raise ProtocolError(f"{op.name} request must not carry a payload")
+            if payload_len > _PAYLOAD_REQUEST_LIMITS[op]:
+                raise ProtocolError(f"{op.name} payload of {payload_len} bytes exceeds {_PAYLOAD_REQUEST_LIMITS[op]}")
     return FrameHeader(op=op, status=status, key_len=key_len, payload_len=payload_len)
 
 

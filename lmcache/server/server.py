@@ -24,6 +24,9 @@ reason and the frame limit, and counted in `refused_puts`. A connection that bre
 protocol (bad magic or version, unknown op, a key over its limit, a frame cut short or past its
 deadline) is answered with `BAD_REQUEST` where possible and closed, with the reason logged.
 
+With `unix_socket`, the server also (or only) listens on an owner-only unix socket for clients on
+the same machine, which share the store's arena in shared memory (`pool.py`, the node pool).
+
 With a token (`ServerConfig.token`) a connection must pass `security.py`'s handshake before
 anything else is served; a peer that fails it, or asks for anything first, is answered and
 closed, counted in `auth_refusals` and logged (rate-limited) with its address. With a TLS
@@ -36,6 +39,9 @@ from __future__ import annotations
 import json
 import logging
 import mmap
+import os
+import secrets
+import selectors
 import socket
 import ssl
 import threading
@@ -46,8 +52,11 @@ from typing import Optional, Union
 
 from lmcache.background_threads import thread_initializer
 from lmcache.logging import init_logger
+from lmcache.server.pool import PoolSession, bind_unix_listener, peer_pid
 from lmcache.server.protocol import (
+    ARENA_ID_BYTES,
     DEFAULT_MAX_PAYLOAD_BYTES,
+    POOL_OPS,
     HARD_MAX_PAYLOAD_BYTES,
     HEADER_SIZE,
     FrameHeader,
@@ -86,6 +95,14 @@ _REAP_LOG_EVERY = 100
 MAX_GET_DELAY_S = 60.0
 
 
+# The counter of each reason a put (or a pool reservation) is refused for.
+_REFUSAL_COUNTERS = {
+    RefusalReason.TOO_LARGE: "refused_too_large",
+    RefusalReason.OVER_STORE: "refused_over_store",
+    RefusalReason.BUSY: "refused_busy",
+}
+
+
 class FrameDeadline(Exception):
     """A frame (or a reply) did not finish within `frame_timeout_s`."""
 
@@ -95,7 +112,10 @@ class ServerConfig:
     """How the server listens and how much it holds."""
 
     host: str = "127.0.0.1"
-    port: int = 65432
+    # None: no TCP listener (the unix socket only).
+    port: Optional[int] = 65432
+    # Listen on this unix socket too (owner-only): the node pool's door (`pool.py`).
+    unix_socket: Optional[str] = None
     max_size_bytes: int = 4 << 30
     max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES
     max_connections: int = 256
@@ -121,8 +141,12 @@ class ServerConfig:
     prefault: bool = False
 
     def __post_init__(self) -> None:
-        if not 0 <= self.port <= 65535:
+        if self.port is None and self.unix_socket is None:
+            raise ValueError("nothing to listen on: give a TCP port, a unix socket, or both")
+        if self.port is not None and not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
+        if self.unix_socket is not None and not self.unix_socket:
+            raise ValueError("unix_socket is an empty path")
         if self.max_size_bytes <= 0:
             raise ValueError(f"max_size_bytes must be positive, got {self.max_size_bytes}")
         if not 0 < self.max_payload_bytes <= HARD_MAX_PAYLOAD_BYTES:
@@ -155,7 +179,7 @@ class ServerConfig:
             raise ValueError("TLS needs both a certificate (--tls-cert) and its key (--tls-key)")
         if self.token is not None and not self.token:
             raise ValueError("the token is empty")
-        if self.token is None and not self.no_auth and not is_loopback(self.host):
+        if self.token is None and not self.no_auth and self.port is not None and not is_loopback(self.host):
             raise ValueError(
                 f"refusing to listen on {self.host} without authentication: anyone who reaches "
                 f"the port could read and overwrite every cached chunk. Set a token with "
@@ -201,8 +225,15 @@ class LMCacheServer:
 
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
-        self.store = LRUChunkStore(config.max_size_bytes, max_unfinished_bytes=self.pending_limit)
+        shared = config.unix_socket is not None
+        self.store = LRUChunkStore(config.max_size_bytes, max_unfinished_bytes=self.pending_limit, shared=shared)
+        # Names this arena to pool clients: a restarted server's is another (they map anew).
+        self._arena_id = secrets.token_bytes(ARENA_ID_BYTES)
         self._listener: Optional[socket.socket] = None
+        self._unix_listener: Optional[socket.socket] = None
+        self._unix_inode = 0  # of the socket file we bound, so we only ever remove our own
+        self._sessions: set[PoolSession] = set()
+        self._started = False
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._connections: dict[socket.socket, _ConnState] = {}
@@ -238,16 +269,38 @@ class LMCacheServer:
 
     @property
     def address(self) -> tuple[str, int]:
-        """The bound (host, port); the port is the real one when configured as 0."""
+        """The bound TCP (host, port); the port is the real one when configured as 0."""
         if self._listener is None:
-            raise RuntimeError("server not started")
+            raise RuntimeError("server not started, or not listening on TCP")
         host, port = self._listener.getsockname()[:2]
         return host, port
 
-    def start(self) -> tuple[str, int]:
-        """Bind and listen; returns the bound address."""
-        if self._listener is not None:
+    def start(self) -> Optional[tuple[str, int]]:
+        """Bind and listen; returns the bound TCP address (None when only on a unix socket)."""
+        if self._started:
             raise RuntimeError("server already started")
+        if self.config.unix_socket is not None:
+            self._unix_listener = bind_unix_listener(self.config.unix_socket)
+            self._unix_inode = os.stat(self.config.unix_socket).st_ino
+            logger.info("node pool on unix socket %s (owner-only, %s; arena of %.2f GiB in shared memory)",
+                        self.config.unix_socket,
+                        "token required" if self.config.token is not None else "no token",
+                        self.store.arena.capacity / 1024**3)
+        if self.config.port is not None:
+            try:
+                self._bind_tcp()
+            except OSError:
+                self._close_unix_listener()
+                raise
+        self._started = True
+        if self.config.get_delay_s:
+            logger.warning("every GET is answered %.0f ms late (--delay-ms)", self.config.get_delay_s * 1000)
+        if self.config.prefault:
+            self.store.arena.prefault_in_background()
+        return self.address if self._listener is not None else None
+
+    def _bind_tcp(self) -> None:
+        assert self.config.port is not None
         family = socket.AF_INET6 if ":" in self.config.host else socket.AF_INET
         listener = socket.socket(family, socket.SOCK_STREAM)
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -259,7 +312,6 @@ class LMCacheServer:
                 err.errno, f"cannot bind {self.config.host}:{self.config.port}: {err.strerror}"
             ) from err
         listener.listen(128)
-        listener.settimeout(0.2)
         self._listener = listener
         host, port = self.address
         cfg = self.config
@@ -278,30 +330,32 @@ class LMCacheServer:
             "token required" if cfg.token is not None else "no authentication",
             "TLS" if self._tls is not None else "plaintext",
         )
-        if cfg.get_delay_s:
-            logger.warning("every GET is answered %.0f ms late (--delay-ms)", cfg.get_delay_s * 1000)
-        if cfg.prefault:
-            self.store.arena.prefault_in_background()
-        return host, port
 
     def serve_forever(self) -> None:
-        """Accept connections until `shutdown()`."""
-        if self._listener is None:
+        """Accept connections (TCP and unix) until `shutdown()`."""
+        if not self._started:
             self.start()
-        assert self._listener is not None
-        while not self._stop.is_set():
-            try:
-                conn, peer = self._listener.accept()
-            except socket.timeout:
-                continue
-            except OSError:
-                if self._stop.is_set():
-                    break
-                raise
-            self._admit(conn, peer)
+        with selectors.DefaultSelector() as selector:
+            for listener in (self._listener, self._unix_listener):
+                if listener is not None:
+                    selector.register(listener, selectors.EVENT_READ)
+            while not self._stop.is_set():
+                for ready, _ in selector.select(timeout=0.2):
+                    listener = ready.fileobj
+                    assert isinstance(listener, socket.socket)
+                    try:
+                        conn, peer = listener.accept()
+                    except (BlockingIOError, InterruptedError):
+                        continue
+                    except OSError:
+                        if self._stop.is_set():
+                            break
+                        raise
+                    pool = listener is self._unix_listener
+                    self._admit(conn, ("unix", peer_pid(conn)) if pool else peer, pool)
         logger.info("lm:// server stopped")
 
-    def start_in_thread(self) -> tuple[str, int]:
+    def start_in_thread(self) -> Optional[tuple[str, int]]:
         """Bind and serve from a background thread (for embedding and tests)."""
         address = self.start()
         self._accept_thread = threading.Thread(
@@ -317,11 +371,27 @@ class LMCacheServer:
             self._accept_thread.join(timeout=5)
         if self._listener is not None:
             self._listener.close()
+        self._close_unix_listener()
         with self._lock:
             conns = list(self._connections)
         for conn in conns:
             _hang_up(conn)
         self._put_pool.shutdown(wait=False)
+        self.store.arena.close()  # the memfd; clients' mappings of it stay valid
+
+    def _close_unix_listener(self) -> None:
+        """Close the unix socket and remove its file (if it is still ours: a successor may have
+        replaced it)."""
+        listener, self._unix_listener = self._unix_listener, None
+        if listener is None or self.config.unix_socket is None:
+            return
+        try:
+            ours = os.stat(self.config.unix_socket).st_ino == self._unix_inode
+        except OSError:
+            ours = False
+        listener.close()
+        if ours:
+            os.unlink(self.config.unix_socket)
 
     def info(self) -> dict[str, int]:
         """Store counters plus connection counters (what `INFO` returns)."""
@@ -334,6 +404,11 @@ class LMCacheServer:
             data["refused_too_large"] + data["refused_over_store"] + data["refused_busy"]
         )
         data["pending_bytes"] = self._budget.held
+        with self._lock:
+            holds = [session.holds for session in self._sessions]
+        data["pool_clients"] = len(holds)
+        data["pool_reservations"] = sum(h[0] for h in holds)
+        data["pool_leases"] = sum(h[1] for h in holds)
         data["max_payload_bytes"] = self.config.max_payload_bytes
         data["max_pending_bytes"] = self.pending_limit
         data["max_connections"] = self.config.max_connections
@@ -346,7 +421,7 @@ class LMCacheServer:
 
     # ---- connections ----------------------------------------------------------------------
 
-    def _admit(self, conn: socket.socket, peer: tuple) -> None:
+    def _admit(self, conn: socket.socket, peer: tuple, pool: bool = False) -> None:
         victim: Optional[tuple[socket.socket, _ConnState]] = None
         with self._lock:
             if len(self._connections) >= self.config.max_connections:
@@ -368,9 +443,10 @@ class LMCacheServer:
                     peer,
                     reaped,
                 )
-        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if not pool:
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         thread = threading.Thread(
-            target=self._serve_connection, args=(conn, peer), name="lmcache-server-conn", daemon=True
+            target=self._serve_connection, args=(conn, peer, pool), name="lmcache-server-conn", daemon=True
         )
         thread.start()
 
@@ -383,10 +459,15 @@ class LMCacheServer:
             state.since = time.monotonic()
             return True
 
-    def _serve_connection(self, conn: socket.socket, peer: tuple) -> None:
+    def _serve_connection(self, conn: socket.socket, peer: tuple, pool: bool) -> None:
         handshake = ServerHandshake(self.config.token)
+        session: Optional[PoolSession] = None
+        if pool:
+            session = PoolSession(self.store, self._arena_id, self.config.max_payload_bytes)
+            with self._lock:
+                self._sessions.add(session)
         try:
-            if self._tls is not None:
+            if self._tls is not None and not pool:  # a unix socket is local: the token suffices
                 tls = self._tls_accept(conn, peer)
                 if tls is None:
                     return
@@ -401,7 +482,7 @@ class LMCacheServer:
                     if not self._authenticate(conn, peer, header[0], header[1], handshake):
                         return
                 else:
-                    self._handle(conn, header[0], header[1])
+                    self._handle(conn, header[0], header[1], session)
                 if not self._mark(conn):
                     return
         except ProtocolError as err:
@@ -423,6 +504,10 @@ class LMCacheServer:
         finally:
             with self._lock:
                 self._connections.pop(conn, None)
+                if session is not None:
+                    self._sessions.discard(session)
+            if session is not None:
+                session.close()
             conn.close()
 
     def _tls_accept(self, conn: socket.socket, peer: tuple) -> Optional[ssl.SSLSocket]:
@@ -543,9 +628,20 @@ class LMCacheServer:
 
     # ---- requests -------------------------------------------------------------------------
 
-    def _handle(self, conn: socket.socket, header: FrameHeader, deadline: float) -> None:
+    def _handle(
+        self, conn: socket.socket, header: FrameHeader, deadline: float, session: Optional[PoolSession] = None
+    ) -> None:
         key = bytes(self._recv_exact(conn, header.key_len, deadline, "the key"))
         op = header.op
+        if op in POOL_OPS:
+            if session is None:
+                raise ProtocolError(f"{op.name} is served on the node pool's unix socket only")
+            payload = bytes(self._recv_exact(conn, header.payload_len, deadline, f"a {op.name} payload"))
+            conn.settimeout(self.config.frame_timeout_s)
+            refused = session.handle(conn, op, key, payload)
+            if refused is not None:
+                self._count(_REFUSAL_COUNTERS[refused])
+            return
         # A reply has as long as a request to drain into a client that stopped reading.
         conn.settimeout(self.config.frame_timeout_s)
         if op == Op.PUT:

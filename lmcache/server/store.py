@@ -66,6 +66,9 @@ class Lease:
         self._store = store
         self._entry: Optional[_Entry] = entry
         self.view = entry.value
+        # Where the value starts in the store's arena (what a pool client reads in place).
+        assert entry.block is not None  # a leased entry keeps its block until its last release
+        self.block = entry.block
 
     def release(self) -> None:
         if self._entry is not None:
@@ -85,12 +88,13 @@ class LRUChunkStore:
     At most `max_unfinished_bytes` of the arena is reserved for puts still arriving, so peers
     that announce payloads and never send them keep little of it from the others."""
 
-    def __init__(self, max_bytes: int, max_unfinished_bytes: Optional[int] = None) -> None:
+    def __init__(self, max_bytes: int, max_unfinished_bytes: Optional[int] = None, shared: bool = False) -> None:
+        """`shared`: the arena is a memfd that pool clients map (`arena.py`)."""
         if max_bytes <= 0:
             raise ValueError(f"max_bytes must be positive, got {max_bytes}")
         self._max_bytes = max_bytes
         self._max_unfinished = max_bytes if max_unfinished_bytes is None else max_unfinished_bytes
-        self.arena = ValueArena(max_bytes)
+        self.arena = ValueArena(max_bytes, shared=shared)
         self._unfinished = 0
         self._entries: OrderedDict[bytes, _Entry] = OrderedDict()
         self._lock = threading.Lock()

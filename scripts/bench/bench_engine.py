@@ -15,23 +15,33 @@ the rows with every round's time.
   GB/s (read, checksum, copy into the KV cache, checked bit-exact) with the files in the page cache
   (warm) and evicted from it with posix_fadvise(DONTNEED) (cold) vs reading the tier's own chunk
   files the same ways: the limit is the file system delivering those bytes, nothing more.
+- Node pool (`--pool`): an `lm://` server process with `--unix-socket`, the engine at
+  `lm+shm:///PATH` with no CPU tier (`local_cpu=False`), so every retrieve reads the pool: store
+  GB/s until the server acknowledged every chunk (copy out of the KV cache, checksum, one copy into
+  the shared arena) and retrieve GB/s of a prompt stored before (lease, copy out of the arena with
+  the checksum, copy into the KV cache, checked bit-exact) vs memcpy; and the same engine over the
+  same server's TCP port (`lm://`) for comparison.
 - Lookup latency for a 32k-token prompt that is fully cached, and one that misses at once.
 - The XXH3-64 checksum the disk tier computes on every write and read, as its ceiling.
 
 The geometry is Llama-8B-like by default; the disk rows use the CPU_IPEX bfloat16 case.
 Usage: OMP_NUM_THREADS=2 .venv/bin/python scripts/bench/bench_engine.py [--tokens 2048] [--rounds 7]
-       [--json bench/results/engine.json]
+       [--pool | --pool-only] [--json bench/results/engine.json]
 """
 
 import argparse
 import json
 import os
 import platform
+import socket
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -114,7 +124,8 @@ def vllm_slots(s: Setup, seed: int) -> torch.Tensor:
 
 
 def make_engine(s: Setup, cpu_gb: float, **overrides) -> LMCacheEngine:
-    cfg = LMCacheEngineConfig.from_defaults(chunk_size=s.chunk_size, remote_url=None, max_local_cpu_size=cpu_gb, **overrides)
+    overrides.setdefault("remote_url", None)
+    cfg = LMCacheEngineConfig.from_defaults(chunk_size=s.chunk_size, max_local_cpu_size=cpu_gb, **overrides)
     meta = LMCacheEngineMetadata("bench/model", 1, 0, "vllm", s.dtype, (s.layers, 2, s.chunk_size, s.heads, s.head_size))
     conn = VLLMPagedMemGPUConnectorV2(s.hidden, s.layers, layout=s.layout, num_kv_heads=s.heads)
     return LMCacheEngine(cfg, meta, MixedMemoryAllocator(int(cpu_gb * GB)), ChunkedTokenDatabase(cfg, meta), conn)
@@ -355,6 +366,84 @@ def disk_rows(s: Setup, rounds: int, directory: Optional[str], seeds) -> List[Ro
     ]
 
 
+@contextmanager
+def pool_server(max_bytes: int) -> Iterator[Tuple[str, str]]:
+    """An `lm://` server process with the node pool: (`lm+shm://` URL, `lm://` URL of it)."""
+    with tempfile.TemporaryDirectory() as workdir, socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+        probe.close()
+        path = os.path.join(workdir, "pool.sock")
+        proc = subprocess.Popen([sys.executable, "-m", "lmcache.server", "127.0.0.1", str(port), "--unix-socket", path,
+                                 "--max-size-gb", str(max_bytes / GB)])
+        try:
+            deadline = time.monotonic() + 60
+            while True:
+                try:
+                    socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                    break
+                except OSError:
+                    if time.monotonic() > deadline or proc.poll() is not None:
+                        raise RuntimeError("the pool server did not start")
+                    time.sleep(0.1)
+            yield f"lm+shm://{path}", f"lm://127.0.0.1:{port}"
+        finally:
+            proc.terminate()
+            proc.wait(timeout=30)
+
+
+def shared_tier_rows(s: Setup, rounds: int, memcpy: Memcpy, seeds) -> List[Row]:
+    """Store (until acknowledged) and retrieve through the node pool and over TCP to the same
+    server, no CPU tier, beside memcpy."""
+    n = s.kv_bytes
+    source, target = make_caches(s, 1), make_caches(s, 2)
+    slots = vllm_slots(s, 3)
+    kv, kv_out = dict(kvcaches=source, slot_mapping=slots), dict(kvcaches=target, slot_mapping=slots)
+    rows: List[Row] = []
+    times: Dict[str, List[float]] = {}
+    contenders: Dict[str, Callable[[], float]] = {}
+    engines = []
+    with pool_server(int(4.5 * n)) as urls:
+        for name, url in zip(("pool", "tcp"), urls):
+            engine = make_engine(s, cpu_gb=2.2 * n / GB, remote_url=url, remote_serde="naive", local_cpu=False)
+            engines.append(engine)
+            remote = engine.storage_manager.tiers[-1]
+
+            def store(engine=engine, remote=remote) -> float:
+                return timed(lambda: (engine.store(prompt(s, next(seeds)), **kv), remote.flush()))
+
+            def retrieve(engine=engine, remote=remote) -> float:
+                tokens = prompt(s, next(seeds))
+                engine.store(tokens, **kv)
+                assert remote.flush()
+                t = timed(lambda: engine.retrieve(tokens, **kv_out))
+                assert engine.lookup(tokens) == s.tokens
+                return t
+
+            contenders[f"memcpy {name}"] = memcpy
+            contenders[f"{name} store"] = store
+            contenders[f"memcpy {name} 2"] = memcpy
+            contenders[f"{name} retrieve"] = retrieve
+        for _ in range(5):  # fault the whole arena in, untimed: rounds then reuse evicted blocks
+            store(engines[0], engines[0].storage_manager.tiers[-1])
+        times = interleaved(rounds, contenders)
+        blocks = torch.unique(slots // s.block_size)
+        dim = 0 if s.layout == KVLayout.CPU_ATTN else 1
+        for got, want in zip(target, source):  # what came back is what was stored, bit for bit
+            assert torch.equal(got.index_select(dim, blocks).view(torch.uint8), want.index_select(dim, blocks).view(torch.uint8))
+        for engine in engines:
+            engine.close()
+    tag = f"{s.layout.name} {str(s.dtype).replace('torch.', '')}"
+    for name, label in (("pool", "node pool (lm+shm)"), ("tcp", "lm:// on loopback TCP")):
+        limit = f"memcpy ({label} round)"
+        rows += [
+            Row(limit, n, times[f"memcpy {name}"] + times[f"memcpy {name} 2"]),
+            Row(f"{label} store until acknowledged, no CPU tier, {tag}", n, times[f"{name} store"], limit),
+            Row(f"{label} retrieve, no CPU tier, {tag}", n, times[f"{name} retrieve"], limit),
+        ]
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, default=2048)
@@ -367,6 +456,8 @@ def main() -> None:
     ap.add_argument("--layouts", default=",".join(layout.name for layout, _ in CASES))
     ap.add_argument("--no-disk", action="store_true", help="leave the disk tier rows out")
     ap.add_argument("--disk-only", action="store_true", help="only the disk tier rows")
+    ap.add_argument("--pool", action="store_true", help="add the node pool rows (and lm:// to the same server)")
+    ap.add_argument("--pool-only", action="store_true", help="only the node pool rows")
     ap.add_argument("--dir", default=None, help="directory for the disk tier (default: a temp dir)")
     ap.add_argument("--json", default=None, help="write the rows (every round's seconds) here")
     args = ap.parse_args()
@@ -374,7 +465,10 @@ def main() -> None:
     seeds = iter(range(100, 10**6))
     rows: List[Row] = []
     block_sizes = dict(CASES)
-    for layout_name in [] if args.disk_only else args.layouts.split(","):
+    base = Setup(args.layers, args.heads, args.head_size, 16, args.chunk_size, args.tokens, torch.bfloat16)
+    if args.pool or args.pool_only:
+        rows += shared_tier_rows(base, args.rounds, Memcpy(base.kv_bytes), seeds)
+    for layout_name in [] if args.disk_only or args.pool_only else args.layouts.split(","):
         layout = KVLayout[layout_name]
         for dtype_name in args.dtypes.split(","):
             s = Setup(args.layers, args.heads, args.head_size, block_sizes[layout], args.chunk_size, args.tokens,
@@ -382,7 +476,6 @@ def main() -> None:
             print(f"{layout.name} {dtype_name}: {s.layers} layers x {s.heads} kv heads x {s.head_size}, block "
                   f"{s.block_size}, chunk {s.chunk_size}, {s.tokens} tokens = {s.kv_bytes / GIB:.2f} GiB", flush=True)
             rows += cpu_tier_rows(s, args.rounds, Memcpy(s.kv_bytes), seeds)
-    base = Setup(args.layers, args.heads, args.head_size, 16, args.chunk_size, args.tokens, torch.bfloat16)
     checksum_src = memoryview(torch.randint(0, 256, (base.kv_bytes,), dtype=torch.uint8).numpy())
     step = base.chunk_size * base.kv_bytes // base.tokens
     memcpy = Memcpy(base.kv_bytes)
@@ -392,7 +485,7 @@ def main() -> None:
     })
     rows += [Row("memcpy (checksum round)", base.kv_bytes, times["memcpy"]),
              Row("XXH3-64 checksum, one thread", base.kv_bytes, times["xxh3"], "memcpy (checksum round)")]
-    if not args.no_disk:
+    if not args.no_disk and not args.pool_only:
         rows += disk_rows(base, args.rounds, args.dir, seeds)
 
     by_name = {row.name: row for row in rows}

@@ -1,4 +1,4 @@
-"""Remote stores for the remote tier: connectors (`lm://`, `lms://`, `redis://`, `rediss://`,
+"""Remote stores for the remote tier: connectors (`lm://`, `lms://`, `lm+shm://`, `redis://`, `rediss://`,
 `redis-cluster://`, `redis-sentinel://`) behind one byte-level interface, and the serdes that
 fill them.
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from typing import Optional
 
-from lmcache.experimental.config import parse_remote_url
+from lmcache.experimental.config import POOL_SCHEME, parse_remote_url
 from lmcache.experimental.remote.connector import RemoteConnector, RemoteUnavailableError
 from lmcache.server.security import CLIENT_CA_ENV, CLIENT_TOKEN_ENV, client_tls_context
 
@@ -41,24 +41,36 @@ def create_connector(
     learns its server's own limit and refuses larger values without sending them.
 
     Secrets: the URL's userinfo first, else `password` (the `remote_password` config key); for
-    `lm://`/`lms://` the token is the URL's password, else `LMCACHE_REMOTE_TOKEN`, else
-    `password`. `lms://` and `rediss://` check the server against `LMCACHE_REMOTE_TLS_CA` (or the
+    `lm://`/`lms://`/`lm+shm://` the token is the URL's password, else `LMCACHE_REMOTE_TOKEN`,
+    else `password`. `lms://` and `rediss://` check the server against `LMCACHE_REMOTE_TLS_CA` (or the
     system store).
     """
     parsed = parse_remote_url(url)
+    lm_limit = {} if max_value_bytes is None else {"max_payload_bytes": max_value_bytes}
+    lm_token = parsed.password or os.environ.get(CLIENT_TOKEN_ENV, "").strip() or password
+    if parsed.scheme == POOL_SCHEME:
+        from lmcache.experimental.remote.pool_connector import PoolConnector
+
+        assert parsed.socket is not None  # parse_remote_url gives every pool URL its path
+        return PoolConnector(
+            parsed.socket,
+            timeout=timeout,
+            lookup_timeout=lookup_timeout,
+            pool_size=pool_size,
+            token=lm_token,
+            **lm_limit,
+        )
     if parsed.scheme in ("lm", "lms"):
         from lmcache.experimental.remote.lm_connector import LMServerConnector
 
         host, port = parsed.hosts[0]
-        lm_limit = {} if max_value_bytes is None else {"max_payload_bytes": max_value_bytes}
-        token = parsed.password or os.environ.get(CLIENT_TOKEN_ENV, "").strip() or password
         return LMServerConnector(
             host,
             port,
             timeout=timeout,
             lookup_timeout=lookup_timeout,
             pool_size=pool_size,
-            token=token,
+            token=lm_token,
             tls=client_tls_context() if parsed.scheme == "lms" else None,
             **lm_limit,
         )

@@ -22,6 +22,9 @@ TLS context (`lms://`) it is TLS first, certificate and host name checked. A ser
 the token (or cannot prove it knows it, or wants one we do not have) is `RemoteAuthError`: logged
 as an error (rate-limited), never retried at once, and to the remote tier a down store - every
 lookup a miss, probed again with backoff - never data.
+
+The node pool's client (`pool_connector.py`) is this connector on a unix socket, with its own
+dial (which maps the server's arena) and its own puts and gets (in place, in the arena).
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ import socket
 import ssl
 import threading
 from dataclasses import dataclass
-from typing import Optional, Sequence, Tuple
+from typing import Callable, Optional, Sequence, Tuple, TypeVar
 
 from lmcache.experimental.config import RemoteUrl
 from lmcache.experimental.remote.connector import (
@@ -74,35 +77,50 @@ _AUTH_LOG_EVERY = 100
 
 
 @dataclass(frozen=True)
-class _Request:
+class Request:
     op: Op
     key: bytes = b""
     payload: Optional[Value] = None
 
 
 @dataclass(frozen=True)
-class _Reply:
+class Reply:
     status: Status
     payload: Optional[memoryview]
 
 
-class _ConnectionPool:
-    """Idle connections to one server; a connection is used by one thread at a time."""
+T = TypeVar("T")
 
-    def __init__(
-        self,
-        host: str,
-        port: int,
-        max_idle: int,
-        connect_timeout: float,
-        token: Optional[bytes] = None,
-        tls: Optional[ssl.SSLContext] = None,
-    ) -> None:
-        self._address = (host, port)
-        self._token = token
-        self._tls = tls
+
+def open_session(
+    sock: socket.socket, where: str, token: Optional[bytes], tls: Optional[ssl.SSLContext] = None, host: str = ""
+) -> socket.socket:
+    """`sock`, just connected to `where`, after TLS (to `host`) and the token handshake, as the
+    server asks; closed and turned into `RemoteAuthError` / `RemoteUnavailableError` on failure."""
+    try:
+        if tls is not None:
+            sock = tls.wrap_socket(sock, server_hostname=host)
+        if token is not None:
+            client_handshake(sock, token)
+    except AuthRefused as err:
+        sock.close()
+        raise RemoteAuthError(str(err)) from err
+    except ssl.SSLError as err:
+        sock.close()
+        raise RemoteAuthError(f"TLS handshake failed: {err.reason or err}") from err
+    except (OSError, ProtocolError) as err:
+        sock.close()
+        raise RemoteUnavailableError(f"handshake with {where} failed: {err}") from err
+    return sock
+
+
+class ConnectionPool:
+    """Idle connections to one server, made by `connect` (which raises
+    `RemoteUnavailableError`); a connection is used by one thread at a time."""
+
+    def __init__(self, connect: Callable[[], socket.socket], max_idle: int) -> None:
+        self._connect = connect
         self._max_idle = max_idle
-        self._connect_timeout = connect_timeout
         self._idle: list[socket.socket] = []
         self._lock = threading.Lock()
         self._closed = False
@@ -114,28 +132,7 @@ class _ConnectionPool:
                 raise RemoteUnavailableError("connector is closed")
             if self._idle:
                 return self._idle.pop(), True
-        try:
-            sock = socket.create_connection(self._address, timeout=self._connect_timeout)
-        except OSError as err:
-            raise RemoteUnavailableError(
-                f"cannot connect to lm://{self._address[0]}:{self._address[1]}: {err}"
-            ) from err
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        try:
-            if self._tls is not None:
-                sock = self._tls.wrap_socket(sock, server_hostname=self._address[0])
-            if self._token is not None:
-                client_handshake(sock, self._token)
-        except AuthRefused as err:
-            sock.close()
-            raise RemoteAuthError(str(err)) from err
-        except ssl.SSLError as err:
-            sock.close()
-            raise RemoteAuthError(f"TLS handshake failed: {err.reason or err}") from err
-        except (OSError, ProtocolError) as err:
-            sock.close()
-            raise RemoteUnavailableError(f"handshake with {self._address[0]}:{self._address[1]} failed: {err}") from err
-        return sock, False
+        return self._connect(), False
 
     def release(self, sock: socket.socket) -> None:
         with self._lock:
@@ -188,31 +185,40 @@ class LMServerConnector(RemoteConnector):
         self._server_limit: Optional[int] = None
         self._too_large = 0
         self._auth_refusals = 0
-        secret = None if token is None else token.encode("utf-8")
-        self._pool = _ConnectionPool(host, port, pool_size, lookup_timeout, secret, tls)
+        self._secret = None if token is None else token.encode("utf-8")
+        self._tls = tls
+        self._pool = ConnectionPool(self._dial, pool_size)
         scheme = "lm" if tls is None else "lms"
         self._url = RemoteUrl(scheme, ((host, port),), password=token).display()
+
+    def _dial(self) -> socket.socket:
+        try:
+            sock = socket.create_connection((self._host, self._port), timeout=self._lookup_timeout)
+        except OSError as err:
+            raise RemoteUnavailableError(f"cannot connect to lm://{self._host}:{self._port}: {err}") from err
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return open_session(sock, f"{self._host}:{self._port}", self._secret, self._tls, self._host)
 
     @property
     def url(self) -> str:
         return self._url
 
     def delete(self, key: str) -> bool:
-        reply = self._call([_Request(Op.DELETE, _key_bytes(key))], self._timeout)[0]
+        reply = self._call([Request(Op.DELETE, key_bytes(key))], self._timeout)[0]
         return reply.status == Status.OK
 
     def batched_exists(self, keys: Sequence[str]) -> list[bool]:
-        requests = [_Request(Op.EXISTS, _key_bytes(k)) for k in keys]
+        requests = [Request(Op.EXISTS, key_bytes(k)) for k in keys]
         return [r.status == Status.OK for r in self._call(requests, self._lookup_timeout)]
 
     def batched_get(self, keys: Sequence[str]) -> list[Optional[Buffer]]:
-        requests = [_Request(Op.GET, _key_bytes(k)) for k in keys]
+        requests = [Request(Op.GET, key_bytes(k)) for k in keys]
         replies = self._call(requests, self._timeout)
         return [r.payload if r.status == Status.OK else None for r in replies]
 
     def batched_get_into(self, keys: Sequence[str], receive: Receive) -> None:
         """Each found value is read off the socket by `receive` itself, in the pipeline's order."""
-        requests = [_Request(Op.GET, _key_bytes(k)) for k in keys]
+        requests = [Request(Op.GET, key_bytes(k)) for k in keys]
         self._call(requests, self._timeout, receive)
 
     @property
@@ -229,22 +235,27 @@ class LMServerConnector(RemoteConnector):
         if self._server_limit is None:
             self._learn_limit()
         limit = self.max_payload_bytes
-        requests: list[_Request] = []
-        slots: list[int] = []
-        for i, (key, value) in enumerate(items):
-            size = value_nbytes(value)
-            if size > limit:
-                self._refuse_too_large(key, size, limit)
-                continue
-            requests.append(_Request(Op.PUT, _key_bytes(key), value))
-            slots.append(i)
+        slots = [i for i, (key, value) in enumerate(items) if not self._over_limit(key, value, limit)]
+        requests = [Request(Op.PUT, key_bytes(items[i][0]), items[i][1]) for i in slots]
         for slot, reply in zip(slots, self._call(requests, self._timeout)):
             results[slot] = reply.status == Status.OK
             if reply.status == Status.REFUSED:
-                learned = refusal_limit(reply.payload)
-                if learned is not None:
-                    self._server_limit = learned
+                self._note_refusal(reply.payload)
         return results
+
+    def _over_limit(self, key: str, value: Value, limit: int) -> bool:
+        """Whether `value` is over `limit` (then counted and logged: a put refused unsent)."""
+        size = value_nbytes(value)
+        if size > limit:
+            self._refuse_too_large(key, size, limit)
+            return True
+        return False
+
+    def _note_refusal(self, payload: Optional[Buffer]) -> None:
+        """Learn the server's frame limit from a refusal that names it."""
+        learned = refusal_limit(payload)
+        if learned is not None:
+            self._server_limit = learned
 
     def _learn_limit(self) -> None:
         """Ask the server for its frame limit (an older server without one: use our own)."""
@@ -265,24 +276,35 @@ class LMServerConnector(RemoteConnector):
             )
 
     def ping(self) -> None:
-        self._call([_Request(Op.PING)], self._lookup_timeout)
+        self._call([Request(Op.PING)], self._lookup_timeout)
 
     def info(self) -> dict[str, int]:
         """The server's counters (entries, bytes used, evictions, protocol errors, ...)."""
-        reply = self._call([_Request(Op.INFO)], self._timeout)[0]
+        reply = self._call([Request(Op.INFO)], self._timeout)[0]
         return json.loads(bytes(reply.payload or b"{}"))
 
     def close(self) -> None:
         self._pool.close()
 
     def _call(
-        self, requests: Sequence[_Request], timeout: float, receive: Optional[Receive] = None
-    ) -> list[_Reply]:
-        """One pipelined exchange. A pooled connection that broke (e.g. the server restarted)
-        is retried once on a fresh one - unless `receive` already took a value, which a second
-        exchange would hand it again; a timeout or a second failure means the server is down."""
+        self, requests: Sequence[Request], timeout: float, receive: Optional[Receive] = None
+    ) -> list[Reply]:
+        """One pipelined exchange (`_on_connection`)."""
         if not requests:
             return []
+        exchanges: list[Exchange] = []
+
+        def work(sock: socket.socket) -> list[Reply]:
+            exchanges.append(Exchange(sock, self.url, receive))
+            return exchanges[-1].run(requests, timeout, self._max_payload)
+
+        return self._on_connection(work, timeout, lambda: exchanges[-1].received > 0)
+
+    def _on_connection(self, work: Callable[[socket.socket], T], timeout: float, handed: Callable[[], bool]) -> T:
+        """`work` on a pooled connection. A pooled connection that broke (e.g. the server
+        restarted) is retried once on a fresh one - unless `handed()` says a value was already
+        handed over, which a second try would hand again; a timeout or a second failure means the
+        server is down."""
         may_retry = True
         while True:
             try:
@@ -290,9 +312,8 @@ class LMServerConnector(RemoteConnector):
             except RemoteAuthError as err:
                 self._log_auth_refusal(err)
                 raise
-            exchange = _Exchange(sock, self.url, receive)
             try:
-                replies = exchange.run(requests, timeout, self._max_payload)
+                result = work(sock)
             except RemoteAuthError as err:
                 sock.close()
                 self._log_auth_refusal(err)
@@ -308,7 +329,7 @@ class LMServerConnector(RemoteConnector):
                 sock.close()
                 self._pool.clear()
                 self._server_limit = None  # a restarted server may have another frame limit
-                if not (reused and may_retry and not exchange.received):
+                if not (reused and may_retry and not handed()):
                     raise RemoteUnavailableError(f"{self.url}: {err}") from err
                 may_retry = False
                 logger.debug("pooled connection to %s failed (%s); retrying on a new one", self.url, err)
@@ -317,7 +338,7 @@ class LMServerConnector(RemoteConnector):
                 sock.close()
                 raise
             self._pool.release(sock)
-            return replies
+            return result
 
     def _log_auth_refusal(self, err: RemoteAuthError) -> None:
         self._auth_refusals += 1
@@ -330,7 +351,7 @@ class LMServerConnector(RemoteConnector):
                 self._auth_refusals,
             )
 
-class _Exchange:
+class Exchange:
     """One pipelined run of requests on one connection; found values go to `receive` (when
     given) as they arrive, read straight off the socket."""
 
@@ -340,9 +361,9 @@ class _Exchange:
         self._receive = receive
         self.received = 0  # values handed to `receive`
 
-    def run(self, requests: Sequence[_Request], timeout: float, max_payload: int) -> list[_Reply]:
+    def run(self, requests: Sequence[Request], timeout: float, max_payload: int) -> list[Reply]:
         self._sock.settimeout(timeout)
-        replies: list[_Reply] = []
+        replies: list[Reply] = []
         for start in range(0, len(requests), PIPELINE_WINDOW):
             window = requests[start : start + PIPELINE_WINDOW]
             self._send_window(window)
@@ -350,7 +371,7 @@ class _Exchange:
                 replies.append(self._read_reply(i, request.op, max_payload))
         return replies
 
-    def _send_window(self, window: Sequence[_Request]) -> None:
+    def _send_window(self, window: Sequence[Request]) -> None:
         pending: list[bytes] = []
         for request in window:
             size = 0 if request.payload is None else value_nbytes(request.payload)
@@ -366,7 +387,7 @@ class _Exchange:
         if pending:
             self._sock.sendall(b"".join(pending))
 
-    def _read_reply(self, index: int, op: Op, max_payload: int) -> _Reply:
+    def _read_reply(self, index: int, op: Op, max_payload: int) -> Reply:
         sock = self._sock
         header = parse_header(recv_exact(sock, HEADER_SIZE, "a reply header"), max_payload, is_request=False)
         recv_exact(sock, header.key_len, "a reply key")
@@ -375,7 +396,7 @@ class _Exchange:
             self.received += 1
             self._receive(index, reader)
             reader.drain()
-            return _Reply(header.status, None)
+            return Reply(header.status, None)
         payload = recv_exact(sock, header.payload_len, "a reply payload") if header.payload_len else None
         if header.op == Op.ERROR:
             reason = bytes(payload or b"").decode("utf-8", "replace")
@@ -384,10 +405,10 @@ class _Exchange:
             raise ProtocolError(f"server rejected the request: {reason}")
         if header.op != op:
             raise ProtocolError(f"reply to {op.name} came back as {header.op.name}")
-        return _Reply(header.status, payload)
+        return Reply(header.status, payload)
 
 
-def _key_bytes(key: str) -> bytes:
+def key_bytes(key: str) -> bytes:
     raw = key.encode("utf-8")
     if not raw or len(raw) > MAX_KEY_BYTES:
         raise ValueError(f"remote key must be 1..{MAX_KEY_BYTES} UTF-8 bytes, got {len(raw)}: {key[:80]!r}")
