@@ -13,6 +13,7 @@ reproducible and a folder can be reused when its recorded arguments match.
 from __future__ import annotations
 
 import argparse
+import fcntl
 import hashlib
 import json
 import random
@@ -145,16 +146,21 @@ def existing_build(spec: TinyModelSpec, out: Path) -> str | None:
 
 
 def make_tiny_model(out: Path, spec: TinyModelSpec, force: bool = False) -> str:
-    """Build (or reuse) the model in OUT and return the SHA-256 of its weights file."""
+    """Build (or reuse) the model in OUT and return the SHA-256 of its weights file. Builders of
+    one OUT take turns (a lock file beside it), so parallel test workers never read a half-built
+    model."""
     spec.validate()
-    if not force and (digest := existing_build(spec, out)):
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.parent / f".{out.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not force and (digest := existing_build(spec, out)):
+            return digest
+        out.mkdir(parents=True, exist_ok=True)
+        (out / MARKER).unlink(missing_ok=True)
+        build_tokenizer(spec, out)
+        digest = build_weights(spec, out)
+        (out / MARKER).write_text(json.dumps({"spec": asdict(spec), "weights_sha256": digest}, indent=1))
         return digest
-    out.mkdir(parents=True, exist_ok=True)
-    (out / MARKER).unlink(missing_ok=True)
-    build_tokenizer(spec, out)
-    digest = build_weights(spec, out)
-    (out / MARKER).write_text(json.dumps({"spec": asdict(spec), "weights_sha256": digest}, indent=1))
-    return digest
 
 
 def parse_args(argv: list[str]) -> tuple[Path, TinyModelSpec, bool]:
