@@ -156,7 +156,8 @@ FAMILIES: Dict[str, tuple] = {
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", _common),
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", lambda spec: {
         **_common(spec), "head_dim": spec.hidden // spec.heads, "sliding_window": GEMMA2_SLIDING_WINDOW,
-        "query_pre_attn_scalar": spec.hidden // spec.heads, "tie_word_embeddings": True}),
+        "query_pre_attn_scalar": spec.hidden // spec.heads, "tie_word_embeddings": True,
+        "hidden_activation": "gelu_pytorch_tanh", "hidden_act": "gelu_pytorch_tanh"}),  # vLLM 0.9.2 reads the old name
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", lambda spec: {
         **_common(spec), "num_local_experts": 4, "num_experts_per_tok": 2}),
     "gpt2": ("GPT2Config", "GPT2LMHeadModel", _gpt2),

@@ -30,6 +30,8 @@ Operations:
 - `kv_spec_guard_point()` / `layers_without_paged_kv(kv_cache_specs)`: where vLLM's engine core
   turns the workers' KV cache specs into cache configs, and the layers whose spec is not a paged
   attention KV cache LMCache can save (Mamba / linear-attention state, unknown kinds).
+- `v0_attention_window(runner)` / `v0_state_beyond_kv(model_config)`: the sliding window a v0
+  runner's attention applies (plain or interleaved), and whether a model keeps non-KV state.
 
 Nothing here imports vLLM at module import time: `lmcache_vllm` imports it in every vLLM process.
 """
@@ -307,6 +309,32 @@ def layers_without_paged_kv(kv_cache_specs: Any) -> List[Tuple[str, str]]:
                 kind += f"({str(getattr(mamba_type, 'name', mamba_type)).lower()})"
             found.setdefault(name, kind)
     return list(found.items())
+
+
+def v0_attention_window(runner: Any) -> Optional[int]:
+    """The sliding window a vLLM 0.9.2 v0 runner's attention applies (None: full attention).
+    `runner.sliding_window` for a plain window; for models that interleave windowed and global
+    layers (Gemma 2, Gemma 3) vLLM 0.9.2's `ModelConfig` moves the window to
+    `hf_text_config.interleaved_sliding_window` and clears `sliding_window`."""
+    window = getattr(runner, "sliding_window", None)
+    if window is not None:
+        return window
+    model_config = getattr(runner, "model_config", None)
+    text_config = getattr(model_config, "hf_text_config", None)
+    return getattr(text_config, "interleaved_sliding_window", None)
+
+
+def v0_state_beyond_kv(model_config: Any) -> Optional[str]:
+    """What a vLLM 0.9.2 model keeps besides paged attention KV (None: nothing). vLLM 0.9.2
+    `ModelConfig.is_attention_free`, `.is_hybrid` (attention and Mamba layers), `.has_inner_state`
+    (Mamba / recurrent state the v0 runner keeps outside the KV caches)."""
+    if model_config is None:
+        return None
+    if getattr(model_config, "is_attention_free", False):
+        return "an attention-free model (recurrent state only)"
+    if getattr(model_config, "is_hybrid", False) or getattr(model_config, "has_inner_state", False):
+        return "Mamba / recurrent state beside its attention layers"
+    return None
 
 
 @dataclass(frozen=True)
