@@ -1,16 +1,19 @@
-"""The model families people serve, on vLLM 0.32 (.venv-latest): a hybrid attention/Mamba model
-refused at engine start in LMCache's words."""
+"""The model families people serve, on vLLM 0.32 (.venv-latest): DeepSeek-V2 (MLA) through
+`LMCacheConnectorV1` (tests/family_matrix.py), and a hybrid attention/Mamba model refused at
+engine start in LMCache's words."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
 import pytest
 from conftest import ROOT, VLLM_TEST_ENV, family_model
-from test_v1_e2e import LMCACHE_ENV, connector_kwargs
+from family_matrix import MAX_MODEL_LEN, PROMPTS, check_family
+from test_v1_e2e import LMCACHE_ENV, connector_kwargs, hits, run
 
 from lmcache.integration.vllm import vllm_compat
 from lmcache.integration.vllm.model_support import check_kv_cache_specs
@@ -18,11 +21,30 @@ from lmcache.integration.vllm.model_support import check_kv_cache_specs
 pytestmark = pytest.mark.vllm
 
 
+def test_deepseek_v2_mla_whole_chunks_then_layerwise_and_async_from_disk(tmp_path):
+    """DeepSeek-V2: MLA, one 576-wide latent per token, which vLLM 0.32's CPU MLA cache keeps as
+    `(num_blocks, 1, 16, 576)`; its platform turns chunked prefill off for MLA, so a step takes a
+    whole prompt. The matrix's check (whole chunks) fills a disk tier; a second engine through
+    `lmcache_vllm` with use_layerwise and enable_async_loading finds both prompts there only and
+    loads them in the background, layer by layer: same tokens, full hits."""
+    model = family_model("deepseek_v2")
+    disk = {"LMCACHE_LOCAL_DISK": str(tmp_path / "disk"), "LMCACHE_MAX_LOCAL_DISK_SIZE": "1"}
+    mla = {"max_num_batched_tokens": MAX_MODEL_LEN}
+    writer = check_family(model, mla, disk)
+    extra = {"lmcache.use_layerwise": True, "lmcache.enable_async_loading": True}
+    kwargs = {**connector_kwargs(prefix_caching=False, extra=extra), "max_model_len": MAX_MODEL_LEN, **mla}
+    reader = run(model, PROMPTS, kwargs, {**LMCACHE_ENV, **disk}, vllm_module="lmcache_vllm.vllm")
+    assert reader.outputs[0] == writer.outputs[0]
+    assert hits(reader.lines) == [(300, 0, 300, 300, 0), (316, 0, 316, 316, 0)]
+    done = re.findall(r"background load done, (\d+) leading tokens ready of (\d+) promised", reader.log)
+    assert sorted(done) == [("300", "300"), ("316", "316")]
+
+
 def test_hybrid_mamba_model_is_refused_in_our_words():
     """A tiny GraniteMoeHybrid (Mamba layer, then attention), which plain vLLM 0.32 serves: with
     LMCache's connector the engine stops at start naming the Mamba layer, before vLLM's own
     "Failed to promote local KV cache specs to one unified type"."""
-    job = {"model": family_model("granitemoehybrid"), "prompts": [list(range(4, 104))], "max_tokens": 1,
+    job = {"model": family_model("granitemoehybrid"), "prompts": [PROMPTS[0]], "max_tokens": 1,
            "llm_kwargs": {**connector_kwargs(prefix_caching=False), "max_model_len": 1024}}
     proc = subprocess.run(
         [sys.executable, str(ROOT / "tests" / "vllm_job.py")], input=json.dumps(job), capture_output=True,
