@@ -1,6 +1,9 @@
-"""The model families people serve, on vLLM 0.32 (.venv-latest): DeepSeek-V2 (MLA) through
+"""The model families people serve, on vLLM 0.32 (.venv-latest): one engine each through vLLM's
 `LMCacheConnectorV1` (tests/family_matrix.py), and a hybrid attention/Mamba model refused at
-engine start in LMCache's words."""
+engine start in LMCache's words.
+
+Llama is the tiny model of every other e2e test (tests/latest/test_latest_e2e.py).
+"""
 
 from __future__ import annotations
 
@@ -19,6 +22,13 @@ from lmcache.integration.vllm import vllm_compat
 from lmcache.integration.vllm.model_support import check_kv_cache_specs
 
 pytestmark = pytest.mark.vllm
+
+
+@pytest.mark.parametrize("family", ["qwen2", "gemma2", "mixtral", "gpt2"])
+def test_family_through_the_connector(family):
+    """Qwen2; Gemma 2 with a 32-token window (promoted to full attention: vLLM turns its hybrid
+    KV cache manager off for our connector); Mixtral (MoE); GPT-2 (learned positions)."""
+    check_family(family_model(family))
 
 
 def test_deepseek_v2_mla_whole_chunks_then_layerwise_and_async_from_disk(tmp_path):
