@@ -28,6 +28,13 @@ inherit; `lmcache_vllm.plugin.general_plugin` (a `vllm.general_plugins` entry po
 loads in each of its processes) applies the same injection when it sees the mark and does
 nothing otherwise, so plain `vllm` users are untouched.
 
+`install_kv_spec_guard()` is the one change made for every vLLM user with LMCache installed, not
+only the wrapper's: vLLM's engine-core call that first sees the layers' KV cache specs
+(`vllm_compat.kv_spec_guard_point`) checks them first when the engine runs LMCache's connector
+(`lmcache.integration.vllm.model_support`), so a model with Mamba / linear-attention state stops in
+our words rather than vLLM's "Failed to promote local KV cache specs"; for other engines it only
+calls vLLM's own. The plugin installs it in each vLLM process.
+
 `quiet_telemetry_by_default()` turns the OpenTelemetry SDK off for the wrapper's processes unless
 the user configured OpenTelemetry (see its docstring).
 
@@ -254,6 +261,23 @@ def _patch(owner: Any, name: str, wrapper: Callable[[Callable[..., Any]], Callab
         raise ImportError(f"lmcache_vllm: vLLM has no {where}.{name} to wrap")
     if not is_wrapped(current):
         setattr(owner, name, wrapper(current))
+
+
+def install_kv_spec_guard() -> None:
+    """Check the KV cache specs before vLLM builds caches for them (idempotent; see above)."""
+    from lmcache.integration.vllm.model_support import guard_kv_cache_specs
+    from lmcache.integration.vllm.vllm_compat import kv_spec_guard_point
+
+    point = kv_spec_guard_point()
+    if point is None:  # no engine core is built in this process
+        return
+
+    def marked(original: Callable[..., Any]) -> Callable[..., Any]:
+        guarded = guard_kv_cache_specs(original)
+        setattr(guarded, _WRAPPED_MARK, True)
+        return guarded
+
+    _patch(point.owner, point.name, marked)
 
 
 def apply_injection() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -61,6 +62,22 @@ def tiny_model() -> str:
     """Path of the default tiny model, built once per test run (reused when already built)."""
     out = CACHE / "tiny-model"
     make_tiny_model(out, TinyModelSpec())
+    return str(out)
+
+
+# The family matrix's models: 2 layers, head size 32 (vLLM 0.32's CPU attention takes 32 and up).
+FAMILY_SPEC = TinyModelSpec(hidden=128, layers=2, heads=4, kv_heads=2)
+
+
+def family_model(family: str) -> str:
+    """Path of the tiny `family` model (scripts/make_tiny_model.py FAMILIES), built on first use.
+    One folder per transformers major version: each venv's vLLM reads the config.json its own
+    transformers wrote (transformers 5 renames keys 4 does not know)."""
+    import transformers
+
+    major = transformers.__version__.split(".")[0]
+    out = CACHE / f"tiny-{family}-tf{major}"
+    make_tiny_model(out, dataclasses.replace(FAMILY_SPEC, family=family))
     return str(out)
 
 

@@ -44,7 +44,8 @@ def test_tiny_model_other_seed_other_weights_and_reuse(tmp_path):
     "args, message",
     [(["--hidden", "100", "--heads", "3"], "not a multiple of --heads"),
      (["--layers", "0"], "--layers must be positive"),
-     (["--vocab", "100"], "too small")],
+     (["--vocab", "100"], "too small"),
+     (["--family", "bert"], "--family 'bert' is not one of llama, qwen2, gemma2")],
 )
 def test_tiny_model_rejects_bad_arguments(tmp_path, args, message):
     proc = subprocess.run(

@@ -73,6 +73,16 @@ def test_split_mla_cache() -> None:
         split_layer_cache((latent, latent), KVLayout.MLA)
 
 
+def test_split_mla_cache_with_a_head_axis_of_one() -> None:
+    """vLLM 0.32's CPU MLA cache `(num_blocks, 1, block_size, head_size)`: viewed without the axis."""
+    cache = torch.arange(2 * 16 * 64, dtype=torch.float32).reshape(2, 1, 16, 64)
+    k, v = split_layer_cache(cache, KVLayout.MLA)
+    assert k.shape == (2, 16, 64) and v is None and k.data_ptr() == cache.data_ptr()
+    assert torch.equal(k[1, 3], cache.view(-1, 64)[16 + 3])  # slot 19 is row 19, as vLLM writes it
+    with pytest.raises(ValueError, match=r"MLA layer cache must be one \(num_blocks, \[1,\] block_size"):
+        split_layer_cache(torch.zeros(2, 2, 16, 64), KVLayout.MLA)  # two heads: not an MLA cache
+
+
 def test_split_cpu_attn_cache_is_both_halves() -> None:
     """vLLM 0.32's one tensor per layer is handed to the kernels as K and as V."""
     kv = torch.zeros(5, 2, 32, 2 * 64)

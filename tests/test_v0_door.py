@@ -22,6 +22,7 @@ from lmcache.experimental.kv_layout import KVLayout
 from lmcache.integration.vllm.v0 import connector as v0_connector
 from lmcache.integration.vllm.utils import ENGINE_NAME
 from lmcache.integration.vllm.v0.connector import (
+    RunnerView,
     RetrieveStatus,
     StoreStatus,
     execute_with_cache,
@@ -256,12 +257,19 @@ def test_force_skip_save(engine, monkeypatch):
     assert lmcache_should_store(step) == [StoreStatus.NONE] * 3
 
 
-def fake_runner(kv_transfer_config=None, pp: int = 1, sliding_window=None):
+def fake_runner(kv_transfer_config=None, pp: int = 1, sliding_window=None, model_config=None):
     return types.SimpleNamespace(
         vllm_config=types.SimpleNamespace(kv_transfer_config=kv_transfer_config),
         parallel_config=types.SimpleNamespace(pipeline_parallel_size=pp),
-        model_config=None, cache_config=CACHE_CONFIG, model=None, sliding_window=sliding_window,
+        model_config=model_config, cache_config=CACHE_CONFIG, model=None, sliding_window=sliding_window,
     )
+
+
+def fake_model_config(interleaved_window=None, hybrid=False):
+    """vLLM 0.9.2's `ModelConfig` as the door reads it: Gemma 2 / 3 keep their window in
+    `hf_text_config.interleaved_sliding_window` (and the runner's `sliding_window` is None)."""
+    text = types.SimpleNamespace(interleaved_sliding_window=interleaved_window) if interleaved_window else types.SimpleNamespace()
+    return types.SimpleNamespace(hf_text_config=text, is_attention_free=False, is_hybrid=hybrid, has_inner_state=hybrid)
 
 
 def test_execute_with_cache_runs_vllms_step_on_the_rebuilt_input(engine):
@@ -291,11 +299,19 @@ def test_execute_with_cache_steps_aside(engine):
         (fake_runner(kv_transfer_config=object()), caches),  # the user's own connector is in charge
         (fake_runner(pp=2), caches),
         (fake_runner(sliding_window=32), caches),
+        (fake_runner(model_config=fake_model_config(interleaved_window=32)), caches),  # Gemma 2 / 3
+        (fake_runner(model_config=fake_model_config(hybrid=True)), caches),  # Mamba state
         (fake_runner(), [torch.empty(0)] * LAYERS),  # profiling run
     ]:
         execute_with_cache(runner, step, kv, seen.append)
-    assert all(s is step for s in seen) and len(seen) == 4
+    assert all(s is step for s in seen) and len(seen) == 6
     assert engine.stats().store_requested_tokens == 0
+    # A plain model's runner is served (the two checks above could not pass for every runner).
+    assert RunnerView.of(fake_runner(model_config=fake_model_config())).reason_to_step_aside() is None
+    reasons = [RunnerView.of(fake_runner(model_config=fake_model_config(**kw))).reason_to_step_aside()
+               for kw in ({"interleaved_window": 32}, {"hybrid": True})]
+    assert reasons == ["sliding-window attention (window 32) is not supported",
+                       "LMCache does not support Mamba / recurrent state beside its attention layers"]
 
 
 def test_a_failing_retrieve_computes_the_whole_step(engine, monkeypatch):

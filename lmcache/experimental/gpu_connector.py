@@ -9,9 +9,10 @@ all layers of the chunk, on the device the KV caches live on (CPU here, CUDA whe
 - `VLLMPagedMemGPUConnector`: per layer a paged (K, V) pair; the layout is read from the shapes.
 - `VLLMPagedMemGPUConnectorV2`: what vLLM hands over today - a list with one tensor per layer
   (flash `(2, num_blocks, block_size, heads, head_size)`, CPU `(2, num_blocks, block_size * heads *
-  head_size)`, MLA `(num_blocks, block_size, head_size)`, vLLM 0.3x CPU `(num_blocks, heads,
-  block_size, 2 * head_size)` with `layout=CPU_ATTN`) or a (K, V) pair per layer; the layout
-  comes from the `layout=` kwarg or, where unambiguous, from the shapes.
+  head_size)`, MLA `(num_blocks, block_size, head_size)` (vLLM 0.32 CPU: `(num_blocks, 1,
+  block_size, head_size)`), vLLM 0.3x CPU `(num_blocks, heads, block_size, 2 * head_size)` with
+  `layout=CPU_ATTN`) or a (K, V) pair per layer; the layout comes from the `layout=` kwarg or,
+  where unambiguous, from the shapes.
 
 `slot_mapping` is a 1-D int64 tensor covering the whole token sequence (`slot_mapping[start:end]`
 belongs to the chunk); it may begin with -1s for a prefix the serving engine already has, which
@@ -27,7 +28,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 import torch
 
 import lmcache.c_ops as c_ops
-from lmcache.experimental.kv_layout import KVLayout, layout_dims, split_kv_caches
+from lmcache.experimental.kv_layout import KVLayout, layout_dims, mla_latent_view, split_kv_caches
 from lmcache.experimental.memory_management import MemoryFormat, MemoryObj
 
 
@@ -204,9 +205,10 @@ class VLLMPagedMemGPUConnector(_KVBlobConnector):
         """The layout, block size and head count of these caches (kwargs first, then shapes)."""
         first = kvcaches[0]
         if self.layout == KVLayout.MLA:
+            first = mla_latent_view(first)
             if not isinstance(first, torch.Tensor) or first.dim() != 3:
                 raise ValueError(
-                    f"MLA caches must be (num_blocks, block_size, head_size) tensors, got {_describe(first)}"
+                    f"MLA caches must be (num_blocks, [1,] block_size, head_size) tensors, got {_describe(first)}"
                 )
             return PagedGeometry(KVLayout.MLA, self._block_size_or(first.shape[1]), 1)
         if isinstance(first, torch.Tensor):

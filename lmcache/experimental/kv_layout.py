@@ -6,6 +6,7 @@ dimensions inside a block depends on the attention backend. The kernels in
 `lmcache.c_ops` take the layout as an explicit code; `KVLayout` mirrors those
 codes (`csrc/kv_layout.h` holds the matching address arithmetic).
 
+`mla_latent_view` drops the head axis of 1 vLLM 0.32's CPU MLA cache carries.
 `layout_shape` / `layout_dims` build and read each layout's K (V) shape from one table of
 dimension names (the Python side's one definition; `csrc/kv_layout.h` keeps the C++ one), and
 `vllm_layer_cache_shape` gives the tensor vLLM hands out per layer.
@@ -44,6 +45,8 @@ class KVLayout(IntEnum):
 
     MLA         one latent vector per token, K only
                 [num_blocks, block_size, head_size]
+                (vLLM 0.32's CPU MLA hands [num_blocks, 1, block_size, head_size]: a head
+                axis of 1 adds no stride, so it is the same layout; `mla_latent_view`)
 
     CPU_ATTN    vLLM >= 0.11 CPU attention (ISAs vec, vec16): K and V in one tensor
                 [num_blocks, heads, block_size, 2 * head_size]
@@ -149,13 +152,24 @@ def vllm_layer_cache_shape(
     return (2, num_blocks, block_size * num_heads * head_size)
 
 
+def mla_latent_view(kv_cache: LayerCache) -> LayerCache:
+    """An MLA cache as `(num_blocks, block_size, head_size)`, without a copy: vLLM 0.32's CPU MLA
+    backend hands `(num_blocks, 1, block_size, head_size)`, whose head axis of 1 changes no
+    element's place (vLLM writes it as `view(-1, head_size)[slot]`). Anything else is returned
+    as it is, for the caller's shape check to judge."""
+    if isinstance(kv_cache, torch.Tensor) and kv_cache.dim() == 4 and kv_cache.shape[1] == 1:
+        return kv_cache.squeeze(1)
+    return kv_cache
+
+
 def split_layer_cache(kv_cache: LayerCache, layout: KVLayout) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """View one layer's cache as (K, V) tensors for the kernels; V is None for MLA.
 
     Accepted: a (K, V) pair; one tensor with K and V stacked on dim 0 (the CPU
     backend's `(2, num_blocks, block_size * heads * head_size)`, flash's
     `(2, num_blocks, block_size, heads, head_size)`); for MLA the latent cache
-    `(num_blocks, block_size, head_size)`; for CPU_ATTN the one
+    `(num_blocks, block_size, head_size)` (or vLLM 0.32's `(num_blocks, 1, block_size, head_size)`,
+    viewed without its head axis: `mla_latent_view`); for CPU_ATTN the one
     `(num_blocks, heads, block_size, 2 * head_size)` tensor, returned as both K and V
     (the kernels find each half in it). No data is copied.
     """
@@ -168,9 +182,10 @@ def split_layer_cache(kv_cache: LayerCache, layout: KVLayout) -> Tuple[torch.Ten
             )
         return kv_cache, kv_cache
     if layout == KVLayout.MLA:
+        kv_cache = mla_latent_view(kv_cache)
         if not isinstance(kv_cache, torch.Tensor) or kv_cache.dim() != 3:
             raise ValueError(
-                "an MLA layer cache must be one (num_blocks, block_size, head_size) tensor, got "
+                "an MLA layer cache must be one (num_blocks, [1,] block_size, head_size) tensor, got "
                 f"{_describe(kv_cache)}"
             )
         return kv_cache, None

@@ -23,7 +23,7 @@ import torch
 
 from lmcache.config import LMCacheEngineMetadata
 from lmcache.experimental.config import BOOL_WORDS, LMCacheEngineConfig, parse_bool, prefixed_overrides
-from lmcache.experimental.kv_layout import KVLayout, vllm_layer_cache_shape
+from lmcache.experimental.kv_layout import KVLayout, mla_latent_view, vllm_layer_cache_shape
 from lmcache.integration.vllm.vllm_compat import cpu_kv_layout, torch_dtype_of
 
 if TYPE_CHECKING:
@@ -189,7 +189,7 @@ def check_kv_caches(
             raise ValueError(
                 f"KV cache of layer {index} has dtype {cache.dtype}, the engine metadata says {metadata.kv_dtype}"
             )
-        shape = tuple(cache.shape)
+        shape = tuple((mla_latent_view(cache) if layout == KVLayout.MLA else cache).shape)
         one_tensor = layout in (KVLayout.MLA, KVLayout.CPU_ATTN)  # blocks on dim 0, not K/V
         num_blocks = shape[0] if one_tensor else (shape[1] if len(shape) > 1 else 0)
         if shape != vllm_layer_cache_shape(layout, num_blocks, block_size, num_kv_heads, head_size):

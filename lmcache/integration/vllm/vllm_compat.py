@@ -27,6 +27,11 @@ Operations:
 - `kv_cache_block_ids(blocks)`: the block ids of a `KVCacheBlocks`, per KV cache group.
 - `finish_short_remote_load(scheduler, request, loaded)`: vLLM 0.9.2's "remote KV arrived" step
   for a background load that left fewer tokens than the blocks vLLM allocated.
+- `kv_spec_guard_point()` / `layers_without_paged_kv(kv_cache_specs)`: where vLLM's engine core
+  turns the workers' KV cache specs into cache configs, and the layers whose spec is not a paged
+  attention KV cache LMCache can save (Mamba / linear-attention state, unknown kinds).
+- `v0_attention_window(runner)` / `v0_state_beyond_kv(model_config)`: the sliding window a v0
+  runner's attention applies (plain or interleaved), and whether a model keeps non-KV state.
 
 Nothing here imports vLLM at module import time: `lmcache_vllm` imports it in every vLLM process.
 """
@@ -257,6 +262,79 @@ def finish_short_remote_load(scheduler: Any, request: Any, loaded: int) -> bool:
     request.num_computed_tokens = loaded
     scheduler.finished_recving_kv_req_ids.remove(request.request_id)
     return True
+
+
+# KV cache spec classes (vLLM's `vllm.v1.kv_cache_interface`) whose layers are paged attention KV
+# caches LMCache reads and writes. Exact classes: a subclass (vLLM 0.32's `SinkFullAttentionSpec`,
+# `HiddenStateCacheSpec`, ...) may lay out or use its blocks differently. Sliding-window specs are
+# promoted to full attention when the hybrid KV cache manager is off, which vLLM does for our
+# connector (it does not declare `SupportsHMA`). vLLM 0.9.2's MLA is a `FullAttentionSpec`.
+PAGED_KV_SPECS = ("FullAttentionSpec", "SlidingWindowSpec", "MLAAttentionSpec")
+
+
+_ENGINE_CORE_MODULE = "vllm.v1.engine.core"
+
+
+def kv_spec_guard_point() -> Optional["PatchPoint"]:
+    """The engine-core function that first sees every worker's KV cache specs, before vLLM unifies
+    them (and, for a hybrid model with a non-HMA connector, fails with "Failed to promote local KV
+    cache specs to one unified type"); the connector itself is built only after it. None when
+    this process has not imported vLLM's engine core: importing it costs seconds, and a process
+    that builds an engine core imports it first (vLLM 0.32 with `vllm.LLM` itself; the engine-core
+    process before it loads plugins).
+    vLLM 0.9.2: `vllm.v1.engine.core.get_kv_cache_config(vllm_config, specs of one worker, memory)`;
+    vLLM 0.32: `vllm.v1.engine.core.get_kv_cache_configs(vllm_config, [specs per worker], memory)`
+    (both called by `EngineCore._initialize_kv_caches`, bound by name in `core`)."""
+    import sys
+
+    core = sys.modules.get(_ENGINE_CORE_MODULE)
+    if core is None:
+        return None
+    return PatchPoint(core, "get_kv_cache_config" if is_legacy_vllm() else "get_kv_cache_configs", "kv_spec_guard")
+
+
+def layers_without_paged_kv(kv_cache_specs: Any) -> List[Tuple[str, str]]:
+    """`(layer name, kind)` of each layer whose KV cache spec is not one of `PAGED_KV_SPECS`, from
+    one worker's `{layer name: spec}` or a list of them. The kind is the spec class, with vLLM
+    0.32's `mamba_type` for Mamba-style state (`MambaSpec(mamba2)`, `MambaSpec(linear_attention)`)."""
+    per_worker = [kv_cache_specs] if isinstance(kv_cache_specs, Mapping) else list(kv_cache_specs)
+    found: dict[str, str] = {}
+    for specs in per_worker:
+        for name, spec in specs.items():
+            kind = type(spec).__name__
+            if kind in PAGED_KV_SPECS:
+                continue
+            mamba_type = getattr(spec, "mamba_type", None)
+            if mamba_type is not None:
+                kind += f"({str(getattr(mamba_type, 'name', mamba_type)).lower()})"
+            found.setdefault(name, kind)
+    return list(found.items())
+
+
+def v0_attention_window(runner: Any) -> Optional[int]:
+    """The sliding window a vLLM 0.9.2 v0 runner's attention applies (None: full attention).
+    `runner.sliding_window` for a plain window; for models that interleave windowed and global
+    layers (Gemma 2, Gemma 3) vLLM 0.9.2's `ModelConfig` moves the window to
+    `hf_text_config.interleaved_sliding_window` and clears `sliding_window`."""
+    window = getattr(runner, "sliding_window", None)
+    if window is not None:
+        return window
+    model_config = getattr(runner, "model_config", None)
+    text_config = getattr(model_config, "hf_text_config", None)
+    return getattr(text_config, "interleaved_sliding_window", None)
+
+
+def v0_state_beyond_kv(model_config: Any) -> Optional[str]:
+    """What a vLLM 0.9.2 model keeps besides paged attention KV (None: nothing). vLLM 0.9.2
+    `ModelConfig.is_attention_free`, `.is_hybrid` (attention and Mamba layers), `.has_inner_state`
+    (Mamba / recurrent state the v0 runner keeps outside the KV caches)."""
+    if model_config is None:
+        return None
+    if getattr(model_config, "is_attention_free", False):
+        return "an attention-free model (recurrent state only)"
+    if getattr(model_config, "is_hybrid", False) or getattr(model_config, "has_inner_state", False):
+        return "Mamba / recurrent state beside its attention layers"
+    return None
 
 
 @dataclass(frozen=True)

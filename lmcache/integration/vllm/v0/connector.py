@@ -49,7 +49,7 @@ from lmcache.integration.vllm.request_log import format_v0_step_line
 from lmcache.integration.vllm.utils import ENGINE_NAME, extra_config_of, force_skip_save, lmcache_get_config
 from lmcache.integration.vllm.v0.model_input import rebuild_model_input
 from lmcache.integration.vllm.v0.step_plan import PrefillPlan, StepPlan, StepPlans, plan_step, warn_once
-from lmcache.integration.vllm.vllm_compat import current_vllm_config
+from lmcache.integration.vllm.vllm_compat import current_vllm_config, v0_attention_window, v0_state_beyond_kv
 from lmcache.integration.vllm.worker_engine import ENGINE_EXIT_PRIORITY, close_worker_engine, open_worker_engine
 from lmcache.logging import init_logger
 
@@ -124,7 +124,8 @@ class RunnerView:
     vllm_config: Any
     block_size: int
     pipeline_parallel_size: int
-    sliding_window: Optional[int]
+    sliding_window: Optional[int]  # plain or interleaved (Gemma 2 / 3): `v0_attention_window`
+    state_beyond_kv: Optional[str]  # Mamba / recurrent state: `v0_state_beyond_kv`
 
     @classmethod
     def of(cls, runner: Any) -> "RunnerView":
@@ -132,7 +133,8 @@ class RunnerView:
             vllm_config=runner.vllm_config,
             block_size=runner.cache_config.block_size,
             pipeline_parallel_size=runner.parallel_config.pipeline_parallel_size,
-            sliding_window=getattr(runner, "sliding_window", None),
+            sliding_window=v0_attention_window(runner),
+            state_beyond_kv=v0_state_beyond_kv(getattr(runner, "model_config", None)),
         )
 
     def reason_to_step_aside(self) -> Optional[str]:
@@ -140,14 +142,18 @@ class RunnerView:
 
         A user's own KV transfer config means vLLM's connector is in charge. Pipeline stages
         run different micro-batches at once, so they could not agree on what to skip. vLLM's CPU
-        prefix-aware attention cannot mask a sliding window, and a windowed prompt's early tokens
-        have no slots to store from or load into."""
+        prefix-aware attention cannot mask a sliding window (its `assert not self.need_mask`),
+        and a windowed prompt's early tokens have no slots to store from or load into; models
+        that interleave windowed layers (Gemma 2 / 3) are windowed too. State outside the KV
+        caches (Mamba) would not be restored by a hit."""
         if self.vllm_config.kv_transfer_config is not None:
             return "kv_transfer_config"
         if self.pipeline_parallel_size > 1:
             return "pipeline parallelism is not supported"
         if self.sliding_window is not None:
-            return "sliding-window attention is not supported"
+            return f"sliding-window attention (window {self.sliding_window}) is not supported"
+        if self.state_beyond_kv is not None:
+            return f"LMCache does not support {self.state_beyond_kv}"
         return None
 
 
@@ -372,13 +378,22 @@ def lmcache_store_kv(
     store_step(engine, plan, kv_caches, cache_config.block_size, wanted)
 
 
+def _say_cache_stays_off(reason: Optional[str]) -> None:
+    """Warn once why the door serves nothing (not when the user's own connector is in charge)."""
+    if reason not in (None, "kv_transfer_config"):
+        warn_once(f"LMCache v0 door: {reason}; the cache stays off")
+
+
 def start_engine_for_runner(runner: Any) -> None:
     """Create the engine for a v0 model runner whose model just loaded, so a bad LMCache config
     stops the `LLM`/engine build rather than its first request. Runners the door leaves alone
     (`RunnerView.reason_to_step_aside`) get none."""
     view = RunnerView.of(runner)
-    if view.reason_to_step_aside() is None and LMCacheEngineBuilder.get(ENGINE_NAME) is None:
+    reason = view.reason_to_step_aside()
+    if reason is None and LMCacheEngineBuilder.get(ENGINE_NAME) is None:
         _open_engine(view.vllm_config)
+    else:
+        _say_cache_stays_off(reason)
 
 
 def execute_with_cache(runner: Any, model_input: Any, kv_caches: List[torch.Tensor], forward: Callable[[Any], T]) -> T:
@@ -398,8 +413,7 @@ def execute_with_cache(runner: Any, model_input: Any, kv_caches: List[torch.Tens
     view = RunnerView.of(runner)
     reason = view.reason_to_step_aside()
     if reason is not None:
-        if reason != "kv_transfer_config":
-            warn_once(f"LMCache v0 door: {reason}; the cache stays off")
+        _say_cache_stays_off(reason)
         return forward(model_input)
     engine = LMCacheEngineBuilder.get(ENGINE_NAME) or _open_engine(view.vllm_config)
     step_input, plan = model_input, None

@@ -1,0 +1,70 @@
+"""Models whose per-layer state LMCache cannot save exactly: refused at engine start, in our words.
+
+LMCache saves and restores paged attention KV caches. A layer with any other state (Mamba's
+convolution and SSM state, linear attention, a KV cache spec of a kind we do not know) would stay
+unrestored while the connector reports a hit for its tokens: garbled output (upstream LMCache
+2845). vLLM itself stops such a model when a connector without hybrid support is configured, with
+"Failed to promote local KV cache specs to one unified type", which names neither the cause nor
+the way out; `check_kv_cache_specs` stops it first and names both.
+
+Operations:
+- `runs_lmcache(vllm_config)`: whether this engine's KV transfer config runs LMCache's connector.
+- `check_kv_cache_specs(vllm_config, kv_cache_specs)`: raise when a layer is not paged attention KV.
+- `guard_kv_cache_specs(original)`: vLLM's engine-core function at
+  `vllm_compat.kv_spec_guard_point()`, checking first (installed by `lmcache_vllm.plugin`).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING, Any, Callable
+
+from lmcache.integration.vllm.utils import extra_config_of
+from lmcache.integration.vllm.vllm_compat import layers_without_paged_kv
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+# vLLM's name for its shell around `lmcache.integration.vllm.vllm_v1_adapter`.
+LMCACHE_CONNECTOR = "LMCacheConnectorV1"
+# Layers named in the error before "and N more".
+NAMED_LAYERS = 3
+
+
+def runs_lmcache(vllm_config: "VllmConfig") -> bool:
+    """True when vLLM builds `LMCacheConnectorV1` on this package (not its `use_native` copy)."""
+    kv_transfer = vllm_config.kv_transfer_config
+    if kv_transfer is None or kv_transfer.kv_connector != LMCACHE_CONNECTOR:
+        return False
+    return not extra_config_of(vllm_config).get("use_native", False)
+
+
+def check_kv_cache_specs(vllm_config: "VllmConfig", kv_cache_specs: Any) -> None:
+    """Raise ValueError naming the layer kinds LMCache cannot save, when LMCache runs here.
+    `kv_cache_specs`: one worker's `{layer name: KV cache spec}` or a list of them."""
+    if not runs_lmcache(vllm_config):
+        return
+    unsupported = layers_without_paged_kv(kv_cache_specs)
+    if not unsupported:
+        return
+    kinds = sorted({kind for _, kind in unsupported})
+    names = ", ".join(name for name, _ in unsupported[:NAMED_LAYERS])
+    if len(unsupported) > NAMED_LAYERS:
+        names += f" and {len(unsupported) - NAMED_LAYERS} more"
+    raise ValueError(
+        f"LMCache does not support layers of kind {', '.join(kinds)} (model {vllm_config.model_config.model}: "
+        f"{names}): it saves and restores paged attention KV caches only, and a cache hit would skip "
+        f"state it never restored. Serve this model without the {LMCACHE_CONNECTOR} KV connector "
+        "(plain `vllm`, no kv_transfer_config); vLLM's own prefix cache still works without it."
+    )
+
+
+def guard_kv_cache_specs(original: Callable[..., Any]) -> Callable[..., Any]:
+    """vLLM's `get_kv_cache_config(s)(vllm_config, kv_cache_specs, ...)`, after `check_kv_cache_specs`."""
+
+    @functools.wraps(original)
+    def get_kv_cache_configs(vllm_config: Any, kv_cache_specs: Any, *args: Any, **kwargs: Any) -> Any:
+        check_kv_cache_specs(vllm_config, kv_cache_specs)
+        return original(vllm_config, kv_cache_specs, *args, **kwargs)
+
+    return get_kv_cache_configs
