@@ -21,10 +21,10 @@ check-cuda: setup
 	@bash scripts/check_cuda.sh
 
 # Both vLLM lines from one checkout: the full suite on 0.9.2 (.venv), then on vLLM 0.32
-# (.venv-latest) its own suite (tests/latest) and the kernel tests against its torch build.
-test: setup setup-latest check-cuda
-	@OMP_NUM_THREADS=2 $(PY) -m pytest $(PYTEST_ARGS)
-	@OMP_NUM_THREADS=2 $(PY_LATEST) -m pytest $(PYTEST_ARGS)
+# (.venv-latest) its own suite (tests/latest) and the kernel tests against its torch build; both
+# on two pytest-xdist workers, .venv-latest and the CUDA check made while the first suite runs.
+test: setup
+	@bash scripts/run_tests.sh $(PYTEST_ARGS)
 
 # Quick parts: the 0.9.2 suite without the tests that start vLLM (a few minutes), and the 0.32 suite alone.
 test-unit: setup
