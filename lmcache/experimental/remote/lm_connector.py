@@ -228,14 +228,19 @@ class LMServerConnector(RemoteConnector):
             return self._max_payload
         return min(self._max_payload, self._server_limit)
 
+    def _slots_within_limit(self, items: Sequence[Tuple[str, Value]]) -> list[int]:
+        """Indexes of the items a put may send: within this client's limit and the server's
+        (learned first, once)."""
+        if self._server_limit is None:
+            self._learn_limit()
+        limit = self.max_payload_bytes
+        return [i for i, (key, value) in enumerate(items) if not self._over_limit(key, value, limit)]
+
     def batched_put(self, items: Sequence[Tuple[str, Value]]) -> list[bool]:
         results: list[bool] = [False] * len(items)
         if not items:
             return results
-        if self._server_limit is None:
-            self._learn_limit()
-        limit = self.max_payload_bytes
-        slots = [i for i, (key, value) in enumerate(items) if not self._over_limit(key, value, limit)]
+        slots = self._slots_within_limit(items)
         requests = [Request(Op.PUT, key_bytes(items[i][0]), items[i][1]) for i in slots]
         for slot, reply in zip(slots, self._call(requests, self._timeout)):
             results[slot] = reply.status == Status.OK

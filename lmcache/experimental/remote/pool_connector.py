@@ -218,10 +218,7 @@ class PoolConnector(LMServerConnector):
         results: list[bool] = [False] * len(items)
         if not items:
             return results
-        if self._server_limit is None:
-            self._learn_limit()
-        limit = self.max_payload_bytes
-        slots = [i for i, (key, value) in enumerate(items) if not self._over_limit(key, value, limit)]
+        slots = self._slots_within_limit(items)
 
         def work(sock: socket.socket) -> None:
             assert isinstance(sock, PoolSocket)
