@@ -4,7 +4,7 @@ PY := .venv/bin/python
 PY_LATEST := .venv-latest/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: setup setup-latest test serve bench check-cuda tiny-model
+.PHONY: setup setup-latest test test-unit test-latest serve bench check-cuda tiny-model
 
 setup:
 	@bash scripts/setup_env.sh
@@ -24,6 +24,13 @@ check-cuda: setup
 # (.venv-latest) its own suite (tests/latest) and the kernel tests against its torch build.
 test: setup setup-latest check-cuda
 	@OMP_NUM_THREADS=2 $(PY) -m pytest $(PYTEST_ARGS)
+	@OMP_NUM_THREADS=2 $(PY_LATEST) -m pytest $(PYTEST_ARGS)
+
+# Quick parts: the 0.9.2 suite without the tests that start vLLM (a few minutes), and the 0.32 suite alone.
+test-unit: setup
+	@OMP_NUM_THREADS=2 $(PY) -m pytest -m "not vllm" $(PYTEST_ARGS)
+
+test-latest: setup-latest
 	@OMP_NUM_THREADS=2 $(PY_LATEST) -m pytest $(PYTEST_ARGS)
 
 serve: setup

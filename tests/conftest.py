@@ -33,12 +33,13 @@ else:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """tests/latest named explicitly under vLLM 0.9: skipped, saying what it needs."""
-    if "latest" not in collect_ignore:
-        return
+    """Every test that uses the tiny model runs vLLM (marker `vllm`, left out by `make test-unit`);
+    tests/latest named explicitly under vLLM 0.9: skipped, saying what it needs."""
     skip = pytest.mark.skip(reason="needs vLLM's current line (make setup-latest; .venv-latest)")
     for item in items:
-        if "latest" in item.path.relative_to(Path(__file__).parent).parts[:1]:
+        if "tiny_model" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.vllm)
+        if "latest" in collect_ignore and "latest" in item.path.relative_to(Path(__file__).parent).parts[:1]:
             item.add_marker(skip)
 
 # vLLM's own settings for every engine the tests start: a small CPU KV space, no usage reporting.

@@ -18,7 +18,7 @@ from v0_inputs import BLOCK, Seq, build_cpu_input, make_seqs
 
 from lmcache.experimental.cache_engine import LMCacheEngineBuilder
 from lmcache.integration.vllm.utils import ENGINE_NAME
-from lmcache.integration.vllm.vllm_adapter import init_lmcache_engine, step_plan_of
+from lmcache.integration.vllm.v0.connector import init_lmcache_engine, step_plan_of
 
 LAYERS, KV_HEADS, HEAD, NUM_BLOCKS = 4, 2, 32, 64  # the tiny model's attention geometry
 
