@@ -4,7 +4,7 @@ vLLM's CPU worker pins the thread running the forward pass to one core (and each
 threads to another); a thread inherits its creator's pin, so every thread we start from the model
 thread (the off-step saver, the tier writers, the prefault) lands on the model thread's core and
 competes with exactly the thread the step waits for, while the OpenMP threads' cores sit idle
-whenever the model thread runs serial work (`docs/design.md`, "The no-reuse cost"). Each of our
+whenever the model thread runs serial work (`docs/design.md`, "Decisions"). Each of our
 threads therefore calls `prepare_thread` first: it takes the process's whole CPU mask back, so the
 scheduler can run it on any allowed core, carries a name `top -H` and `/proc/<pid>/task/*/comm`
 show, and - for work nothing waits on (tier writes, prefault) - the `SCHED_IDLE` policy: it runs only

@@ -20,7 +20,6 @@ from lmcache.experimental.config import (
     prefixed_overrides,
 )
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
 
 SPEC_FROM_DEFAULTS = {
     "chunk_size": 256, "local_cpu": True, "max_local_cpu_size": 5.0, "local_disk": None,
@@ -461,18 +460,6 @@ def test_prefixed_overrides_strip_prefix_and_feed_with_overrides() -> None:
     assert config.chunk_size == 128 and config.save_decode_cache is True
     with pytest.raises(ValueError, match=r"'bogus'"):
         LMCacheEngineConfig.from_env({}).with_overrides(prefixed_overrides({"lmcache.bogus": 1}))
-
-
-# ----- documentation ------------------------------------------------------------------------------
-
-def test_readme_documents_every_field_and_variable() -> None:
-    text = (REPO / "README.md").read_text(encoding="utf-8")
-    assert "## Configuration" in text
-    section = text.split("## Configuration", 1)[1].split("\n## ", 1)[0]
-    for name in field_names():
-        assert f"`{name}`" in section and f"`{env_var_name(name)}`" in section, name
-    for var in NON_FIELD_ENV_VARS:
-        assert f"`{var}`" in section, var
 
 
 @pytest.mark.parametrize("field", sorted(UNSUPPORTED_WHEN_ON))

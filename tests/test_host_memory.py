@@ -43,7 +43,7 @@ def test_buffer_is_aligned_sized_and_writable() -> None:
 )
 def test_pool_is_faulted_in_on_huge_pages_without_being_touched() -> None:
     """The regression this catches: the pool back on 4 KiB pages faulted in by the first copy
-    (engine store/retrieve 3-5x slower, docs/design.md "Where the time goes")."""
+    (engine store/retrieve 3-5x slower, docs/design.md, "Decisions")."""
     size = 64 * HUGE_PAGE
     alloc = HostMemoryAllocator(size)
     address = alloc.pool.buffer.data_ptr()

@@ -1,5 +1,5 @@
 """vLLM's own server with its v1 connector shell (no wrapper): with `PROMETHEUS_MULTIPROC_DIR`
-set, as the README tells users, the engine core's `lmcache:` metrics reach `/metrics` next to
+set, as docs/metrics.md tells users, the engine core's `lmcache:` metrics reach `/metrics` next to
 vLLM's own and agree with the per-request lines (the wrapper's path is in test_legacy_serve)."""
 
 from __future__ import annotations

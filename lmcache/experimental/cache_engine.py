@@ -3,7 +3,7 @@ per name, per process).
 
 Store: tokens -> chunks and keys (token database) -> for each chunk not cached yet, a memory
 object from the CPU tier's allocator; the connector fills them all in one call (one kernel
-call per request: see docs/design.md, "Where the time goes"), then each goes to every tier.
+call per request: see docs/design.md, "Decisions"), then each goes to every tier.
 Retrieve: chunk by chunk from the fastest tier that has it, stopping at the first missing
 chunk; the connector copies them into the serving engine's KV cache in one call (earlier when
 a tier has a chunk but no memory is left to read it into).

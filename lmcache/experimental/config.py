@@ -37,7 +37,8 @@ ENV_PREFIX = "LMCACHE_"
 CONFIG_FILE_ENV = "LMCACHE_CONFIG_FILE"
 EXTRA_CONFIG_PREFIX = "lmcache."
 
-# `LMCACHE_*` variables that are ours but are not config fields (README lists what each does).
+# `LMCACHE_*` variables that are ours but are not config fields (docs/configuration.md lists what
+# each does; tests/test_docs_configuration.py keeps this list, the code and that page in step).
 NON_FIELD_ENV_VARS: Tuple[str, ...] = (
     CONFIG_FILE_ENV,
     "LMCACHE_LOG_LEVEL",
@@ -45,6 +46,8 @@ NON_FIELD_ENV_VARS: Tuple[str, ...] = (
     "LMCACHE_USE_EXPERIMENTAL",
     "LMCACHE_TRACK_USAGE",
     "LMCACHE_BUILD_CUDA",
+    # Read by the CPU kernels (csrc/cpu/transpose.h): caps the transpose ISA (base|avx2|avx512).
+    "LMCACHE_CPU_ISA",
     # Secrets and TLS of the remote tier (`remote_secrets`), and the lm:// server's token.
     "LMCACHE_REMOTE_TOKEN",
     "LMCACHE_REMOTE_TLS_CA",

@@ -1,6 +1,6 @@
 """Per-thread CPU time of the serving benchmark's servers: where the no-reuse cost could go.
 
-py-spy cannot sample processes on the 2-core dev machine (docs/design.md, "The no-reuse cost"), so
+py-spy cannot sample processes on the 2-core dev machine (docs/benchmarks.md, "Tools"), so
 this reads the kernel's per-thread accounting instead:
 
     .venv/bin/python scripts/bench/thread_cpu.py sample <bench_serving pid> samples.jsonl   # while it runs

@@ -4,7 +4,7 @@ kernel allows, and faulted in by a background thread (`lmcache.page_advice`).
 Why: a chunk copy touches the pool in head-sized rows spread over tens of MiB. On 4 KiB pages
 the first touch of every page is a fault and the TLB misses on every row; on this project's
 machine that held the engine's CPU-tier store at 2.5 GB/s and retrieve at 3 GB/s, against
-11-15 GB/s on huge pages faulted in ahead (docs/design.md, "Where the time goes"). The pool is
+11-15 GB/s on huge pages faulted in ahead (docs/design.md, "Decisions"). The pool is
 committed up front, as upstream's pinned pool is. Where page advice is refused the buffer is
 plain `torch.empty` memory and the first touch pays as before.
 """

@@ -110,8 +110,8 @@ def payload_checksum(payload: Buffer) -> bytes:
 
 
 # Bytes copied (or read) and then hashed at a time: a piece just written is still in L2 when the
-# checksum reads it, so checking costs no second trip to memory (docs/design.md, "Where the time
-# goes").
+# checksum reads it, so checking costs no second trip to memory (docs/design.md, "Storage
+# tiers").
 HASH_PIECE = 1 << 20
 
 
