@@ -21,8 +21,9 @@ check-cuda: setup
 	@bash scripts/check_cuda.sh
 
 # Both vLLM lines from one checkout: the full suite on 0.9.2 (.venv), then on vLLM 0.32
-# (.venv-latest) its own suite (tests/latest) and the kernel tests against its torch build; both
-# on two pytest-xdist workers, .venv-latest and the CUDA check made while the first suite runs.
+# (.venv-latest) its own suite (tests/latest) and the kernel tests against its torch build: in
+# each, the tests that start vLLM on two pytest-xdist workers, then the rest on one;
+# .venv-latest and the CUDA check are made while the first suite runs (scripts/run_tests.sh).
 test: setup
 	@bash scripts/run_tests.sh $(PYTEST_ARGS)
 

@@ -219,6 +219,7 @@ def test_protected_mode_a_decoder_beyond_loopback_needs_a_token(monkeypatch) -> 
             receiver_engine(port, token=None, host=host, monkeypatch=monkeypatch)
         assert PD_TOKEN_ENV in str(err.value) and "pd_token_file" in str(err.value) and "pd_no_auth" in str(err.value)
     receiver_engine(port, token=None, host=address, monkeypatch=monkeypatch, pd_no_auth=True).close()
+    port = free_port()  # ZeroMQ closes the listener above in the background: the next one binds elsewhere
     # With the token it listens there, and a prefiller with the token pushes to it.
     decoder, prefiller = receiver_engine(port, host=address, monkeypatch=monkeypatch), small_engine(64)
     sender = PDSender(worker_id=0, timeout_s=5, token=TOKEN)
