@@ -11,6 +11,8 @@ import os
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
+import psutil
+import pytest
 import torch
 from conftest import VLLMJobResult, random_prompt
 from kv_reference import Geometry, gather
@@ -238,3 +240,15 @@ def text_clashes(fig) -> List[str]:
                                       and frame.y0 <= box.y0 and box.y1 <= frame.y1):
             clashes.append(f"{t.get_text()[:40]!r} sticks out of the axes {own.get_title()[:40]!r}")
     return clashes
+
+
+# ---------------------------------------------------------------- network
+
+
+def own_address() -> str:
+    """A non-loopback IPv4 address of this machine (the test is skipped where there is none)."""
+    for addrs in psutil.net_if_addrs().values():
+        for addr in addrs:
+            if addr.family.name == "AF_INET" and not addr.address.startswith("127."):
+                return addr.address
+    pytest.skip("this machine has no non-loopback IPv4 address")

@@ -12,11 +12,10 @@ import socket
 import threading
 from typing import Iterator
 
-import psutil
 import pytest
 import torch
 import zmq
-from helpers import CHUNK, key
+from helpers import CHUNK, key, own_address
 from redis_fixture import free_port
 from tier_helpers import ENGINE_CHUNK_BYTES, ENGINE_GEO, small_engine, store_prompt
 
@@ -201,15 +200,6 @@ def test_refusals_are_logged_rate_limited_and_the_receiver_keeps_serving(monkeyp
     finally:
         intruder.close()
         decoder.close()
-
-
-def own_address() -> str:
-    """A non-loopback IPv4 address of this machine."""
-    for addrs in psutil.net_if_addrs().values():
-        for addr in addrs:
-            if addr.family.name == "AF_INET" and not addr.address.startswith("127."):
-                return addr.address
-    pytest.skip("this machine has no non-loopback IPv4 address")
 
 
 def test_protected_mode_a_decoder_beyond_loopback_needs_a_token(monkeypatch) -> None:

@@ -38,9 +38,9 @@ import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
-import psutil
 import pytest
 from conftest import ROOT, random_prompt
+from helpers import own_address
 from pd_servers import Server, free_port, pd_env, post, start_proxy, start_vllm
 
 from lmcache.experimental.metrics import lmcache_samples
@@ -323,16 +323,8 @@ def test_pushes_without_the_token_are_refused_and_the_answer_is_unchanged(pd):
     assert status == 200 and _lines(decoder, before + 3)[before + 2].stats.lmcache_hit_tokens == 3 * CHUNK
 
 
-def _own_address() -> str:
-    for addrs in psutil.net_if_addrs().values():
-        for addr in addrs:
-            if addr.family.name == "AF_INET" and not addr.address.startswith("127."):
-                return addr.address
-    pytest.skip("this machine has no non-loopback IPv4 address")
-
-
 def test_decoder_on_a_public_address_without_a_token_does_not_start(tiny_model, tmp_path):
-    address, port = _own_address(), free_port()
+    address, port = own_address(), free_port()
     decoder = start_vllm("open decoder", tiny_model, "kv_consumer",
                          {**COMMON_ENV, **pd_env("receiver", port, 16 << 20, LMCACHE_PD_PEER_HOST=address)},
                          tmp_path / "decoder.log")
