@@ -36,6 +36,8 @@ suite() {
 }
 ARGS=("$@")
 
+# The CPU's name and vector extensions: vLLM's CPU kernels (and their rounding) differ by them.
+say "machine: $(sed -n 's/^model name[[:space:]]*: //p' /proc/cpuinfo | head -n 1), $(nproc) cores, $(grep -o -w -E 'avx2|avx512f|avx512_bf16|amx_tile' /proc/cpuinfo | sort -u | tr '\n' ' ')"
 say "preparing vLLM 0.32 (.venv-latest) and the CUDA compile check in the background: $LOG"
 ( bash scripts/setup_env.sh --latest && bash scripts/check_cuda.sh ) > "$LOG" 2>&1 &
 background=$!

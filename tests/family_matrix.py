@@ -29,7 +29,10 @@ def check_family(model: str, llm_kwargs: dict | None = None, env: dict | None = 
     result = run(model, PROMPTS, kwargs, {**LMCACHE_ENV, **(env or {})}, rounds=2)
     cold, warm = result.outputs
     assert cold[0] != cold[1], "the model ignores its prompt; this check could not fail"
-    assert warm == cold, "greedy tokens loaded from LMCache differ from the cold (cache-off) round"
+    assert warm == cold, (
+        f"greedy tokens loaded from LMCache differ from the cold (cache-off) round: cold {cold}, warm {warm}; "
+        f"hits {hits(result.lines)} (expected {EXPECTED_HITS})"
+    )
     for i in range(len(PROMPTS)):
         diff = max(abs(a - b) for a, b in zip(result.logprobs[1][i], result.logprobs[0][i]))
         assert diff <= LOGPROB_TOLERANCE, f"prompt {i}: logprobs differ by {diff}"

@@ -517,9 +517,11 @@ def test_a_step_with_nothing_scheduled_waits_for_a_running_load(async_setup, mon
 # ----- off-step saving ---------------------------------------------------------------------------
 
 
-def test_stores_run_after_the_step_and_finish_before_vllms_cache_is_written_again(setup, monkeypatch):
-    import threading
-
+@pytest.mark.parametrize("barrier", ["bind_step", "start_load_kv"])
+def test_stores_run_after_the_step_and_finish_before_vllms_cache_is_written_again(setup, monkeypatch, barrier):
+    """The next step's first worker hook waits for the copy: vLLM 0.32 binds the metadata before
+    the forward pass and runs `start_load_kv` after it on steps without synchronous loads, so
+    both must be barriers."""
     worker, side, driver, caches = setup
     real_store = worker.engine.store
     started, release, where = threading.Event(), threading.Event(), []
@@ -540,7 +542,10 @@ def test_stores_run_after_the_step_and_finish_before_vllms_cache_is_written_agai
     barrier_passed = threading.Event()
 
     def next_step():
-        worker.start_load_kv(LMCacheConnectorMetadata(), None)
+        if barrier == "bind_step":
+            worker.bind_step()
+        else:
+            worker.start_load_kv(LMCacheConnectorMetadata(), None)
         barrier_passed.set()
 
     t = threading.Thread(target=next_step)

@@ -122,3 +122,28 @@ def test_v0_engine_option_fails_the_wrapper_import_naming_the_version():
                          env=env, timeout=300, cwd=str(ROOT))
     assert out.returncode != 0
     assert "VLLM_USE_V1=0 asks for vLLM's v0 engine, which vLLM 0.32.0" in out.stderr, out.stderr[-2000:]
+
+
+def test_vllms_shell_binds_each_step_through_our_impl_before_the_forward_pass():
+    """vLLM 0.32 calls `start_load_kv` after the forward pass on steps without synchronous loads;
+    the step's earlier hook, `bind_connector_metadata`, must reach the worker side's barrier."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.distributed.kv_transfer.kv_connector.v1.lmcache_connector import LMCacheConnectorV1
+
+    from lmcache.integration.vllm.v1.request_state import LMCacheConnectorMetadata
+    from lmcache.integration.vllm.vllm_v1_adapter import LMCacheConnectorV1Impl
+
+    class Worker:
+        bound = 0
+
+        def bind_step(self):
+            self.bound += 1
+
+    impl = object.__new__(LMCacheConnectorV1Impl)
+    impl.role, impl.worker_side = KVConnectorRole.WORKER, Worker()
+    shell = object.__new__(LMCacheConnectorV1)
+    shell._lmcache_engine = impl
+    metadata = LMCacheConnectorMetadata()
+    shell.bind_connector_metadata(metadata)
+    assert impl.worker_side.bound == 1 and shell._get_connector_metadata() is metadata
+    assert not hasattr(impl, "layerwise_storers")  # vLLM's fallback for engines without the hook

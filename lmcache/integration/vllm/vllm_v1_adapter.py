@@ -104,6 +104,12 @@ class LMCacheConnectorV1Impl:
 
     # ----- worker side -----------------------------------------------------------------------------
 
+    def bind_connector_metadata(self, connector_metadata: Any) -> None:
+        """vLLM 0.32 binds each step's metadata before the forward pass and calls `start_load_kv`
+        after it on steps without synchronous loads, so this is the step's last hook before vLLM
+        writes its KV cache (vLLM 0.9.2 does not call it; its `start_load_kv` precedes the forward)."""
+        self._worker("bind_connector_metadata").bind_step()
+
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         self._worker("start_load_kv").start_load_kv(step_connector_metadata(self._parent), forward_context)
 

@@ -202,9 +202,15 @@ class LMCacheWorkerSide:
         check_kv_caches(caches, self.engine.metadata, self.layout, self.block_size)
         self._kv_caches = caches
 
+    def bind_step(self) -> None:
+        """A step's metadata is bound, its forward pass is next: the last step's stores finish
+        copying out of blocks this step may write (blocks of a request that ended since)."""
+        self.saver.flush()
+
     def start_load_kv(self, metadata: Any, forward_context: Optional["ForwardContext"]) -> None:
         """Retrieve every request's promised tokens into vLLM's blocks (before the forward pass);
-        first, the last step's stores finish copying out of blocks vLLM may since have reused."""
+        first, the last step's stores finish copying out of blocks vLLM may since have reused
+        (where `bind_step` did not already)."""
         self.saver.flush()
         self._nothing_scheduled = isinstance(metadata, LMCacheConnectorMetadata) and metadata.nothing_scheduled
         if not isinstance(metadata, LMCacheConnectorMetadata):
