@@ -5,7 +5,8 @@ and other settings at import time, and the v1 engine spawns an engine-core proce
 `__main__` guard. The job comes as JSON on stdin:
 
     {"model": PATH, "prompts": [[token ids], ...], "max_tokens": 16, "rounds": 1,
-     "llm_kwargs": {...}, "vllm_module": "vllm" | "lmcache_vllm.vllm",
+     "llm_kwargs": {...},                 # over dtype float32, seed 0, enforce_eager (below)
+     "vllm_module": "vllm" | "lmcache_vllm.vllm",
      "sampling_extra_args": {...} | null,
      "prompt_extra_args": [{...} | null per prompt] | null,   # replaces sampling_extra_args
      "logprobs": false | true,                                # also report the sampled logprobs
@@ -34,6 +35,10 @@ def run(job: dict) -> dict:
         "dtype": "float32",
         "max_model_len": 4096,
         "seed": 0,
+        # vLLM's torch.compile warm-up costs 15-25 s per engine on this CPU and touches none of the
+        # connector's hooks (they run outside the compiled graph); the tests of the served path
+        # (`lmcache_vllm serve`, the smoke test, the benchmark) keep vLLM's compiled default.
+        "enforce_eager": True,
         **job.get("llm_kwargs", {}),
     }
     llm = vllm.LLM(**llm_kwargs)

@@ -62,7 +62,7 @@ ROOT = Path(__file__).resolve().parents[2]
 FAILURES = (ServerError, RequestFailed, aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError)
 SCHEMA = "lmcache-bench-serving/1"
 BENCH_MODEL = TinyModelSpec(hidden=1024, layers=8, heads=16, kv_heads=8, max_position=8192)
-# --quick: the test suite's tiny model and a handful of short requests on one server kind.
+# --quick: the test suite's tiny model and a handful of short requests on one server kind, eager.
 QUICK = dict(model_dir=".cache/tiny-model", hidden=128, layers=4, heads=4, kv_heads=2, max_position=4096,
              repeat_prompts=2, prompt_tokens=512, docs=3, doc_tokens=512, question_tokens=16, rounds=1,
              unique_prompts=2, unique_passes=1, unique_tokens=256, concurrency=2, max_tokens=4, unique_max_tokens=8,
@@ -102,7 +102,7 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
                    help="run on this vLLM line's venv (legacy: .venv, vLLM 0.9.2; latest: .venv-latest, "
                         "vLLM 0.32); default: the venv this script runs from")
     p.add_argument("--quick", action="store_true", help="tiny model, 2-3 short requests per workload, "
-                   "one server kind (explicit flags still win)")
+                   "one server kind, vLLM eager (explicit flags still win)")
     p.add_argument("--servers", default=",".join(ALL_KINDS), help=f"comma list of {', '.join(ALL_KINDS)}")
     p.add_argument("--workloads", default=",".join(WORKLOADS), help=f"comma list of {', '.join(WORKLOADS)}")
     p.add_argument("--door", choices=("wrapper", "v1"), default="wrapper",
@@ -398,6 +398,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         model=args.model_dir, max_model_len=args.max_model_len, block_size=args.block_size,
         num_kv_blocks=blocks, chunk_size=args.chunk_size, cpu_tier_gb=tier_gb, disk_tier_gb=tier_gb,
         remote_tier_gb=tier_gb, disk_dir=str(disk_dir), door=args.door, slow_remote_delay_ms=args.slow_remote_delay_ms,
+        # --quick checks the harness with a few requests; vLLM's compile warm-up would be most of it.
+        extra_vllm_args=("--enforce-eager",) if args.quick else (),
     )
     load_before = os.getloadavg()
     started = time.time()
