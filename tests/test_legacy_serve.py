@@ -117,7 +117,7 @@ def test_chat_partial_hit_quiet_log_and_prompt_ctrl_c(tiny_model, tmp_path):
     cli = Path(sys.executable).parent / "lmcache_vllm"
     # vLLM's own prefix cache is off so the repeat is LMCache's to serve.
     cmd = [str(cli), "serve", tiny_model, "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
-           "--max-model-len", "4096", "--seed", "0", "--no-enable-prefix-caching"]
+           "--max-model-len", "4096", "--seed", "0", "--no-enable-prefix-caching", "--enforce-eager"]
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=str(ROOT),
                                 start_new_session=True)

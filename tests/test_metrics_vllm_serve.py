@@ -40,7 +40,7 @@ def test_plain_vllm_server_publishes_lmcache_metrics(tiny_model, tmp_path):
            "LMCACHE_CHUNK_SIZE": "256", "LMCACHE_MAX_LOCAL_CPU_SIZE": "1", "LMCACHE_REMOTE_URL": "None"}
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", tiny_model,
            "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len", "4096",
-           "--no-enable-prefix-caching",
+           "--no-enable-prefix-caching", "--enforce-eager",
            "--kv-transfer-config", json.dumps({"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"})]
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=str(ROOT),

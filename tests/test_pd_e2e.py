@@ -46,6 +46,9 @@ from pd_servers import Server, free_port, pd_env, post, start_proxy, start_vllm
 from lmcache.experimental.metrics import lmcache_samples
 from lmcache.integration.vllm.request_log import parse_request_lines
 
+# vLLM's compile warm-up is not what these servers test (tests/vllm_job.py says why).
+EAGER = ["--enforce-eager"]
+
 pytestmark = pytest.mark.vllm
 
 CHUNK = 128
@@ -71,10 +74,10 @@ def pd(tiny_model, tmp_path_factory):
     decoder = start_vllm("decoder", tiny_model, "kv_consumer",
                          {**COMMON_ENV, **pd_env("receiver", init_port, 64 << 20), "LMCACHE_LOCAL_CPU": "False",
                           "LMCACHE_PD_TOKEN_FILE": str(token_file), **status_env},
-                         logs / "decoder.log")
+                         logs / "decoder.log", EAGER)
     prefiller = start_vllm("prefiller", tiny_model, "kv_producer", {**SENDER_ENV, **pd_env("sender", init_port)},
                            logs / "prefiller.log",
-                           ["--max-num-batched-tokens", str(PREFILL_STEP_TOKENS), "--enable-chunked-prefill"],
+                           ["--max-num-batched-tokens", str(PREFILL_STEP_TOKENS), "--enable-chunked-prefill", *EAGER],
                            own_cli=True)
     proxy = start_proxy([prefiller], [(decoder, init_port)], logs / "proxy.log")
     servers = [decoder, prefiller, proxy]
@@ -237,7 +240,7 @@ def test_prefiller_killed_mid_push_the_decoder_computes_the_rest(pd):
     # A prefiller of this test's own (the shared one serves the other tests), one chunk per step.
     prefiller = start_vllm("doomed prefiller", model, "kv_producer",
                            {**SENDER_ENV, **pd_env("sender", pd["init_port"])}, logs / "prefiller-killed.log",
-                           ["--max-num-batched-tokens", str(CHUNK), "--enable-chunked-prefill"])
+                           ["--max-num-batched-tokens", str(CHUNK), "--enable-chunked-prefill", *EAGER])
     proxy = start_proxy([prefiller], [(decoder, pd["init_port"])], logs / "proxy-killed-prefiller.log")
     try:
         prefiller.wait_healthy()
@@ -327,7 +330,7 @@ def test_decoder_on_a_public_address_without_a_token_does_not_start(tiny_model, 
     address, port = own_address(), free_port()
     decoder = start_vllm("open decoder", tiny_model, "kv_consumer",
                          {**COMMON_ENV, **pd_env("receiver", port, 16 << 20, LMCACHE_PD_PEER_HOST=address)},
-                         tmp_path / "decoder.log")
+                         tmp_path / "decoder.log", EAGER)
     try:
         decoder.proc.wait(timeout=300)
     finally:

@@ -210,14 +210,6 @@ def test_prefix_caching_on_disk_tier_across_processes_and_worker_channel(tiny_mo
     assert_no_pins_left(reader)  # pins taken over the socket, released in the worker process
 
 
-def test_force_skip_save_stores_nothing(tiny_model, baseline):
-    env = {**LMCACHE_ENV, "LMCACHE_FORCE_SKIP_SAVE": "1"}
-    result = run(tiny_model, [P_LONG], connector_kwargs(prefix_caching=False), env, rounds=2)
-    assert_same_as_baseline(result, [P_LONG], baseline)
-    assert hits(result.lines) == [(1500, 0, 0, 0, 0), (1500, 0, 0, 0, 0)]
-    assert all("LMCACHE_FORCE_SKIP_SAVE" in ln.not_stored for ln in result.lines)
-
-
 def test_bad_extra_config_key_fails_engine_start(tiny_model):
     job = {
         "model": tiny_model,

@@ -36,8 +36,9 @@ def run(job: dict) -> dict:
         "max_model_len": 4096,
         "seed": 0,
         # vLLM's torch.compile warm-up costs 15-25 s per engine on this CPU and touches none of the
-        # connector's hooks (they run outside the compiled graph); the tests of the served path
-        # (`lmcache_vllm serve`, the smoke test, the benchmark) keep vLLM's compiled default.
+        # connector's hooks (they run outside the compiled graph). vLLM's compiled default is kept
+        # by the smoke test (0.9.2's v1 engine), `make serve`'s path on 0.32 (test_latest_e2e),
+        # DeepSeek-V2's MLA family test and the benchmark.
         "enforce_eager": True,
         **job.get("llm_kwargs", {}),
     }

@@ -37,9 +37,9 @@ def test_proxy_decoder_loads_pushed_prompt_and_equals_compute(tiny_model, tmp_pa
     init_port = free_port()
     decoder = start_vllm("decoder", tiny_model, "kv_consumer",
                          {**ENV, **pd_env("receiver", init_port, 64 << 20), "LMCACHE_LOCAL_CPU": "False"},
-                         tmp_path / "decoder.log")
+                         tmp_path / "decoder.log", ["--enforce-eager"])
     prefiller = start_vllm("prefiller", tiny_model, "kv_producer", {**ENV, **pd_env("sender", init_port)},
-                           tmp_path / "prefiller.log", ["--max-num-batched-tokens", "256"])
+                           tmp_path / "prefiller.log", ["--max-num-batched-tokens", "256", "--enforce-eager"])
     proxy = start_proxy([prefiller], [(decoder, init_port)], tmp_path / "proxy.log")
     servers = [decoder, prefiller, proxy]
     try:
