@@ -87,6 +87,12 @@ class MooncakeStorage:
         wait_port(self.port, self.proc, f"mooncake_client on port {self.port}")
         return self
 
+    def kill(self) -> None:
+        """SIGKILL: the segment and every value in it leave the pool, unannounced."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
     def stop(self) -> None:
         if self.proc is not None:
             stop_process(self.proc)

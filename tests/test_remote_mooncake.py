@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 from helpers import key
-from mooncake_fixture import MooncakeMaster, mooncake_master  # noqa: F401
+from mooncake_fixture import MooncakeMaster, MooncakeStorage, mooncake_master  # noqa: F401
 from redis_fixture import lmcache_log  # noqa: F401
 from tier_helpers import FAST_REMOTE, remote_backend, remote_chunk, remote_cpu, wait_for
 
@@ -149,6 +149,24 @@ def test_master_killed_is_a_miss_then_back_after_restart(tmp_path, lmcache_log) 
     finally:
         tier.close()
         master.stop()
+
+
+def test_value_whose_segment_left_is_a_miss_and_the_tier_stays_up(
+    mooncake_master: MooncakeMaster, tmp_path, lmcache_log  # noqa: F811
+) -> None:
+    storage = MooncakeStorage(mooncake_master, tmp_path / "storage.log", segment="64MB").start()
+    cpu = remote_cpu()
+    pure_client = MooncakeSettings(global_segment_size=0, local_buffer_size=16 << 20)
+    tier = remote_backend(mooncake_master.url, mooncake=pure_client, cpu=cpu)
+    try:
+        chunk = remote_chunk(cpu, seed=3)
+        assert wait_for(lambda: _put_lands(tier, chunk), timeout=15)  # the storage process's segment
+        storage.kill()
+        assert tier.get_blocking(key(2)) is None
+        assert tier.is_up and "could not hand back" in lmcache_log.text
+    finally:
+        tier.close()
+        storage.stop()
 
 
 def _put_lands(tier, chunk) -> bool:

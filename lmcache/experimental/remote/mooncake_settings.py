@@ -97,7 +97,9 @@ class MooncakeSettings:
         if self.local_hostname:
             return self.local_hostname
         host, port = master
-        family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0]
+        found = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)
+        # IPv4 first where the name has both (`localhost`): what Mooncake's own examples use.
+        family, _, _, _, address = min(found, key=lambda info: info[0] != socket.AF_INET)
         with socket.socket(family, socket.SOCK_DGRAM) as probe:
             probe.connect(address)
             return probe.getsockname()[0]
