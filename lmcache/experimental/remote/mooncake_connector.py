@@ -57,7 +57,6 @@ except ImportError as _missing:  # the wheel, or Debian's libibverbs1 its store.
 logger = init_logger(__name__)
 
 RPC_FAIL = -900  # Mooncake's ErrorCode for "the master did not answer"
-OBJECT_NOT_FOUND = -704
 _LOG_EVERY = 100  # one line per this many refused puts or failed gets
 _PROBE_KEY = "lmcache:probe"  # ping asks whether this exists: a round trip to the master
 

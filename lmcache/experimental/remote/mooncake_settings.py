@@ -31,9 +31,10 @@ _FILE_KEYS = {
     "global_segment_size": "global_segment_size",
     "local_buffer_size": "local_buffer_size",
 }
-# Keys upstream's file may carry that this client does not use (it keeps no SSD tier of its own).
+# The other keys of Mooncake's own `MooncakeConfig` file: accepted, not used (no SSD tier, no
+# client HTTP server here; the master is the URL's, checked against `master_server_address`).
 _IGNORED_FILE_KEYS = ("master_server_address", "enable_ssd_offload", "ssd_offload_path", "tenant_id",
-                      "enable_client_http_server", "client_http_port", "transfer_timeout")
+                      "enable_client_http_server", "client_http_port")
 _SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)i?b?\s*", re.IGNORECASE)
 
 
