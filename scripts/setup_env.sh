@@ -68,6 +68,19 @@ else
     stamp_write packages "${REQS[@]}"
 fi
 
+# Mooncake's store.so (requirements/project.txt) links libibverbs.so.1 even for TCP: Debian's
+# libibverbs1, installed with apt as the tests install redis-server (root only; otherwise said).
+# (grep without -q reads all of ldconfig's output: no SIGPIPE for pipefail to see as a miss)
+if ! "$(command -v ldconfig || echo /sbin/ldconfig)" -p | grep 'libibverbs\.so\.1 ' >/dev/null; then
+    if [ "$(id -u)" = 0 ]; then
+        say "libibverbs1 (Mooncake's client links it): installing with apt-get"
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libibverbs1 >/dev/null \
+            || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libibverbs1 >/dev/null; }
+    else
+        say "libibverbs1 is missing and installing it needs root: remote_url mooncakestore:// will not import"
+    fi
+fi
+
 if [ "$REPAIR" = 1 ]; then
     "$PY" scripts/repair_vllm_cpu_abi.py
 fi

@@ -49,16 +49,21 @@ def free_cluster_port() -> int:
     raise RuntimeError("no free port pair (port, port + 10000) for a cluster node")
 
 
+def apt_install(package: str, why: str) -> None:
+    """Install Debian's `package` (the test machines run as root; elsewhere the test skips)."""
+    if os.geteuid() != 0:
+        pytest.skip(f"{why} and installing {package} needs root")
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    subprocess.run(["apt-get", "update", "-qq"], check=True, env=env, capture_output=True)
+    subprocess.run(["apt-get", "install", "-y", "-qq", package], check=True, env=env, capture_output=True)
+
+
 def ensure_debian_binary(binary: str, package: str, also: Sequence[str] = ()) -> str:
     """Path of `binary` (and `also` on PATH), installing Debian's `package` when missing."""
     found = shutil.which(binary)
     if found and all(shutil.which(b) for b in also):
         return found
-    if os.geteuid() != 0:
-        pytest.skip(f"{binary} is not installed and installing {package} needs root")
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    subprocess.run(["apt-get", "update", "-qq"], check=True, env=env, capture_output=True)
-    subprocess.run(["apt-get", "install", "-y", "-qq", package], check=True, env=env, capture_output=True)
+    apt_install(package, why=f"{binary} is not installed")
     found = shutil.which(binary)
     if not found:
         raise RuntimeError(f"apt-get installed {package} but {binary} is not on PATH")
@@ -70,7 +75,7 @@ def ensure_redis_installed() -> str:
     return ensure_debian_binary("redis-server", "redis-server", also=("redis-cli",))
 
 
-def _wait_port(port: int, proc: subprocess.Popen, what: str, timeout: float = 20.0) -> None:
+def wait_port(port: int, proc: subprocess.Popen, what: str, timeout: float = 20.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -83,7 +88,7 @@ def _wait_port(port: int, proc: subprocess.Popen, what: str, timeout: float = 20
     raise RuntimeError(f"{what} did not listen on port {port} within {timeout} s")
 
 
-def _stop(proc: subprocess.Popen) -> None:
+def stop_process(proc: subprocess.Popen) -> None:
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
         try:
@@ -117,7 +122,7 @@ class RedisServer:
         ]  # fmt: skip
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
-            _wait_port(self.port, self.proc, f"redis-server on port {self.port}")
+            wait_port(self.port, self.proc, f"redis-server on port {self.port}")
         except RuntimeError as err:
             log = self.workdir / "redis.log"
             tail = log.read_text()[-2000:] if log.exists() else "(no log)"
@@ -126,7 +131,7 @@ class RedisServer:
 
     def stop(self) -> None:
         if self.proc is not None:
-            _stop(self.proc)
+            stop_process(self.proc)
 
     @property
     def url(self) -> str:
@@ -237,7 +242,7 @@ class RedisSentinelSet:
             proc = subprocess.Popen([binary, str(conf)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             self.sentinels.append(proc)
             self.sentinel_ports.append(port)
-            _wait_port(port, proc, f"redis-sentinel on port {port}")
+            wait_port(port, proc, f"redis-sentinel on port {port}")
 
         def ready() -> bool:
             states = [redis.Redis(port=p).sentinel_master(SENTINEL_SERVICE) for p in self.sentinel_ports]
@@ -276,7 +281,7 @@ class RedisSentinelSet:
 
     def stop(self) -> None:
         for proc in self.sentinels:
-            _stop(proc)
+            stop_process(proc)
         for server in (self.replica, self.master):
             if server is not None:
                 server.stop()
@@ -303,7 +308,7 @@ class LMServerProcess:
             stderr=log,
             env=env,
         )
-        _wait_port(self.port, self.proc, f"lm:// server on port {self.port}")
+        wait_port(self.port, self.proc, f"lm:// server on port {self.port}")
         return self
 
     def kill(self) -> None:
@@ -314,7 +319,7 @@ class LMServerProcess:
 
     def stop(self) -> None:
         if self.proc is not None:
-            _stop(self.proc)
+            stop_process(self.proc)
 
     @property
     def url(self) -> str:

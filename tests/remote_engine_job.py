@@ -1,7 +1,9 @@
 """One engine in its own process, for the remote-sharing tests: `store` a prompt's KV into the
 remote tier, or `retrieve` it with an empty CPU tier and report how it compares.
 
-    python tests/remote_engine_job.py '{"role": "store"|"retrieve", "url": ..., "serde": ...}'
+    python tests/remote_engine_job.py '{"role": "store"|"retrieve", "url": ..., "serde": ...[, "config": {...}]}'
+
+`config`: further config fields (a Mooncake client's `mooncake_*` settings).
 
 Prints one JSON line: for `store` the remote tier's put counters, for `retrieve` the lookup
 length, the retrieved token count, whether the loaded KV is bit-exact and the largest error.
@@ -32,9 +34,9 @@ TOKENS = 56  # three full chunks and a partial one
 GEO = Geometry(KVLayout.CPU_IPEX, num_layers=2, num_blocks=32, block_size=4, num_heads=2, head_size=32, dtype=torch.float16)
 
 
-def _engine(url: str, serde: str) -> LMCacheEngine:
+def _engine(url: str, serde: str, fields: dict) -> LMCacheEngine:
     config = LMCacheEngineConfig.from_defaults(
-        chunk_size=CHUNK, remote_url=url, remote_serde=serde, max_local_cpu_size=0.01
+        chunk_size=CHUNK, remote_url=url, remote_serde=serde, max_local_cpu_size=0.01, **fields
     )
     meta = LMCacheEngineMetadata(
         "shared/model", 1, 0, "vllm", GEO.dtype, (GEO.num_layers, 2, CHUNK, GEO.num_heads, GEO.head_size)
@@ -55,7 +57,7 @@ def main() -> None:
     tokens = torch.randint(0, 1000, (TOKENS,), generator=torch.Generator().manual_seed(5))
     source = make_kvcaches(GEO, seed=1)
     src_slots = torch.randperm(GEO.num_slots, generator=torch.Generator().manual_seed(1))[:TOKENS]
-    engine = _engine(job["url"], job["serde"])
+    engine = _engine(job["url"], job["serde"], job.get("config", {}))
     remote = _remote(engine)
     if job["role"] == "store":
         engine.store(tokens, kvcaches=source, slot_mapping=src_slots)

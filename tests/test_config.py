@@ -37,6 +37,8 @@ EXTRA_DEFAULTS = {
     "pd_buffer_device": "cpu", "pd_peer_host": None, "pd_peer_init_port": None,
     "pd_peer_alloc_port": None, "pd_proxy_host": None, "pd_proxy_port": None, "transfer_channel": None,
     "pd_token_file": None, "pd_no_auth": False, "pd_encrypt": False,
+    "mooncake_local_hostname": None, "mooncake_metadata_server": "P2PHANDSHAKE", "mooncake_protocol": "tcp",
+    "mooncake_device_name": "", "mooncake_global_segment_size": 3355443200, "mooncake_local_buffer_size": 1 << 30,
 }
 SPEC_FROM_LEGACY = {
     "chunk_size": 256, "backend": "cpu", "remote_url": "lm://localhost:65432", "remote_serde": "naive",
@@ -59,6 +61,9 @@ NON_DEFAULT: Dict[str, Any] = {
     "pd_buffer_device": "cpu", "pd_peer_host": "127.0.0.2", "pd_peer_init_port": 7300,
     "pd_peer_alloc_port": 7400, "pd_proxy_host": "127.0.0.3", "pd_proxy_port": 7500, "transfer_channel": "zmq",
     "pd_token_file": "/etc/lmcache/pd-token", "pd_no_auth": True, "pd_encrypt": True,
+    "mooncake_local_hostname": "10.0.0.8", "mooncake_metadata_server": "etcd.example:2379",
+    "mooncake_protocol": "rdma", "mooncake_device_name": "mlx5_0", "mooncake_global_segment_size": 0,
+    "mooncake_local_buffer_size": 65536,
 }
 
 

@@ -1,7 +1,9 @@
 """Two engines in two processes share one remote store: the second hits what the first stored.
 
-Runs for our lm:// server (as its own process), a real Redis and a three-master Redis Cluster;
-bit-exact with the naive serde, within cachegen's error bound with cachegen.
+Runs for our lm:// server (as its own process), a real Redis, a three-master Redis Cluster and
+Mooncake Store (a master plus a storage process lending the segment; the engines are pure
+clients, so what the first stored outlives it); bit-exact with the naive serde, within
+cachegen's error bound with cachegen.
 """
 
 from __future__ import annotations
@@ -14,16 +16,22 @@ from pathlib import Path
 from typing import Iterator
 
 import pytest
+from mooncake_fixture import MooncakeMaster, MooncakeStorage
 from redis_fixture import LMServerProcess, RedisServer, redis_cluster  # noqa: F401
 
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
 
 
+# What the engine processes add to a job: Mooncake clients that lend no memory, with a receive
+# buffer of a test's size (other URLs ignore the mooncake_* fields).
+POOL_CLIENT = {"mooncake_global_segment_size": 0, "mooncake_local_buffer_size": 16 << 20}
+
+
 def _run(job: dict) -> dict:
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{TESTS}", "OMP_NUM_THREADS": "2"}
     proc = subprocess.run(
-        [sys.executable, str(TESTS / "remote_engine_job.py"), json.dumps(job)],
+        [sys.executable, str(TESTS / "remote_engine_job.py"), json.dumps({"config": POOL_CLIENT, **job})],
         capture_output=True,
         text=True,
         env=env,
@@ -33,8 +41,15 @@ def _run(job: dict) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-@pytest.fixture(params=["lm", "redis", "redis-cluster"])
+@pytest.fixture(params=["lm", "redis", "redis-cluster", "mooncake"])
 def url(request, tmp_path) -> Iterator[str]:
+    if request.param == "mooncake":
+        master = MooncakeMaster(tmp_path / "master.log").start()
+        storage = MooncakeStorage(master, tmp_path / "storage.log").start()
+        yield master.url
+        storage.stop()
+        master.stop()
+        return
     if request.param == "lm":
         server = LMServerProcess(log_path=tmp_path / "lm.log").start()
     elif request.param == "redis":

@@ -60,10 +60,16 @@ NON_FIELD_ENV_VARS: Tuple[str, ...] = (
 # deprecation warning (mapped in `legacy_config.py`).
 LEGACY_KEYS: Tuple[str, ...] = ("local_device", "max_local_cache_size", "pipelined_backend")
 
-REMOTE_SCHEMES: Tuple[str, ...] = ("lm", "lms", "lm+shm", "redis", "rediss", "redis-cluster", "redis-sentinel")
+REMOTE_SCHEMES: Tuple[str, ...] = (
+    "lm", "lms", "lm+shm", "redis", "rediss", "redis-cluster", "redis-sentinel", "mooncakestore",
+)
 # The node pool: an `lm://` server's unix socket, named by its path (`lm+shm:///PATH`).
 POOL_SCHEME = "lm+shm"
 REMOTE_SERDES: Tuple[str, ...] = ("naive", "cachegen", "safetensor")
+# Mooncake Store's master (`mooncakestore://HOST:PORT`, upstream's spelling); the client's own
+# settings are the `mooncake_*` fields. Mooncake has no authentication: no userinfo in the URL.
+MOONCAKE_SCHEME = "mooncakestore"
+MOONCAKE_PROTOCOLS: Tuple[str, ...] = ("tcp", "rdma")
 # Schemes whose URL lists several host:port pairs (cluster nodes, Sentinels).
 MULTI_HOST_SCHEMES: Tuple[str, ...] = ("redis-cluster", "redis-sentinel")
 
@@ -165,7 +171,8 @@ def _parse_port(text: str, key: str, whole: str) -> int:
 
 def parse_remote_url(url: str, key: str = "remote_url") -> RemoteUrl:
     """Parse `lm://h:p`, `lms://h:p` (TLS), `lm+shm:///PATH` (the node pool's unix socket), `redis://h:p[/db]`, `rediss://h:p[/db]`,
-    `redis-cluster://h1:p1,h2:p2` or `redis-sentinel://h1:p1,h2:p2[/service]`, each optionally
+    `redis-cluster://h1:p1,h2:p2`, `redis-sentinel://h1:p1,h2:p2[/service]` or
+    `mooncakestore://master:port`, each but the last optionally
     with `[user][:password]@` before the hosts (percent-encoded). Errors show the URL masked."""
     shown = mask_url(url)
     scheme, sep, rest = url.partition("://")
@@ -177,6 +184,8 @@ def parse_remote_url(url: str, key: str = "remote_url") -> RemoteUrl:
         return _parse_pool_url(rest, key, shown)
     userinfo, at, rest = rest.rpartition("@")
     username, password = _split_userinfo(userinfo) if at else (None, None)
+    if at and scheme == MOONCAKE_SCHEME:
+        raise ValueError(f"{key}={shown!r}: Mooncake Store has no authentication, so its URL takes no user or password")
     rest = rest[:-1] if rest.endswith("/") else rest
     service = db = None
     if scheme == "redis-sentinel":
@@ -419,6 +428,14 @@ class LMCacheEngineConfig:
     pd_no_auth: bool = False
     # Encrypt the push channel (ZeroMQ CURVE, keys from the token); both sides must set it.
     pd_encrypt: bool = False
+    # The Mooncake Store client (`remote_url: mooncakestore://MASTER:PORT`); `MOONCAKE_CONFIG_PATH`,
+    # upstream's JSON file, overrides them (`remote/mooncake_settings.py`).
+    mooncake_local_hostname: Optional[str] = None  # how other clients reach this one; None: the address facing the master
+    mooncake_metadata_server: str = "P2PHANDSHAKE"  # clients exchange addresses directly: no etcd
+    mooncake_protocol: str = "tcp"  # or rdma (then mooncake_device_name, e.g. mlx5_0)
+    mooncake_device_name: str = ""
+    mooncake_global_segment_size: int = 3355443200  # bytes this instance adds to the pool; 0 = a pure client
+    mooncake_local_buffer_size: int = 1 << 30  # bytes of the client's receive buffer; bounds one get
 
     def shown_fields(self) -> Dict[str, Any]:
         """Every field as logs, dumps and the status API may show it (`shown_value`)."""
@@ -475,6 +492,19 @@ class LMCacheEngineConfig:
         if self.internal_api_server_token is not None and len(self.internal_api_server_token) < 8:
             raise ValueError("internal_api_server_token: must be at least 8 characters (value not shown)")
         self._check_pd()
+        self._check_mooncake()
+
+    def _check_mooncake(self) -> None:
+        """The `mooncake_*` keys, checked whatever the remote URL (a typo waits for no one)."""
+        if self.mooncake_protocol not in MOONCAKE_PROTOCOLS:
+            raise ValueError(f"mooncake_protocol={self.mooncake_protocol!r}: expected one of {MOONCAKE_PROTOCOLS}")
+        if not self.mooncake_metadata_server:
+            raise ValueError("mooncake_metadata_server='': expected P2PHANDSHAKE or an etcd/http metadata address")
+        if self.mooncake_global_segment_size < 0:
+            raise ValueError(f"mooncake_global_segment_size={self.mooncake_global_segment_size!r}: "
+                             "bytes, 0 for a pure client, never negative")
+        if self.mooncake_local_buffer_size <= 0:
+            raise ValueError(f"mooncake_local_buffer_size={self.mooncake_local_buffer_size!r}: must be a positive number of bytes")
 
     def _check_pd(self) -> None:
         """The `pd_*` keys: ports in range always, roles and the peer only when `enable_pd`."""
@@ -546,6 +576,12 @@ class LMCacheEngineConfig:
         pd_token_file: Optional[str] = None,
         pd_no_auth: bool = False,
         pd_encrypt: bool = False,
+        mooncake_local_hostname: Optional[str] = None,
+        mooncake_metadata_server: str = "P2PHANDSHAKE",
+        mooncake_protocol: str = "tcp",
+        mooncake_device_name: str = "",
+        mooncake_global_segment_size: int = 3355443200,
+        mooncake_local_buffer_size: int = 1 << 30,
         **unknown: Any,
     ) -> "LMCacheEngineConfig":
         """The spec's defaults with some fields replaced; an unknown keyword is a ValueError."""

@@ -1,5 +1,5 @@
 """Remote stores for the remote tier: connectors (`lm://`, `lms://`, `lm+shm://`, `redis://`, `rediss://`,
-`redis-cluster://`, `redis-sentinel://`) behind one byte-level interface, and the serdes that
+`redis-cluster://`, `redis-sentinel://`, `mooncakestore://`) behind one byte-level interface, and the serdes that
 fill them.
 
 `create_connector(url)` is the one place that maps a `remote_url` to a connector class; the
@@ -11,8 +11,9 @@ from __future__ import annotations
 import os
 from typing import Optional
 
-from lmcache.experimental.config import POOL_SCHEME, parse_remote_url
+from lmcache.experimental.config import MOONCAKE_SCHEME, POOL_SCHEME, parse_remote_url
 from lmcache.experimental.remote.connector import RemoteConnector, RemoteUnavailableError
+from lmcache.experimental.remote.mooncake_settings import MooncakeSettings
 from lmcache.server.security import CLIENT_CA_ENV, CLIENT_TOKEN_ENV, client_tls_context
 
 __all__ = ["RemoteConnector", "RemoteUnavailableError", "create_connector", "redis_key_prefix"]
@@ -32,6 +33,7 @@ def create_connector(
     ttl_s: Optional[float] = None,
     max_value_bytes: Optional[int] = None,
     password: Optional[str] = None,
+    mooncake: Optional[MooncakeSettings] = None,
 ) -> RemoteConnector:
     """A connector for `url`; nothing is connected until the first call.
 
@@ -43,9 +45,22 @@ def create_connector(
     Secrets: the URL's userinfo first, else `password` (the `remote_password` config key); for
     `lm://`/`lms://`/`lm+shm://` the token is the URL's password, else `LMCACHE_REMOTE_TOKEN`,
     else `password`. `lms://` and `rediss://` check the server against `LMCACHE_REMOTE_TLS_CA` (or the
-    system store).
+    system store). `mooncake`: the Mooncake client's settings (defaults if None), overridden by
+    `MOONCAKE_CONFIG_PATH`'s file when that is set.
     """
     parsed = parse_remote_url(url)
+    if parsed.scheme == MOONCAKE_SCHEME:
+        from lmcache.experimental.remote.mooncake_connector import MooncakeStoreConnector
+
+        master = parsed.hosts[0]
+        return MooncakeStoreConnector(
+            master,
+            (mooncake or MooncakeSettings()).with_config_file(master),
+            timeout=timeout,
+            lookup_timeout=lookup_timeout,
+            pool_size=pool_size,
+            max_value_bytes=max_value_bytes,
+        )
     lm_limit = {} if max_value_bytes is None else {"max_payload_bytes": max_value_bytes}
     lm_token = parsed.password or os.environ.get(CLIENT_TOKEN_ENV, "").strip() or password
     if parsed.scheme == POOL_SCHEME:

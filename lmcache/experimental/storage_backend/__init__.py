@@ -51,6 +51,7 @@ def create_storage_backends(
         )
     if config.remote_url is not None:
         # Imported here: the remote tier pulls in connectors and serdes that import this package.
+        from lmcache.experimental.remote.mooncake_settings import MooncakeSettings
         from lmcache.experimental.storage_backend.remote_backend import RemoteBackend
 
         tiers.append(
@@ -61,6 +62,7 @@ def create_storage_backends(
                 local_cpu_backend,
                 stats.tier(RemoteBackend.__name__),
                 password=config.remote_password,
+                mooncake=MooncakeSettings.from_config(config),
             )
         )
     if config.enable_pd and config.pd_role == "receiver":

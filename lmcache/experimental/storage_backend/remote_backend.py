@@ -1,4 +1,4 @@
-"""The remote tier: chunks on an `lm://` server or Redis, shared by every instance pointing there.
+"""The remote tier: chunks on an `lm://` server, Redis or Mooncake Store, shared by every instance pointing there.
 
 - Puts never block the serving thread: they take a reference and go into a bounded queue
   that one background thread drains in pipelined batches (serde encoding happens there too).
@@ -29,6 +29,7 @@ from lmcache.config import LMCacheEngineMetadata
 from lmcache.experimental.memory_management import MemoryFormat, MemoryObj
 from lmcache.experimental.remote import create_connector, redis_key_prefix
 from lmcache.experimental.remote.connector import RemoteConnector, RemoteUnavailableError
+from lmcache.experimental.remote.mooncake_settings import MooncakeSettings
 from lmcache.experimental.remote.serde import Serde, create_serde
 from lmcache.experimental.remote.value_reader import ValueReader
 from lmcache.experimental.stats import TierStats
@@ -176,6 +177,7 @@ class RemoteBackend(StorageBackendInterface):
         options: Optional[RemoteBackendOptions] = None,
         connector: Optional[RemoteConnector] = None,
         password: Optional[str] = None,
+        mooncake: Optional[MooncakeSettings] = None,
     ) -> None:
         self._options = options if options is not None else RemoteBackendOptions()
         opts = self._options
@@ -188,6 +190,7 @@ class RemoteBackend(StorageBackendInterface):
             ttl_s=opts.ttl_s,
             max_value_bytes=opts.max_value_bytes,
             password=password,
+            mooncake=mooncake,
         )
         self._serde: Serde = create_serde(serde)
         self._metadata = metadata

@@ -1,0 +1,265 @@
+"""Connector over Mooncake Store (`mooncakestore://MASTER:PORT`): a master keeps the metadata,
+clients (this one too, unless `global_segment_size` is 0) each lend the pool a memory segment.
+
+Data path: a put hands Mooncake the addresses of the value's parts (the chunk header and the
+memory object's own bytes, `batch_put_from_multi_buffers`), so nothing is joined or copied in
+Python; a get (`batch_get_buffer`) lands in the client's registered receive buffer
+(`local_buffer_size`), from which the serde reads the header and copies the payload once, into
+the object it allocates. Over `tcp` no registration of our memory is needed; `rdma` would need
+the CPU pool registered (not done: no RDMA hardware here).
+
+Mooncake's calls can block for seconds when the master is gone (its client reconnects inside a
+call, ~4 s seen), and its `setup` retries for ~90 s holding the GIL. So:
+- `setup` runs on its own thread, and only after the master accepted a TCP connection; a caller
+  waits for it at most `lookup_timeout` and otherwise gets `RemoteUnavailableError` (the tier
+  goes down and probes later);
+- every other call runs on a small pool of call threads and is waited for at most its timeout
+  (`lookup_timeout` for exists, `timeout` for gets and puts); at most `pool_size` run at once.
+  A put abandoned this way may still read its object after the tier freed it: the stored value
+  then fails its checksum and reads as a miss, never as wrong bytes.
+Return codes: RPC_FAIL (master unreachable) raises `RemoteUnavailableError`; anything else
+negative is a miss or a refused put (logged, rate-limited).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import socket
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Any, Callable, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from lmcache.experimental.config import MOONCAKE_SCHEME
+from lmcache.experimental.remote.connector import (
+    Buffer,
+    Receive,
+    RemoteConnector,
+    RemoteUnavailableError,
+    Value,
+    value_buffers,
+    value_nbytes,
+)
+from lmcache.experimental.remote.mooncake_settings import MooncakeSettings
+from lmcache.experimental.remote.value_reader import BufferReader
+from lmcache.logging import init_logger
+
+try:
+    from mooncake.store import MooncakeDistributedStore
+except ImportError as _missing:  # the wheel, or Debian's libibverbs1 its store.so links
+    raise ImportError(
+        f"remote_url mooncakestore:// needs Mooncake's client: {_missing} "
+        "(`make setup` installs mooncake-transfer-engine-non-cuda and libibverbs1)"
+    ) from _missing
+
+logger = init_logger(__name__)
+
+RPC_FAIL = -900  # Mooncake's ErrorCode for "the master did not answer"
+_LOG_EVERY = 100  # one line per this many refused puts or failed gets
+_PROBE_KEY = "lmcache:probe"  # ping asks whether this exists: a round trip to the master
+
+
+class MooncakeStoreConnector(RemoteConnector):
+    """One Mooncake Store client as a `RemoteConnector`."""
+
+    def __init__(
+        self,
+        master: Tuple[str, int],
+        settings: MooncakeSettings,
+        timeout: float = 10.0,
+        lookup_timeout: float = 1.0,
+        pool_size: int = 4,
+        max_value_bytes: Optional[int] = None,
+    ) -> None:
+        """`max_value_bytes` caps a put (default and ceiling: `local_buffer_size`, since a
+        larger value could never be read back)."""
+        self._master = master
+        self._settings = settings
+        self._timeout = timeout
+        self._lookup_timeout = lookup_timeout
+        self._max_value = min(max_value_bytes or settings.local_buffer_size, settings.local_buffer_size)
+        self._lock = threading.Lock()
+        self._store: Any = None
+        self._setup: Optional[threading.Thread] = None
+        self._setup_done = threading.Event()
+        self._setup_error = ""
+        self._calls = ThreadPoolExecutor(max_workers=pool_size, thread_name_prefix="lmcache-mooncake")
+        self._slots = threading.BoundedSemaphore(pool_size)
+        self._refused = 0
+        self._failed_gets = 0
+        self._closed = False
+
+    @property
+    def url(self) -> str:
+        host, port = self._master
+        return f"{MOONCAKE_SCHEME}://[{host}]:{port}" if ":" in host else f"{MOONCAKE_SCHEME}://{host}:{port}"
+
+    # ---- the store's operations ---------------------------------------------------------
+
+    def batched_exists(self, keys: Sequence[str]) -> list[bool]:
+        if not keys:
+            return []
+        codes = self._call("batch_is_exist", self._lookup_timeout, list(keys))
+        self._raise_if_unreachable(codes, "exists")
+        return [code == 1 for code in codes]
+
+    def batched_get(self, keys: Sequence[str]) -> list[Optional[Buffer]]:
+        out: List[Optional[Buffer]] = [None] * len(keys)
+
+        def keep(i: int, reader: Any) -> None:
+            out[i] = bytes(reader.read(reader.remaining))
+
+        self.batched_get_into(keys, keep)
+        return out
+
+    def batched_get_into(self, keys: Sequence[str], receive: Receive) -> None:
+        """Each value is read where Mooncake received it; a key it could not hand back is asked
+        about once more (gone: a miss; master unreachable: the tier goes down)."""
+        if not keys:
+            return
+        handles = self._call("batch_get_buffer", self._timeout, list(keys))
+        absent = [i for i, handle in enumerate(handles) if handle is None]
+        if absent:
+            codes = self._call("batch_is_exist", self._lookup_timeout, [keys[i] for i in absent])
+            self._raise_if_unreachable(codes, "get")
+            unread = sum(1 for code in codes if code == 1)
+            if unread:  # listed but not readable: its segment's owner left, or the buffer was full
+                self._count_failed_gets(unread, keys[absent[0]])
+        for i, handle in enumerate(handles):
+            if handle is not None:
+                view = memoryview((ctypes.c_ubyte * handle.size()).from_address(handle.ptr())).cast("B")
+                try:
+                    receive(i, BufferReader(view))
+                finally:
+                    view.release()
+                    handles[i] = None  # frees the receive buffer's slot
+
+    def batched_put(self, items: Sequence[Tuple[str, Value]]) -> list[bool]:
+        results = [False] * len(items)
+        keys: List[str] = []
+        pointers: List[List[int]] = []
+        sizes: List[List[int]] = []
+        arrays: List[np.ndarray] = []  # keep every part's buffer alive until the call returns
+        slots: List[int] = []
+        for i, (key, value) in enumerate(items):
+            if value_nbytes(value) > self._max_value:
+                self._count_refused(f"{key}: {value_nbytes(value)} bytes exceed {self._max_value} "
+                                    "(mooncake_local_buffer_size bounds what a get can read back)")
+                continue
+            parts = [np.frombuffer(buf, dtype=np.uint8) for buf in value_buffers(value) if memoryview(buf).nbytes]
+            arrays.extend(parts)
+            keys.append(key)
+            pointers.append([part.ctypes.data for part in parts])
+            sizes.append([part.nbytes for part in parts])
+            slots.append(i)
+        if not keys:
+            return results
+        codes = self._call("batch_put_from_multi_buffers", self._timeout, keys, pointers, sizes)
+        self._raise_if_unreachable(codes, "put")
+        for slot, key, code in zip(slots, keys, codes):
+            if code == 0:
+                results[slot] = True
+            else:
+                self._count_refused(f"{key}: Mooncake error {code} (no space in the pool's segments?)")
+        return results
+
+    def delete(self, key: str) -> bool:
+        code = self._call("remove", self._timeout, key)
+        self._raise_if_unreachable([code], "delete")
+        return code == 0
+
+    def ping(self) -> None:
+        """Set up (waiting up to `timeout` for it) and ask the master one question."""
+        self._store_or_raise(self._timeout)
+        self.batched_exists([_PROBE_KEY])
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            store, self._store = self._store, None
+        self._calls.shutdown(wait=False, cancel_futures=True)
+        if store is not None:
+            store.close()
+
+    # ---- setup and timed calls ----------------------------------------------------------
+
+    def _store_or_raise(self, wait: float) -> Any:
+        """The set-up client; a setup in the background if none runs; at most `wait` seconds."""
+        with self._lock:
+            if self._closed:
+                raise RemoteUnavailableError(f"{self.url}: connector closed")
+            if self._store is not None:
+                return self._store
+            if self._setup is None or not self._setup.is_alive():
+                self._setup_done.clear()
+                self._setup = threading.Thread(target=self._run_setup, name="lmcache-mooncake-setup", daemon=True)
+                self._setup.start()
+            done = self._setup_done
+        done.wait(wait)
+        with self._lock:
+            if self._store is not None:
+                return self._store
+            reason = self._setup_error if done.is_set() else f"setup still running after {wait:.1f} s"
+        raise RemoteUnavailableError(f"{self.url}: Mooncake client not set up ({reason})")
+
+    def _run_setup(self) -> None:
+        s = self._settings
+        store = MooncakeDistributedStore()
+        error = ""
+        try:
+            # Mooncake's setup holds the GIL while it retries an absent master (~90 s, every
+            # Python thread stopped): it runs only once the master accepts a connection.
+            socket.create_connection(self._master, timeout=self._lookup_timeout).close()
+            host, port = self._master
+            code = store.setup(s.hostname_towards(self._master), s.metadata_server, s.global_segment_size,
+                               s.local_buffer_size, s.protocol, s.device_name, f"{host}:{port}")
+            if code != 0:
+                error = f"setup returned {code}: master unreachable or settings refused"
+        except (OSError, RuntimeError, ValueError) as err:
+            error = f"setup failed: {err}"
+        with self._lock:
+            if error or self._closed:
+                self._setup_error = error or "closed"
+            else:
+                self._store = store
+        if error:
+            store.close()
+        self._setup_done.set()
+
+    def _call(self, method: str, timeout: float, *args: Any) -> Any:
+        """`store.<method>(*args)` on a call thread, waited for at most `timeout` seconds."""
+        store = self._store_or_raise(self._lookup_timeout)
+        if not self._slots.acquire(timeout=timeout):
+            raise RemoteUnavailableError(f"{self.url}: every call thread is still waiting on Mooncake")
+        fn: Callable[..., Any] = getattr(store, method)
+        try:
+            future = self._calls.submit(fn, *args)
+        except RuntimeError as err:  # closed meanwhile
+            self._slots.release()
+            raise RemoteUnavailableError(f"{self.url}: {err}") from err
+        future.add_done_callback(lambda _: self._slots.release())
+        try:
+            return future.result(timeout=timeout)
+        except FutureTimeout:
+            raise RemoteUnavailableError(f"{self.url}: {method} did not return within {timeout:.1f} s") from None
+
+    def _raise_if_unreachable(self, codes: Sequence[int], what: str) -> None:
+        if any(code == RPC_FAIL for code in codes):
+            raise RemoteUnavailableError(f"{self.url}: {what}: the master did not answer (RPC_FAIL)")
+
+    def _count_refused(self, why: str) -> None:
+        with self._lock:
+            self._refused += 1
+            n = self._refused
+        if n % _LOG_EVERY == 1:
+            logger.warning("%s refused a put: %s (%d refused so far)", self.url, why, n)
+
+    def _count_failed_gets(self, n: int, example: str) -> None:
+        with self._lock:
+            before = self._failed_gets
+            self._failed_gets += n
+        if before // _LOG_EVERY != self._failed_gets // _LOG_EVERY or before == 0:
+            logger.warning("%s lists %d value(s) it could not hand back (e.g. %s: its segment's owner left?): "
+                           "miss (%d so far)", self.url, n, example, self._failed_gets)

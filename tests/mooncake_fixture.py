@@ -1,0 +1,105 @@
+"""A real Mooncake Store for tests: `mooncake_master` on a free loopback port (restartable on the
+same port, killable with SIGKILL) and `mooncake_client` as a storage process that only lends a
+segment, so values outlive the engines that stored them.
+
+Both come with the `mooncake-transfer-engine-non-cuda` wheel (`make setup` installs it); its
+`store.so` links Debian's `libibverbs1`, installed here with apt when missing, as
+`redis_fixture` does for `redis-server`.
+"""
+
+from __future__ import annotations
+
+import ctypes.util
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import pytest
+from redis_fixture import apt_install, free_port, stop_process, wait_port
+
+BIN = Path(sys.executable).parent
+
+
+def ensure_mooncake() -> None:
+    """Mooncake's client importable: libibverbs1 installed with apt if missing, the wheel required."""
+    if ctypes.util.find_library("ibverbs") is None:
+        apt_install("libibverbs1", why="Mooncake's store.so links libibverbs.so.1, which is missing")
+    try:
+        import mooncake.store  # noqa: F401
+    except ImportError as err:
+        raise RuntimeError(f"Mooncake's client does not import ({err}): run `make setup`") from err
+
+
+@dataclass
+class MooncakeMaster:
+    """One `mooncake_master` on 127.0.0.1 (its metrics port on a free loopback port too)."""
+
+    log_path: Path
+    port: int = field(default_factory=free_port)
+    proc: Optional[subprocess.Popen] = None
+
+    def start(self) -> "MooncakeMaster":
+        ensure_mooncake()
+        log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(
+            [str(BIN / "mooncake_master"), f"--rpc_port={self.port}", "--rpc_address=127.0.0.1",
+             f"--metrics_port={free_port()}", "--metrics_host=127.0.0.1"],
+            stdout=log, stderr=log,
+        )  # fmt: skip
+        wait_port(self.port, self.proc, f"mooncake_master on port {self.port}")
+        return self
+
+    def kill(self) -> None:
+        """SIGKILL: the master loses every key's metadata, like a crash."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            stop_process(self.proc)
+
+    @property
+    def url(self) -> str:
+        return f"mooncakestore://127.0.0.1:{self.port}"
+
+
+@dataclass
+class MooncakeStorage:
+    """`mooncake_client`: a process that only lends `segment` to the master's pool."""
+
+    master: MooncakeMaster
+    log_path: Path
+    segment: str = "128MB"
+    port: int = field(default_factory=free_port)
+    proc: Optional[subprocess.Popen] = None
+
+    def start(self) -> "MooncakeStorage":
+        log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(
+            [str(BIN / "mooncake_client"), f"--global_segment_size={self.segment}", "--host=127.0.0.1",
+             f"--master_server_address=127.0.0.1:{self.master.port}", "--metadata_server=P2PHANDSHAKE",
+             f"--port={self.port}", "--protocol=tcp"],
+            stdout=log, stderr=log,
+        )  # fmt: skip
+        wait_port(self.port, self.proc, f"mooncake_client on port {self.port}")
+        return self
+
+    def kill(self) -> None:
+        """SIGKILL: the segment and every value in it leave the pool, unannounced."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            stop_process(self.proc)
+
+
+@pytest.fixture
+def mooncake_master(tmp_path: Path):
+    master = MooncakeMaster(tmp_path / "mooncake_master.log").start()
+    yield master
+    master.stop()
