@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Optional
 
 import pytest
-from redis_fixture import apt_install, free_port, stop_process, wait_port
+from redis_fixture import ListeningProcess, apt_install, free_port
 
 BIN = Path(sys.executable).parent
 
@@ -33,33 +33,22 @@ def ensure_mooncake() -> None:
 
 
 @dataclass
-class MooncakeMaster:
-    """One `mooncake_master` on 127.0.0.1 (its metrics port on a free loopback port too)."""
+class MooncakeMaster(ListeningProcess):
+    """One `mooncake_master` on 127.0.0.1 (its metrics port on a free loopback port too); `kill`
+    loses every key's metadata, like a crash."""
 
+    what = "mooncake_master"
     log_path: Path
     port: int = field(default_factory=free_port)
     proc: Optional[subprocess.Popen] = None
 
+    def argv(self) -> list[str]:
+        return [str(BIN / "mooncake_master"), f"--rpc_port={self.port}", "--rpc_address=127.0.0.1",
+                f"--metrics_port={free_port()}", "--metrics_host=127.0.0.1"]
+
     def start(self) -> "MooncakeMaster":
         ensure_mooncake()
-        log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(
-            [str(BIN / "mooncake_master"), f"--rpc_port={self.port}", "--rpc_address=127.0.0.1",
-             f"--metrics_port={free_port()}", "--metrics_host=127.0.0.1"],
-            stdout=log, stderr=log,
-        )  # fmt: skip
-        wait_port(self.port, self.proc, f"mooncake_master on port {self.port}")
-        return self
-
-    def kill(self) -> None:
-        """SIGKILL: the master loses every key's metadata, like a crash."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-
-    def stop(self) -> None:
-        if self.proc is not None:
-            stop_process(self.proc)
+        return super().start()
 
     @property
     def url(self) -> str:
@@ -67,35 +56,21 @@ class MooncakeMaster:
 
 
 @dataclass
-class MooncakeStorage:
-    """`mooncake_client`: a process that only lends `segment` to the master's pool."""
+class MooncakeStorage(ListeningProcess):
+    """`mooncake_client`: a process that only lends `segment` to the master's pool; `kill` takes
+    the segment and every value in it out of the pool, unannounced."""
 
+    what = "mooncake_client"
     master: MooncakeMaster
     log_path: Path
     segment: str = "128MB"
     port: int = field(default_factory=free_port)
     proc: Optional[subprocess.Popen] = None
 
-    def start(self) -> "MooncakeStorage":
-        log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(
-            [str(BIN / "mooncake_client"), f"--global_segment_size={self.segment}", "--host=127.0.0.1",
-             f"--master_server_address=127.0.0.1:{self.master.port}", "--metadata_server=P2PHANDSHAKE",
-             f"--port={self.port}", "--protocol=tcp"],
-            stdout=log, stderr=log,
-        )  # fmt: skip
-        wait_port(self.port, self.proc, f"mooncake_client on port {self.port}")
-        return self
-
-    def kill(self) -> None:
-        """SIGKILL: the segment and every value in it leave the pool, unannounced."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-
-    def stop(self) -> None:
-        if self.proc is not None:
-            stop_process(self.proc)
+    def argv(self) -> list[str]:
+        return [str(BIN / "mooncake_client"), f"--global_segment_size={self.segment}", "--host=127.0.0.1",
+                f"--master_server_address=127.0.0.1:{self.master.port}", "--metadata_server=P2PHANDSHAKE",
+                f"--port={self.port}", "--protocol=tcp"]
 
 
 @pytest.fixture

@@ -287,9 +287,43 @@ class RedisSentinelSet:
                 server.stop()
 
 
+class ListeningProcess:
+    """A server process for tests on a loopback port: started with its output in `log_path`,
+    ready once the port accepts, killed like a crash or stopped."""
+
+    what = "server"
+    port: int
+    log_path: Optional[Path]
+    proc: Optional[subprocess.Popen]
+
+    def argv(self) -> list[str]:
+        raise NotImplementedError
+
+    def env(self) -> Optional[dict[str, str]]:
+        return None  # the test's own
+
+    def start(self):
+        log = open(self.log_path, "ab") if self.log_path is not None else subprocess.DEVNULL
+        self.proc = subprocess.Popen(self.argv(), stdout=log, stderr=log, env=self.env())
+        wait_port(self.port, self.proc, f"{self.what} on port {self.port}")
+        return self
+
+    def kill(self) -> None:
+        """SIGKILL: the process dies without closing anything, like a crash."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            stop_process(self.proc)
+
+
 @dataclass
-class LMServerProcess:
+class LMServerProcess(ListeningProcess):
     """Our `lm://` server as a separate process (`python -m lmcache.server`), restartable."""
+
+    what = "lm:// server"
 
     extra_args: Sequence[str] = ()
     port: int = field(default_factory=free_port)
@@ -298,28 +332,12 @@ class LMServerProcess:
     # Also serve the node pool on this unix socket (`pool_url`).
     unix_socket: Optional[Path] = None
 
-    def start(self) -> "LMServerProcess":
-        env = {**os.environ, "PYTHONPATH": str(ROOT)}
-        log = open(self.log_path, "ab") if self.log_path is not None else subprocess.DEVNULL
+    def argv(self) -> list[str]:
         pool = () if self.unix_socket is None else ("--unix-socket", str(self.unix_socket))
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "lmcache.server", "127.0.0.1", str(self.port), *pool, *self.extra_args],
-            stdout=log,
-            stderr=log,
-            env=env,
-        )
-        wait_port(self.port, self.proc, f"lm:// server on port {self.port}")
-        return self
+        return [sys.executable, "-m", "lmcache.server", "127.0.0.1", str(self.port), *pool, *self.extra_args]
 
-    def kill(self) -> None:
-        """SIGKILL: the server dies without closing anything, like a crash."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-
-    def stop(self) -> None:
-        if self.proc is not None:
-            stop_process(self.proc)
+    def env(self) -> dict[str, str]:
+        return {**os.environ, "PYTHONPATH": str(ROOT)}
 
     @property
     def url(self) -> str:
