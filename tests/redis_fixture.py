@@ -293,16 +293,16 @@ class LMServerProcess:
     # Also serve the node pool on this unix socket (`pool_url`).
     unix_socket: Optional[Path] = None
 
-    def start(self) -> "LMServerProcess":
-        env = {**os.environ, "PYTHONPATH": str(ROOT)}
-        log = open(self.log_path, "ab") if self.log_path is not None else subprocess.DEVNULL
+    def command(self) -> list[str]:
         pool = () if self.unix_socket is None else ("--unix-socket", str(self.unix_socket))
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "lmcache.server", "127.0.0.1", str(self.port), *pool, *self.extra_args],
-            stdout=log,
-            stderr=log,
-            env=env,
-        )
+        return [sys.executable, "-m", "lmcache.server", "127.0.0.1", str(self.port), *pool, *self.extra_args]
+
+    def environment(self) -> dict[str, str]:
+        return {**os.environ, "PYTHONPATH": str(ROOT)}
+
+    def start(self) -> "LMServerProcess":
+        log = open(self.log_path, "ab") if self.log_path is not None else subprocess.DEVNULL
+        self.proc = subprocess.Popen(self.command(), stdout=log, stderr=log, env=self.environment())
         _wait_port(self.port, self.proc, f"lm:// server on port {self.port}")
         return self
 
@@ -324,6 +324,23 @@ class LMServerProcess:
     def pool_url(self) -> str:
         assert self.unix_socket is not None
         return f"lm+shm://{self.unix_socket}"
+
+
+@dataclass
+class LMCacheCommandServer(LMServerProcess):
+    """The same server started as upstream's docs start theirs: `lmcache server --port PORT`
+    (`python -m lmcache.cli`), its node pool's socket under `runtime_dir` (`LMCACHE_RUNTIME_DIR`)."""
+
+    runtime_dir: Optional[Path] = None
+
+    def command(self) -> list[str]:
+        return [sys.executable, "-m", "lmcache.cli", "server", "--port", str(self.port), *self.extra_args]
+
+    def environment(self) -> dict[str, str]:
+        env = super().environment()
+        if self.runtime_dir is not None:
+            env["LMCACHE_RUNTIME_DIR"] = str(self.runtime_dir)
+        return env
 
 
 @pytest.fixture
