@@ -3,8 +3,9 @@ then vLLM with `LMCacheMPConnector` and nothing but `lmcache.mp.host` / `lmcache
 
 One engine (each costs ~30-40 s here), prefix cache off, two rounds of two prompts sharing a
 1024-token prefix. With no private CPU tier every hit comes from the node pool: B's prefix in
-round 1, everything in round 2; round 2's greedy tokens and logprobs equal round 1's. The keys
-and the command without vLLM: tests/test_mp_connector.py.
+round 1, everything in round 2; round 2's greedy tokens and logprobs equal round 1's. Also, with
+no engine: which class vLLM's factory builds for the name. The keys and the command without vLLM:
+tests/test_mp_connector.py.
 """
 
 from __future__ import annotations
@@ -14,12 +15,27 @@ from redis_fixture import LMCacheCommandServer
 from test_v1_e2e import LOGPROB_TOLERANCE, MAX_BATCHED, P_SHARED_A, P_SHARED_B, assert_no_pins_left, hits, run
 
 from lmcache.experimental.remote.lm_connector import LMServerConnector
-
-pytestmark = pytest.mark.vllm
+from lmcache.integration.vllm.lmcache_mp_connector import LMCacheMPConnector
+from lmcache.integration.vllm.mp_keys import MP_CONNECTOR
+from lmcache.integration.vllm.vllm_compat import FORCE_UPSTREAM_MP_ENV, route_mp_connector
+from lmcache_vllm.plugin import MP_CONNECTOR_MODULE, general_plugin
 
 CHUNK = 256  # the config's default: the connector is given no LMCache setting of ours
 
 
+def test_vllms_factory_builds_ours_for_the_name_unless_upstreams_copy_is_forced(monkeypatch):
+    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    monkeypatch.setenv(FORCE_UPSTREAM_MP_ENV, "1")
+    assert route_mp_connector(MP_CONNECTOR, MP_CONNECTOR_MODULE, MP_CONNECTOR) is False
+    monkeypatch.delenv(FORCE_UPSTREAM_MP_ENV)
+    general_plugin()  # what vLLM runs in each of its processes
+    config = KVTransferConfig(kv_connector=MP_CONNECTOR, kv_role="kv_both")
+    assert KVConnectorFactory.get_connector_class(config) is LMCacheMPConnector
+
+
+@pytest.mark.vllm
 def test_lmcache_server_and_mp_connector_share_the_pool(tiny_model, tmp_path):
     runtime = tmp_path / "rt"
     server = LMCacheCommandServer(["--l1-size-gb", "0.25"], log_path=tmp_path / "server.log", runtime_dir=runtime)

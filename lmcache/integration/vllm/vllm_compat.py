@@ -326,14 +326,17 @@ def route_mp_connector(connector_name: str, module: str, class_name: str) -> boo
 
     vLLM 0.32 registers `LMCacheMPConnector` as `...kv_connector.v1.lmcache_mp_connector`, whose
     `_resolve_lmcache_mp_connector` prefers `lmcache.integration.vllm.lmcache_mp_connector` - but
-    only after that module's own top-level imports of upstream LMCache's multiprocess adapter
-    (`lmcache.integration.vllm.vllm_multi_process_adapter`, `lmcache.v1.multiprocess.*`), which
-    this package does not have, so the import fails before the preference is asked. vLLM 0.32:
+    only after that module's own top-level imports of upstream LMCache names
+    (`lmcache.integration.vllm.utils.mla_enabled`, the multiprocess adapter
+    `lmcache.integration.vllm.vllm_multi_process_adapter`, `lmcache.v1.multiprocess.*`), which this
+    package does not have, so the import fails before the preference is asked. vLLM 0.32:
     `KVConnectorFactory._registry` (private), `{name: loader returning the class}`."""
+    if is_legacy_vllm() or os.environ.get(FORCE_UPSTREAM_MP_ENV):
+        return False
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
     registry = getattr(KVConnectorFactory, "_registry", None)
-    if registry is None or connector_name not in registry or os.environ.get(FORCE_UPSTREAM_MP_ENV):
+    if registry is None or connector_name not in registry:
         return False
 
     def load_ours() -> Any:
