@@ -44,7 +44,8 @@ def pool_socket_path(port: int, environ: Optional[Mapping[str, str]] = None) -> 
     path = os.path.join(runtime_dir(environ), f"pool-{port}.sock")
     if len(path.encode()) > MAX_SOCKET_PATH:
         raise ValueError(
-            f"node pool socket {path!r} is longer than {MAX_SOCKET_PATH} bytes: set {RUNTIME_DIR_ENV} to a shorter directory"
+            f"node pool socket {path!r} is longer than {MAX_SOCKET_PATH} bytes: "
+            f"set {RUNTIME_DIR_ENV} to a shorter directory"
         )
     return path
 

@@ -59,8 +59,8 @@ def check_kv_cache_specs(vllm_config: "VllmConfig", kv_cache_specs: Any) -> None
     raise ValueError(
         f"LMCache does not support layers of kind {', '.join(kinds)} (model {vllm_config.model_config.model}: "
         f"{names}): it saves and restores paged attention KV caches only, and a cache hit would skip "
-        f"state it never restored. Serve this model without the {vllm_config.kv_transfer_config.kv_connector} KV connector "
-        "(plain `vllm`, no kv_transfer_config); vLLM's own prefix cache still works without it."
+        f"state it never restored. Serve this model without the {vllm_config.kv_transfer_config.kv_connector} "
+        "KV connector (plain `vllm`, no kv_transfer_config); vLLM's own prefix cache still works without it."
     )
 
 
