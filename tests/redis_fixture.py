@@ -349,6 +349,25 @@ class LMServerProcess(ListeningProcess):
         return f"lm+shm://{self.unix_socket}"
 
 
+@dataclass
+class LMCacheCommandServer(LMServerProcess):
+    """The same server started as upstream's docs start theirs: `lmcache server --port PORT`
+    (`python -m lmcache.cli`), its node pool's socket under `runtime_dir` (`LMCACHE_RUNTIME_DIR`)."""
+
+    runtime_dir: Optional[Path] = None
+
+    what = "lmcache server"
+
+    def argv(self) -> list[str]:
+        return [sys.executable, "-m", "lmcache.cli", "server", "--port", str(self.port), *self.extra_args]
+
+    def env(self) -> dict[str, str]:
+        env = super().env()
+        if self.runtime_dir is not None:
+            env["LMCACHE_RUNTIME_DIR"] = str(self.runtime_dir)
+        return env
+
+
 @pytest.fixture
 def redis_server(tmp_path: Path):
     server = RedisServer(tmp_path / "redis").start()

@@ -54,6 +54,10 @@ NON_FIELD_ENV_VARS: Tuple[str, ...] = (
     "LMCACHE_SERVER_TOKEN",
     # The PD push channel's token when `pd_token_file` is not set (`lmcache/experimental/pd/auth.py`).
     "LMCACHE_PD_TOKEN",
+    # Where `lmcache server --port N` puts its node pool's socket (`lmcache/server/pool_address.py`).
+    "LMCACHE_RUNTIME_DIR",
+    # vLLM 0.32's switch to its built-in LMCacheMPConnector copy; we then leave its name alone.
+    "LMCACHE_USE_UPSTREAM_MP",
 )
 
 # Keys of the old `lmcache_vllm` config, loaded from YAML and `LMCACHE_<KEY>` variables with a

@@ -71,7 +71,7 @@ def _parse_args(argv: Optional[Sequence[str]]) -> ServerConfig:
         "drained, the connection stays) and clients learn the limit from the refusal",
     )
     _add_limit_arguments(parser)
-    _add_security_arguments(parser)
+    add_security_arguments(parser)
     parser.add_argument(
         "--delay-ms",
         type=float,
@@ -113,7 +113,7 @@ def _parse_args(argv: Optional[Sequence[str]]) -> ServerConfig:
             frame_timeout_s=args.frame_timeout,
             idle_timeout_s=args.idle_timeout,
             max_pending_bytes=None if args.max_pending_mb is None else int(args.max_pending_mb * (1 << 20)),
-            **_security_options(args),
+            **security_options(args),
             metrics_port=args.metrics_port,
             get_delay_s=args.delay_ms / 1000,
             prefault=args.prefault,
@@ -172,7 +172,7 @@ def _add_limit_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _add_security_arguments(parser: argparse.ArgumentParser) -> None:
+def add_security_arguments(parser: argparse.ArgumentParser) -> None:
     """Token, TLS and protected mode (the token itself is never an argument)."""
     parser.add_argument(
         "--token-file",
@@ -189,7 +189,7 @@ def _add_security_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _security_options(args: argparse.Namespace) -> dict:
+def security_options(args: argparse.Namespace) -> dict:
     """ServerConfig's token/TLS fields from the arguments and the environment (ValueError if bad)."""
     if args.token_file is not None:
         token = read_token_file(args.token_file)
@@ -207,7 +207,11 @@ def _parse_port(parser: argparse.ArgumentParser, text: str) -> int:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Console-script entry point; returns the process exit code."""
-    config = _parse_args(argv)
+    return serve(_parse_args(argv))
+
+
+def serve(config: ServerConfig) -> int:
+    """Run a server until SIGTERM or SIGINT (`lmcache_server` and `lmcache server`); the exit code."""
     try:
         server = LMCacheServer(config)  # loads the TLS certificate, if any
         server.start()

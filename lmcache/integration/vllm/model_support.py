@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 from typing import TYPE_CHECKING, Any, Callable
 
+from lmcache.integration.vllm.mp_keys import MP_CONNECTOR
 from lmcache.integration.vllm.utils import extra_config_of
 from lmcache.integration.vllm.vllm_compat import layers_without_paged_kv
 
@@ -27,14 +28,18 @@ if TYPE_CHECKING:
 
 # vLLM's name for its shell around `lmcache.integration.vllm.vllm_v1_adapter`.
 LMCACHE_CONNECTOR = "LMCacheConnectorV1"
+# vLLM's names that build that door here: the shell, and upstream's multiprocess-mode connector
+# (`lmcache_mp_connector.LMCacheMPConnector`, the same door on the node pool).
+LMCACHE_CONNECTORS = (LMCACHE_CONNECTOR, MP_CONNECTOR)
 # Layers named in the error before "and N more".
 NAMED_LAYERS = 3
 
 
 def runs_lmcache(vllm_config: "VllmConfig") -> bool:
-    """True when vLLM builds `LMCacheConnectorV1` on this package (not its `use_native` copy)."""
+    """True when vLLM builds `LMCacheConnectorV1` (or `LMCacheMPConnector`) on this package (not its
+    `use_native` copy)."""
     kv_transfer = vllm_config.kv_transfer_config
-    if kv_transfer is None or kv_transfer.kv_connector != LMCACHE_CONNECTOR:
+    if kv_transfer is None or kv_transfer.kv_connector not in LMCACHE_CONNECTORS:
         return False
     return not extra_config_of(vllm_config).get("use_native", False)
 
@@ -54,8 +59,8 @@ def check_kv_cache_specs(vllm_config: "VllmConfig", kv_cache_specs: Any) -> None
     raise ValueError(
         f"LMCache does not support layers of kind {', '.join(kinds)} (model {vllm_config.model_config.model}: "
         f"{names}): it saves and restores paged attention KV caches only, and a cache hit would skip "
-        f"state it never restored. Serve this model without the {LMCACHE_CONNECTOR} KV connector "
-        "(plain `vllm`, no kv_transfer_config); vLLM's own prefix cache still works without it."
+        f"state it never restored. Serve this model without the {vllm_config.kv_transfer_config.kv_connector} "
+        "KV connector (plain `vllm`, no kv_transfer_config); vLLM's own prefix cache still works without it."
     )
 
 

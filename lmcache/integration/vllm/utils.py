@@ -24,6 +24,7 @@ import torch
 from lmcache.config import LMCacheEngineMetadata
 from lmcache.experimental.config import BOOL_WORDS, LMCacheEngineConfig, parse_bool, prefixed_overrides
 from lmcache.experimental.kv_layout import KVLayout, mla_latent_view, vllm_layer_cache_shape
+from lmcache.integration.vllm.mp_keys import MP_CONNECTOR, pool_extra_config
 from lmcache.integration.vllm.vllm_compat import cpu_kv_layout, torch_dtype_of
 
 if TYPE_CHECKING:
@@ -55,11 +56,15 @@ def lmcache_get_config(extra_config: Optional[Mapping[str, Any]] = None) -> LMCa
 
 
 def extra_config_of(vllm_config: "VllmConfig") -> Mapping[str, Any]:
-    """vLLM's `kv_connector_extra_config` (empty without a KV transfer config)."""
+    """vLLM's `kv_connector_extra_config` (empty without a KV transfer config); for upstream's
+    `LMCacheMPConnector`, its `lmcache.mp.*` keys mapped onto ours (`mp_keys.pool_extra_config`)."""
     kv_transfer = vllm_config.kv_transfer_config
     if kv_transfer is None:
         return {}
-    return dict(kv_transfer.kv_connector_extra_config or {})
+    extra = dict(kv_transfer.kv_connector_extra_config or {})
+    if kv_transfer.kv_connector == MP_CONNECTOR:
+        return pool_extra_config(extra)
+    return extra
 
 
 def force_skip_save(environ: Optional[Mapping[str, str]] = None) -> bool:

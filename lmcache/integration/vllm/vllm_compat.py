@@ -30,6 +30,8 @@ Operations:
 - `kv_spec_guard_point()` / `layers_without_paged_kv(kv_cache_specs)`: where vLLM's engine core
   turns the workers' KV cache specs into cache configs, and the layers whose spec is not a paged
   attention KV cache LMCache can save (Mamba / linear-attention state, unknown kinds).
+- `route_mp_connector(module, class_name)`: make vLLM 0.32's `LMCacheMPConnector` name build our
+  class (vLLM's own module for it cannot be imported without upstream's multiprocess package).
 - `v0_attention_window(runner)` / `v0_state_beyond_kv(model_config)`: the sliding window a v0
   runner's attention applies (plain or interleaved), and whether a model keeps non-KV state.
 
@@ -39,6 +41,8 @@ Nothing here imports vLLM at module import time: `lmcache_vllm` imports it in ev
 from __future__ import annotations
 
 import functools
+import importlib
+import os
 import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, List, Mapping, Optional, Sequence, Tuple
@@ -309,6 +313,37 @@ def layers_without_paged_kv(kv_cache_specs: Any) -> List[Tuple[str, str]]:
                 kind += f"({str(getattr(mamba_type, 'name', mamba_type)).lower()})"
             found.setdefault(name, kind)
     return list(found.items())
+
+
+# The environment variable with which vLLM 0.32's `_resolve_lmcache_mp_connector` forces its own
+# built-in `LMCacheMPConnectorUpstream` (which needs upstream LMCache's `lmcache.v1.multiprocess`).
+FORCE_UPSTREAM_MP_ENV = "LMCACHE_USE_UPSTREAM_MP"
+
+
+def route_mp_connector(connector_name: str, module: str, class_name: str) -> bool:
+    """Point vLLM's connector factory entry `connector_name` at `module.class_name`; False where
+    vLLM has no such entry (vLLM 0.9.2) or the user forces vLLM's built-in copy.
+
+    vLLM 0.32 registers `LMCacheMPConnector` as `...kv_connector.v1.lmcache_mp_connector`, whose
+    `_resolve_lmcache_mp_connector` prefers `lmcache.integration.vllm.lmcache_mp_connector` - but
+    only after that module's own top-level imports of upstream LMCache names
+    (`lmcache.integration.vllm.utils.mla_enabled`, the multiprocess adapter
+    `lmcache.integration.vllm.vllm_multi_process_adapter`, `lmcache.v1.multiprocess.*`), which this
+    package does not have, so the import fails before the preference is asked. vLLM 0.32:
+    `KVConnectorFactory._registry` (private), `{name: loader returning the class}`."""
+    if is_legacy_vllm() or os.environ.get(FORCE_UPSTREAM_MP_ENV):
+        return False
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    registry = getattr(KVConnectorFactory, "_registry", None)
+    if registry is None or connector_name not in registry:
+        return False
+
+    def load_ours() -> Any:
+        return getattr(importlib.import_module(module), class_name)
+
+    registry[connector_name] = load_ours
+    return True
 
 
 def v0_attention_window(runner: Any) -> Optional[int]:
