@@ -23,7 +23,8 @@ check-cuda: setup
 # Both vLLM lines from one checkout: the full suite on 0.9.2 (.venv), then on vLLM 0.32
 # (.venv-latest) its own suite (tests/latest) and the kernel tests against its torch build: in
 # each, the tests that start vLLM on two pytest-xdist workers, then the rest on one;
-# .venv-latest and the CUDA check are made while the first suite runs (scripts/run_tests.sh).
+# .venv-latest is made during the 0.9.2 engines, the CUDA check beside the 0.9.2 tests that run
+# on one worker (scripts/run_tests.sh).
 test: setup
 	@bash scripts/run_tests.sh $(PYTEST_ARGS)
 

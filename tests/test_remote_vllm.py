@@ -3,9 +3,13 @@
 Instance A (one process) serves a long prompt and stores it in an `lm://` server; instance B (a new
 process: empty CPU tier, same remote URL) hits it and must generate what cache-off generates. The
 same through the node pool (`lm+shm://`, the server's arena in shared memory) with no private CPU
-tier: one copy of each chunk on the machine. With
+tier: one copy of each chunk on the machine. The same through Mooncake Store: a master and a
+storage process hold the pool, the instances lend it no memory, so A's chunks outlive A. With
 `cachegen` the KV is lossy by design: B still hits, and the agreement with cache-off is reported.
 A remote URL nobody listens on must cost nothing but the hits: same output, the log says why.
+
+The reference is each test's instance A: it hits nothing, so it computes every token as a cache-off
+engine does (storing only reads the KV caches; test_v1_e2e checks that against a cache-off engine).
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import json
 
 import pytest
 from conftest import random_prompt, run_vllm_job
+from mooncake_fixture import MooncakeMaster, MooncakeStorage
 from redis_fixture import LMServerProcess, free_port
 
 from lmcache.experimental.remote.lm_connector import LMServerConnector
@@ -30,15 +35,17 @@ PROMPT = random_prompt(1500, seed=31)
 LMCACHE_ENV = {"VLLM_USE_V1": "1", "LMCACHE_MAX_LOCAL_CPU_SIZE": "0.25", "LMCACHE_LOG_LEVEL": "INFO"}
 
 
-def _run(model: str, env: dict, connector: bool = True) -> tuple[list[int], list[float], list[tuple], str]:
+def _run(model: str, env: dict) -> tuple[list[int], list[float], list[tuple], str]:
     """(greedy tokens, their logprobs, per-request (hit, loaded, stored), log) for PROMPT once."""
-    llm_kwargs: dict = {"enable_prefix_caching": False, "max_num_batched_tokens": MAX_BATCHED}
-    if connector:
-        llm_kwargs["kv_transfer_config"] = {
+    llm_kwargs = {
+        "enable_prefix_caching": False,
+        "max_num_batched_tokens": MAX_BATCHED,
+        "kv_transfer_config": {
             "kv_connector": "LMCacheConnectorV1",
             "kv_role": "kv_both",
             "kv_connector_extra_config": {"lmcache.chunk_size": CHUNK},
-        }
+        },
+    }
     job = {"model": model, "prompts": [PROMPT], "max_tokens": MAX_TOKENS, "logprobs": True, "llm_kwargs": llm_kwargs}
     result = run_vllm_job(job, env={**LMCACHE_ENV, **env})
     payload = [ln for ln in result.log.splitlines() if ln.startswith("RESULT ")][-1]
@@ -50,14 +57,14 @@ def _run(model: str, env: dict, connector: bool = True) -> tuple[list[int], list
     return result.outputs[0][0], logprobs, lines, result.log
 
 
-@pytest.fixture(scope="module")
-def cache_off(tiny_model) -> tuple[list[int], list[float]]:
-    tokens, logprobs, lines, _ = _run(tiny_model, {}, connector=False)
-    assert lines == []
-    return tokens, logprobs
+def assert_as_computed(a: tuple[list[int], list[float]], *runs: tuple[list[int], list[float]]) -> None:
+    """Each run's greedy tokens equal instance A's, its logprobs within float32 noise."""
+    for tokens, logprobs in runs:
+        assert tokens == a[0]
+        assert max(abs(x - y) for x, y in zip(logprobs, a[1])) <= LOGPROB_TOLERANCE
 
 
-def test_second_instance_hits_the_first_ones_chunks_and_a_dead_server_costs_nothing(tiny_model, cache_off, tmp_path):
+def test_second_instance_hits_the_first_ones_chunks_and_a_dead_server_costs_nothing(tiny_model, tmp_path):
     server = LMServerProcess(log_path=tmp_path / "server.log").start()
     env = {"LMCACHE_REMOTE_URL": server.url, "LMCACHE_REMOTE_SERDE": "naive"}
     try:
@@ -67,18 +74,16 @@ def test_second_instance_hits_the_first_ones_chunks_and_a_dead_server_costs_noth
         assert lines_b == [(1500, 1500, 0)]  # B's CPU tier is empty: every chunk came from lm://
     finally:
         server.stop()
-    for tokens, logprobs in ((tokens_a, logprobs_a), (tokens_b, logprobs_b)):
-        assert tokens == cache_off[0]
-        assert max(abs(a - b) for a, b in zip(logprobs, cache_off[1])) <= LOGPROB_TOLERANCE
+    assert_as_computed((tokens_a, logprobs_a), (tokens_b, logprobs_b))
 
     dead = {"LMCACHE_REMOTE_URL": f"lm://127.0.0.1:{free_port()}", "LMCACHE_REMOTE_SERDE": "naive"}
     tokens_c, logprobs_c, lines_c, log_c = _run(tiny_model, dead)
-    assert tokens_c == cache_off[0]
+    assert_as_computed((tokens_a, logprobs_a), (tokens_c, logprobs_c))
     assert lines_c[0][:2] == (0, 0)  # no hit, and the request did not fail
     assert "is down" in log_c and "requests recompute" in log_c
 
 
-def test_second_instance_hits_through_the_node_pool_with_no_private_tier(tiny_model, cache_off, tmp_path):
+def test_second_instance_hits_through_the_node_pool_with_no_private_tier(tiny_model, tmp_path):
     server = LMServerProcess(log_path=tmp_path / "server.log", unix_socket=tmp_path / "pool.sock").start()
     env = {"LMCACHE_REMOTE_URL": server.pool_url, "LMCACHE_REMOTE_SERDE": "naive", "LMCACHE_LOCAL_CPU": "False"}
     try:
@@ -91,12 +96,25 @@ def test_second_instance_hits_through_the_node_pool_with_no_private_tier(tiny_mo
         server.stop()
     assert lines_a == [(0, 0, 1500)] and lines_b == [(1500, 1500, 0)]
     assert info["entries"] == -(-1500 // CHUNK) and info["pool_leases"] == 0 and info["pool_reservations"] == 0
-    for tokens, logprobs in ((tokens_a, logprobs_a), (tokens_b, logprobs_b)):
-        assert tokens == cache_off[0]
-        assert max(abs(a - b) for a, b in zip(logprobs, cache_off[1])) <= LOGPROB_TOLERANCE
+    assert_as_computed((tokens_a, logprobs_a), (tokens_b, logprobs_b))
 
 
-def test_cachegen_through_vllm_hits_and_reports_agreement(tiny_model, cache_off, tmp_path):
+def test_second_instance_hits_through_mooncake_after_the_first_exited(tiny_model, tmp_path):
+    master = MooncakeMaster(tmp_path / "master.log").start()
+    storage = MooncakeStorage(master, tmp_path / "storage.log").start()
+    env = {"LMCACHE_REMOTE_URL": master.url, "LMCACHE_REMOTE_SERDE": "naive", "LMCACHE_LOCAL_CPU": "False",
+           "LMCACHE_MOONCAKE_GLOBAL_SEGMENT_SIZE": "0", "LMCACHE_MOONCAKE_LOCAL_BUFFER_SIZE": str(64 << 20)}
+    try:
+        tokens_a, logprobs_a, lines_a, _ = _run(tiny_model, env)
+        tokens_b, logprobs_b, lines_b, _ = _run(tiny_model, env)
+    finally:
+        storage.stop()
+        master.stop()
+    assert lines_a == [(0, 0, 1500)] and lines_b == [(1500, 1500, 0)]
+    assert_as_computed((tokens_a, logprobs_a), (tokens_b, logprobs_b))
+
+
+def test_cachegen_through_vllm_hits_and_reports_agreement(tiny_model, tmp_path):
     # A server with a token: instance A has it in the URL, B in LMCACHE_REMOTE_TOKEN.
     token = "vllm-tok-93xq"
     (tmp_path / "token").write_text(token)
@@ -104,13 +122,13 @@ def test_cachegen_through_vllm_hits_and_reports_agreement(tiny_model, cache_off,
     url_a = server.url.replace("lm://", f"lm://:{token}@")
     env = {"LMCACHE_REMOTE_SERDE": "cachegen"}
     try:
-        _, _, lines_a, log_a = _run(tiny_model, {**env, "LMCACHE_REMOTE_URL": url_a})
+        tokens_a, _, lines_a, log_a = _run(tiny_model, {**env, "LMCACHE_REMOTE_URL": url_a})
         tokens_b, _, lines_b, log_b = _run(tiny_model, {**env, "LMCACHE_REMOTE_URL": server.url, "LMCACHE_REMOTE_TOKEN": token})
     finally:
         server.stop()
     assert lines_a == [(0, 0, 1500)] and lines_b == [(1500, 1500, 0)]
     assert token not in log_a + log_b + (tmp_path / "server.log").read_text()
-    same = sum(a == b for a, b in zip(tokens_b, cache_off[0]))
+    same = sum(a == b for a, b in zip(tokens_b, tokens_a))
     print(f"cachegen through vLLM: {same}/{MAX_TOKENS} greedy tokens equal to cache-off")
     # Lossy by design; the first token comes from the last prompt position, computed on loaded KV.
     assert same >= MAX_TOKENS // 2

@@ -66,7 +66,7 @@ BENCH_MODEL = TinyModelSpec(hidden=1024, layers=8, heads=16, kv_heads=8, max_pos
 QUICK = dict(model_dir=".cache/tiny-model", hidden=128, layers=4, heads=4, kv_heads=2, max_position=4096,
              repeat_prompts=2, prompt_tokens=512, docs=3, doc_tokens=512, question_tokens=16, rounds=1,
              unique_prompts=2, unique_passes=1, unique_tokens=256, concurrency=2, max_tokens=4, unique_max_tokens=8,
-             interference_rounds=1, interference_prefix_tokens=512, stream_tokens=16, stream_max_tokens=64,
+             interference_rounds=1, interference_prefix_tokens=512, stream_tokens=16, stream_max_tokens=256,
              max_model_len=1024, engine_kv_tokens=1024, servers="lmcache-disk")
 
 

@@ -313,6 +313,9 @@ class PlanRunner:
         waiting.cancel()
         if streaming.done():
             streaming.result()  # its error, if it failed
+            if decoding.is_set():  # its tokens came in faster than the loop could send the other
+                raise RequestFailed(f"{self._header_id(stream)} ended before the overlapping request was sent: "
+                                    "raise --stream-max-tokens so the stream outlasts it")
             raise RequestFailed(f"{self._header_id(stream)} ended before {OVERLAP_AFTER_TOKENS} tokens")
         loaded = await self._send(session, overlap)
         self._record(stream, await streaming, None)
