@@ -21,6 +21,8 @@
   blocks vLLM allocated; on vLLM 0.9.2 the scheduler's "remote KV arrived" step takes a load that
   fell short as the tokens that arrived (`vllm_compat.finish_short_remote_load`). Connectors
   other than ours go through vLLM's own code.
+- vLLM 0.9.2's v0 server client: its startup handshake keeps one socket across retries
+  (`wrap_startup_socket`), so a server never waits forever for an engine that already answered.
 
 vLLM runs engines and workers in processes it starts with `spawn`, where patches made here do
 not exist. `mark_environment()` records the intent in an environment variable those processes
@@ -43,11 +45,12 @@ This module imports vLLM only inside `apply_injection`.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import sys
 import types
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 from lmcache.logging import init_logger
 
@@ -59,6 +62,8 @@ INJECT_ENV = "_LMCACHE_VLLM_INJECT"
 V1_CONNECTOR = "LMCacheConnectorV1"
 # Marks functions this module produced, so a second `apply_injection` changes nothing.
 _WRAPPED_MARK = "__lmcache_wrapped__"
+# The v0 server client's attribute holding its startup socket between tries (`wrap_startup_socket`).
+_STARTUP_SOCKET = "_lmcache_startup_socket"
 
 
 OTEL_SWITCH = "OTEL_SDK_DISABLED"
@@ -240,6 +245,49 @@ def wrap_remote_kv_ready(original: Callable[..., Any]) -> Callable[..., Any]:
     return _update_waiting_for_remote_kv
 
 
+def wrap_startup_socket(original: Callable[..., Any]) -> Callable[..., Any]:
+    """vLLM 0.9.2's v0 server client keeping one startup socket until the engine has answered.
+
+    The server asks the engine process "ready?" on a fresh socket and, after `VLLM_RPC_TIMEOUT`
+    (10 s) without an answer, closes it and asks again on a new one. The engine answers only the
+    first question it receives and then stops listening for more, so when that question arrived
+    just before the client gave up, the answer goes to a closed socket and the server waits
+    forever with a healthy engine (a 2-core machine's engine start, ~10 s, sits right at that
+    boundary). Kept across the retries, the socket receives the first answer whichever question
+    it answers; it is closed once `setup` succeeds or fails for another reason.
+    """
+
+    @functools.wraps(original)
+    @contextlib.contextmanager
+    def get_data_socket(self: Any) -> Iterator[Any]:
+        opened = getattr(self, _STARTUP_SOCKET, None)
+        if opened is None:
+            opened = original(self)
+            socket = opened.__enter__()
+            setattr(self, _STARTUP_SOCKET, (opened, socket))
+        else:
+            opened, socket = opened
+            logger.info("vLLM's engine process has not answered yet; still waiting for it")
+        try:
+            yield socket
+        except TimeoutError:
+            raise  # still waiting for the engine: the next try polls this socket again
+        except BaseException:
+            _close_startup_socket(self)
+            raise
+        _close_startup_socket(self)
+
+    setattr(get_data_socket, _WRAPPED_MARK, True)
+    return get_data_socket
+
+
+def _close_startup_socket(client: Any) -> None:
+    opened = getattr(client, _STARTUP_SOCKET, None)
+    if opened is not None:
+        setattr(client, _STARTUP_SOCKET, None)
+        opened[0].__exit__(None, None, None)
+
+
 _WRAPPERS: dict[str, Callable[[Callable[..., Any]], Callable[..., Any]]] = {
     "v0_execute_model": wrap_execute_model,
     "v1_default_args": wrap_set_default_args_v1,
@@ -249,6 +297,7 @@ _WRAPPERS: dict[str, Callable[[Callable[..., Any]], Callable[..., Any]]] = {
     "v1_async_match": wrap_async_match,
     "v1_async_alloc": wrap_async_alloc,
     "v1_async_ready": wrap_remote_kv_ready,
+    "v0_startup_socket": wrap_startup_socket,
 }
 
 

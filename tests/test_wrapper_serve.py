@@ -32,8 +32,8 @@ def test_serve_hits_over_http_and_flushes_disk_on_ctrl_c(tmp_path, tiny_model):
     proc = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "serve_demo.py"), "--engine", "v0", "--model", tiny_model,
          "--prompt-tokens", str(PROMPT_TOKENS), "--disk", str(disk), "--log", str(log),
-         "--metrics-json", str(metrics_json)],
-        capture_output=True, text=True, timeout=900, cwd=str(ROOT),
+         "--metrics-json", str(metrics_json), "--start-timeout", "300"],
+        capture_output=True, text=True, timeout=600, cwd=str(ROOT),
         env={**os.environ, **env},
     )
     out = proc.stdout

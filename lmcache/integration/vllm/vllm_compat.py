@@ -383,8 +383,9 @@ class PatchPoint:
     # model-class inspection, in-process on the CPU platform), "v1_default_args" (turn on the v1
     # connector when vLLM picks the v1 engine) or "v1_engine_config" (turn it on before the
     # engine config is built, vLLM 0.32), "v1_async_match" / "v1_async_alloc" (vLLM's
-    # LMCacheConnectorV1 shell: the lookup's async flag, the allocated blocks) or "v1_async_ready"
-    # (vLLM 0.9.2's scheduler taking a finished background load).
+    # LMCacheConnectorV1 shell: the lookup's async flag, the allocated blocks), "v1_async_ready"
+    # (vLLM 0.9.2's scheduler taking a finished background load) or "v0_startup_socket" (vLLM
+    # 0.9.2's v0 server client waiting for its engine process on one socket).
     role: str
 
 
@@ -397,7 +398,8 @@ def wrapper_patch_points() -> List[PatchPoint]:
     model-class inspection in a fresh interpreter (private). Both: vLLM's `LMCacheConnectorV1`
     shell's `get_num_new_matched_tokens` (always answers "not async") and
     `update_state_after_alloc` (drops the blocks), for `enable_async_loading`; vLLM 0.9.2:
-    `Scheduler._update_waiting_for_remote_kv` (private), see `finish_short_remote_load`."""
+    `Scheduler._update_waiting_for_remote_kv` (private), see `finish_short_remote_load`, and
+    `MQLLMEngineClient.get_data_socket` (private), the v0 server's startup handshake socket."""
     from vllm.distributed.kv_transfer.kv_connector.v1.lmcache_connector import LMCacheConnectorV1
     from vllm.engine.arg_utils import EngineArgs
     from vllm.model_executor.models import registry
@@ -409,12 +411,14 @@ def wrapper_patch_points() -> List[PatchPoint]:
     ]
     if not is_legacy_vllm():
         return [PatchPoint(EngineArgs, "create_engine_config", "v1_engine_config"), inspection, *shell]
+    from vllm.engine.multiprocessing.client import MQLLMEngineClient
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.worker.cpu_model_runner import CPUModelRunner
     from vllm.worker.model_runner import ModelRunner
 
     points = [PatchPoint(EngineArgs, "_set_default_args_v1", "v1_default_args"), inspection, *shell]
     points.append(PatchPoint(Scheduler, "_update_waiting_for_remote_kv", "v1_async_ready"))
+    points.append(PatchPoint(MQLLMEngineClient, "get_data_socket", "v0_startup_socket"))
     for runner in (ModelRunner, CPUModelRunner):
         points.append(PatchPoint(runner, "execute_model", "v0_execute_model"))
         points.append(PatchPoint(runner, "load_model", "v0_load_model"))
