@@ -2,6 +2,7 @@
 same port, killable with SIGKILL) and `mooncake_client` as a storage process that only lends a
 segment, so values outlive the engines that stored them.
 
+Their command lines are `scripts/mooncake_store.py`'s (the benchmarks start the same store).
 Both come with the `mooncake-transfer-engine-non-cuda` wheel (`make setup` installs it); its
 `store.so` links Debian's `libibverbs1`, installed here with apt when missing, as
 `redis_fixture` does for `redis-server`.
@@ -11,25 +12,23 @@ from __future__ import annotations
 
 import ctypes.util
 import subprocess
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
 import pytest
-from redis_fixture import ListeningProcess, apt_install, free_port
 
-BIN = Path(sys.executable).parent
+import mooncake_store
+from redis_fixture import ListeningProcess, apt_install, free_port
 
 
 def ensure_mooncake() -> None:
     """Mooncake's client importable: libibverbs1 installed with apt if missing, the wheel required."""
     if ctypes.util.find_library("ibverbs") is None:
         apt_install("libibverbs1", why="Mooncake's store.so links libibverbs.so.1, which is missing")
-    try:
-        import mooncake.store  # noqa: F401
-    except ImportError as err:
-        raise RuntimeError(f"Mooncake's client does not import ({err}): run `make setup`") from err
+    why = mooncake_store.missing()
+    if why is not None:
+        raise RuntimeError(why)
 
 
 @dataclass
@@ -43,8 +42,7 @@ class MooncakeMaster(ListeningProcess):
     proc: Optional[subprocess.Popen] = None
 
     def argv(self) -> list[str]:
-        return [str(BIN / "mooncake_master"), f"--rpc_port={self.port}", "--rpc_address=127.0.0.1",
-                f"--metrics_port={free_port()}", "--metrics_host=127.0.0.1"]
+        return mooncake_store.master_argv(self.port)
 
     def start(self) -> "MooncakeMaster":
         ensure_mooncake()
@@ -52,7 +50,7 @@ class MooncakeMaster(ListeningProcess):
 
     @property
     def url(self) -> str:
-        return f"mooncakestore://127.0.0.1:{self.port}"
+        return mooncake_store.url(self.port)
 
 
 @dataclass
@@ -68,9 +66,7 @@ class MooncakeStorage(ListeningProcess):
     proc: Optional[subprocess.Popen] = None
 
     def argv(self) -> list[str]:
-        return [str(BIN / "mooncake_client"), f"--global_segment_size={self.segment}", "--host=127.0.0.1",
-                f"--master_server_address=127.0.0.1:{self.master.port}", "--metadata_server=P2PHANDSHAKE",
-                f"--port={self.port}", "--protocol=tcp"]
+        return mooncake_store.storage_argv(self.master.port, self.port, self.segment)
 
 
 @pytest.fixture

@@ -341,3 +341,35 @@ def test_mode_kinds_add_their_switch_to_their_tier_and_keep_a_disk_of_their_own(
     argv = remote_server_launch("lmcache-remote-slow-async", 5555, settings, None).argv
     assert argv[argv.index("--delay-ms") + 1] == "100"  # only the slow kinds' lm:// server answers late
     assert "--delay-ms" not in remote_server_launch("lmcache-remote", 5555, settings, None).argv
+
+
+def test_mooncake_kind_starts_a_master_and_a_storage_process_and_joins_as_a_pure_client():
+    from bench_serving_servers import PERSISTENT_KINDS, ServerSettings, mooncake_launches, server_launch, tier_env
+
+    settings = ServerSettings(model="m", max_model_len=1024, block_size=16, num_kv_blocks=8, chunk_size=256,
+                              cpu_tier_gb=0.5, disk_tier_gb=0.5, remote_tier_gb=0.5, disk_dir="/d")
+    env = tier_env("lmcache-mooncake", settings, 5555)
+    # The same tier settings as lm://'s kind but the URL, plus a client that lends no memory.
+    lm = tier_env("lmcache-remote", settings, 5555)
+    assert {k: v for k, v in env.items() if not k.startswith("LMCACHE_MOONCAKE_")} == {
+        **lm, "LMCACHE_REMOTE_URL": "mooncakestore://127.0.0.1:5555"}
+    assert env["LMCACHE_MOONCAKE_GLOBAL_SEGMENT_SIZE"] == "0"
+    assert env["LMCACHE_MOONCAKE_LOCAL_BUFFER_SIZE"] == str(500_000_000)
+    with pytest.raises(ValueError, match="mooncake_master"):
+        tier_env("lmcache-mooncake", settings, None)
+    assert server_launch("lmcache-mooncake", settings, 8000, ROOT / "x.log", 5555).env["LMCACHE_REMOTE_URL"] \
+        == "mooncakestore://127.0.0.1:5555"
+    master, storage = mooncake_launches(5555, 6666, settings, ROOT / "logs")
+    assert os.path.basename(master.argv[0]) == "mooncake_master" and "--rpc_port=5555" in master.argv
+    assert os.path.basename(storage.argv[0]) == "mooncake_client"
+    assert {"--master_server_address=127.0.0.1:5555", "--port=6666", "--global_segment_size=500MB",
+            "--protocol=tcp"} <= set(storage.argv)
+    assert master.log_path != storage.log_path and "lmcache-mooncake" in PERSISTENT_KINDS
+
+
+def test_mooncake_hit_target_is_its_hit_ttft_over_lm_s_in_the_same_run():
+    recs = [record("lmcache-remote", "repeat", "second", 0.10, hit=1000),
+            record("lmcache-mooncake", "repeat", "second", 0.12, hit=1000)]
+    r = ratios(summarize(recs, {}))
+    [row] = [t for t in targets(r) if t["server"] == "lmcache-mooncake" and "lm://" in t["target"]]
+    assert row["measured"] == pytest.approx(1.2) and row["met"] is True and row["rule"] == "<= 1.5"

@@ -6,16 +6,18 @@
 Prints, for 256-token chunks of the given geometry:
 - raw loopback TCP bandwidth (one connection, sendall/recv_into between two processes, 1 MiB
   per receive, into memory already touched, as our own receivers do);
-- `lm://` (our server, its own process) and Redis (`redis-server`, if installed): pipelined
-  put GB/s of encoded chunks and get GB/s of them into memory objects of a pool (checksum
-  checked, as the remote tier reads them), and each as a ratio of the raw bandwidth;
+- `lm://` (our server, its own process), Redis (`redis-server`, if installed) and Mooncake Store
+  (`mooncake_master` + a `mooncake_client` lending the segment, if the wheel is installed; we are
+  a pure client, as a vLLM instance is): pipelined put GB/s of encoded chunks and get GB/s of them
+  into memory objects of a pool (checksum checked, as the remote tier reads them), through each
+  tier's own connector, and each as a ratio of the raw bandwidth;
 - `lm://` with a token, and `lms://` (token + TLS, a throwaway CA made with `openssl`), each
   as a ratio of plain `lm://` in the same run (`--no-secure` leaves them out);
 - `naive` vs `cachegen`: bytes on the wire per chunk, encode time, and end-to-end get time
   (fetch from `lm://` + check + decode into a memory object) per chunk.
 The KV is synthetic (Gaussian with per-channel scales, as real K has outlier channels); the
 tiny model's real KV compression is measured in tests/test_remote_serde.py. The machine is
-shared and noisy: raw loopback, `lm://` and Redis run in turn in each of `--rounds` rounds and
+shared and noisy: raw loopback and every store run in turn in each of `--rounds` rounds and
 the ratios are of medians (`--json` keeps every round); the token/TLS and serde rows are best of
 `--repeats`.
 """
@@ -23,6 +25,7 @@ the ratios are of medians (`--json` keeps every round); the token/TLS and serde 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import multiprocessing as mp
@@ -41,6 +44,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
 sys.path.insert(0, str(ROOT / "scripts" / "bench"))
 
 from lmcache.experimental.memory_management import HostMemoryAllocator, MemoryFormat, MemoryObj  # noqa: E402
@@ -49,6 +53,7 @@ from lmcache.experimental.remote.redis_connector import RedisConnector  # noqa: 
 from lmcache.server.security import client_tls_context  # noqa: E402
 from lmcache.experimental.remote.serde import CacheGenSerde, NaiveSerde  # noqa: E402
 from bench_engine import interleaved, timed  # noqa: E402
+import mooncake_store  # noqa: E402
 
 TOKENS = 256
 RAW_BLOCK = 8 << 20
@@ -172,15 +177,35 @@ def blob_key(i: int) -> str:
     return f"bench@m@1@0@{i:032x}"
 
 
-def store_rounds(connector, blobs: List[bytes], tag: str, alloc: HostMemoryAllocator) -> Dict[str, Callable[[], float]]:
+def store_rounds(
+    connector, blobs: List[bytes], tag: str, alloc: HostMemoryAllocator,
+    forget: Optional[Callable[[List[str]], None]] = None,
+) -> Dict[str, Callable[[], float]]:
     """Timed pipelined put of encoded `blobs`, and get of them as the remote tier does it: each
-    into a memory object of the pool, checked (naive serde), then freed (for `interleaved`)."""
+    into a memory object of the pool, checked (naive serde), then freed (for `interleaved`).
+
+    `forget`, for a store that keeps the first value put under a key (Mooncake Store answers a put
+    of a present key at once, sending nothing): the gets' keys are put once here, and every put
+    round puts under keys of its own, handed to `forget` after the round, untimed."""
     keys = [f"bench-{tag}@m@1@0@{i:032x}" for i in range(len(blobs))]
     items = list(zip(keys, blobs))
     serde = NaiveSerde()
+    round_no = itertools.count()
 
-    def put() -> None:
-        assert all(connector.batched_put(items)), "a put was refused"
+    def put_items(batch: List[Tuple[str, bytes]]) -> None:
+        assert all(connector.batched_put(batch)), "a put was refused"
+
+    def put() -> float:
+        if forget is None:
+            return timed(lambda: put_items(items))
+        n = next(round_no)
+        fresh = [(f"{key}-put{n}", blob) for key, blob in items]
+        seconds = timed(lambda: put_items(fresh))
+        forget([key for key, _ in fresh])
+        return seconds
+
+    if forget is not None:
+        put_items(items)
 
     def get() -> None:
         got: List[MemoryObj] = []
@@ -189,7 +214,7 @@ def store_rounds(connector, blobs: List[bytes], tag: str, alloc: HostMemoryAlloc
         for obj in got:
             obj.ref_count_down()
 
-    return {f"{tag} put": lambda: timed(put), f"{tag} get": lambda: timed(get)}
+    return {f"{tag} put": put, f"{tag} get": lambda: timed(get)}
 
 
 def store_bandwidth(connector, blobs: List[bytes], repeats: int, alloc: HostMemoryAllocator) -> Tuple[float, float]:
@@ -284,6 +309,40 @@ def start_redis(workdir: str) -> Optional[Tuple[subprocess.Popen, int]]:
     return proc, port
 
 
+def start_mooncake(workdir: str, total: int) -> Optional[Tuple[List[subprocess.Popen], object]]:
+    """A master, a storage process lending room for the gets' batch and one put round's, and our
+    client of them (global segment 0: a pure client, as the serving instances are); None, with a
+    line saying why, where Mooncake is not installed."""
+    why = mooncake_store.missing()
+    if why is not None:
+        print(f"Mooncake rows skipped: {why}")
+        return None
+    from lmcache.experimental.remote.mooncake_connector import MooncakeStoreConnector
+    from lmcache.experimental.remote.mooncake_settings import MooncakeSettings
+
+    master_port, storage_port = _free_port(), _free_port()
+    procs: List[subprocess.Popen] = []
+    for name, argv, port in (
+        ("master", mooncake_store.master_argv(master_port), master_port),
+        ("storage", mooncake_store.storage_argv(master_port, storage_port, f"{(3 * total >> 20) + 64}MB"), storage_port),
+    ):
+        log = open(os.path.join(workdir, f"mooncake-{name}.log"), "ab")
+        procs.append(subprocess.Popen(argv, stdout=log, stderr=log))
+        _wait_port(port)
+    # The receive buffer holds one get batch (the tier's default, 1 GiB, would too).
+    settings = MooncakeSettings(global_segment_size=0, local_buffer_size=2 * total)
+    connector = MooncakeStoreConnector(("127.0.0.1", master_port), settings, timeout=120)
+    connector.ping()
+    return procs, connector
+
+
+def forget_mooncake(connector) -> Callable[[List[str]], None]:
+    """Remove a put round's keys (never read, so no lease holds them), keeping the segment's room."""
+    def forget(keys: List[str]) -> None:
+        assert all(connector.delete(key) for key in keys), "Mooncake kept a put round's key"
+    return forget
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--chunks", type=int, default=8)
@@ -312,6 +371,7 @@ def main() -> None:
     lm_proc, lm_port = start_lm_server(max_gb=max(1.0, total * 3 / 1e9))
     tmp = tempfile.mkdtemp(prefix="bench-redis-")
     redis_started = start_redis(tmp)
+    mooncake_started = start_mooncake(tmp, total)
     try:
         lm = LMServerConnector("127.0.0.1", lm_port, timeout=120)
         contenders: Dict[str, Callable[[], float]] = {"raw up": raw.up, "raw down": raw.down}
@@ -320,6 +380,10 @@ def main() -> None:
         if redis_started is not None:
             rc = RedisConnector([("127.0.0.1", redis_started[1])], timeout=120)
             contenders.update(store_rounds(rc, naive_blobs, "redis://", alloc))
+        mc = None
+        if mooncake_started is not None:
+            mc = mooncake_started[1]
+            contenders.update(store_rounds(mc, naive_blobs, "mooncake", alloc, forget=forget_mooncake(mc)))
         load_before = os.getloadavg()
         times = interleaved(args.rounds, contenders)
         load_after = os.getloadavg()
@@ -348,6 +412,8 @@ def main() -> None:
             secure_rows(naive_blobs, (put, get), max(1.0, total * 3 / 1e9), args.repeats, tmp, alloc)
         if rc is not None:
             rc.close()
+        if mc is not None:
+            mc.close()
 
         serde_rows = {}
         for serde in () if args.no_serde else (NaiveSerde(), CacheGenSerde()):
@@ -364,6 +430,9 @@ def main() -> None:
         if redis_started is not None:
             redis_started[0].terminate()
             redis_started[0].wait()
+        for proc in reversed(mooncake_started[0] if mooncake_started is not None else []):
+            proc.terminate()
+            proc.wait()
         shutil.rmtree(tmp, ignore_errors=True)
 
 

@@ -9,7 +9,7 @@ The vLLM line is the venv's the script runs from (.venv: 0.9.2, .venv-latest: 0.
 named for it (`serving-vllm0.32.0-<timestamp>.json`, `latest-vllm0.32.0.json`).
 
 Builds a random Llama big enough that a 3k-token prefill costs seconds (`make_tiny_model`), starts
-vLLM's OpenAI server alone and with our cache in each tier (CPU, disk, remote `lm://`), sends every
+vLLM's OpenAI server alone and with our cache in each tier (CPU, disk, remote `lm://`, Mooncake Store), sends every
 server the same seeded requests (workloads in `bench_serving_workloads.py`; `unique` runs each of our
 servers side by side with a vLLM alone of its own, passes in turn), and writes
 `bench/results/serving-<timestamp>.json` + `.png` (copied to `latest.json` / `latest.png`) with, per
@@ -47,8 +47,9 @@ from bench_serving_report import (  # noqa: E402
     attach_lmcache_hits, beside, hit_retrieve_gbps, interference, plot, plot_title, ratios, summarize, targets,
 )
 from bench_serving_servers import (  # noqa: E402
-    ALL_KINDS, PERSISTENT_KINDS, SLOW_REMOTE_KINDS, VLLM_KIND, CpuMeter, ManagedProcess, ServerError, ServerSettings,
-    describe, free_port, launch, remote_server_launch, server_launch, stop_all, tier_of,
+    ALL_KINDS, PERSISTENT_KINDS, REMOTE_TIERS, SLOW_REMOTE_KINDS, VLLM_KIND, CpuMeter, ManagedProcess, ServerError,
+    ServerSettings, describe, free_port, launch, mooncake_launches, remote_server_launch, server_launch, stop_all,
+    tier_of,
 )
 from bench_serving_client import RequestFailed  # noqa: E402
 from bench_serving_workloads import (  # noqa: E402
@@ -218,14 +219,22 @@ class Bench:
         return paired + sum(count_requests(a) + count_requests(b) for a, b in map(self.plans_for, self.servers))
 
     def _start_remote(self, kind: str, running: list[ManagedProcess]) -> Optional[int]:
-        """The lm:// server `kind`'s remote tier talks to (None for other tiers)."""
-        if tier_of(kind) != "lmcache-remote":
+        """The store `kind`'s remote tier talks to, started: the lm:// server (its port), or Mooncake
+        Store's master and storage process (the master's port); None for other tiers."""
+        if tier_of(kind) not in REMOTE_TIERS:
             return None
         port = free_port()
-        lm_log = self.log_dir / f"lm-server-{kind}-{len(running)}.log"
-        lm = launch(remote_server_launch(kind, port, self.settings, lm_log), ROOT)
-        running.append(lm)
-        lm.wait_listening(port, 60)
+        if tier_of(kind) == "lmcache-mooncake":
+            storage_port = free_port()
+            specs = mooncake_launches(port, storage_port, self.settings, self.log_dir)
+            ports = (port, storage_port)
+        else:
+            lm_log = self.log_dir / f"lm-server-{kind}-{len(running)}.log"
+            specs, ports = (remote_server_launch(kind, port, self.settings, lm_log),), (port,)
+        for spec, listens_on in zip(specs, ports):
+            proc = launch(spec, ROOT)
+            running.append(proc)
+            proc.wait_listening(listens_on, 60)
         return port
 
     def _start(self, kind: str, tag: str, remote_port: Optional[int],

@@ -276,6 +276,10 @@ def targets(r: Mapping[str, Mapping[str, Optional[float]]], itl: Optional[Mappin
         # Layer-wise hit TTFT / whole-chunk hit TTFT in one run (no vLLM-alone run needed).
         row("repeat: layer-wise hit TTFT / without", "lmcache-cpu-layerwise",
             _div(r["lmcache-cpu-layerwise"]["hit_ttft_s"], r["lmcache-cpu"]["hit_ttft_s"]), "<=", 1.0)
+    if "lmcache-remote" in r and "lmcache-mooncake" in r:
+        # Issue 32: a hit through Mooncake Store within 1.5x of one through our lm:// server, same run.
+        row("repeat: hit TTFT through Mooncake Store / through lm://", "lmcache-mooncake",
+            _div(r["lmcache-mooncake"]["hit_ttft_s"], r["lmcache-remote"]["hit_ttft_s"]), "<=", 1.5)
     for kind, ratio in (hit_copy or {}).items():
         # Issue 18: the retrieve inside a real hit >= 0.7x a plain copy measured in the same run.
         row("repeat: retrieve inside our hits / memcpy", kind, ratio, ">=", 0.7)

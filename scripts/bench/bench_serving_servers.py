@@ -7,6 +7,10 @@ Kinds:
   connector, started as `lmcache_vllm serve` (or, with door `v1`, as vLLM's own server with
   `--kv-transfer-config` naming `LMCacheConnectorV1`), holding chunks in one tier each: host RAM, a
   local directory, or an `lm://` server that this module also starts (`python -m lmcache.server`).
+- `lmcache-mooncake`: the remote tier on Mooncake Store (`mooncakestore://`): a `mooncake_master`
+  and a `mooncake_client` lending the segment, both started by this module
+  (`scripts/mooncake_store.py`'s command lines); the vLLM instance is a pure client (global segment
+  0), so its chunks outlive it as they outlive it on the `lm://` server.
 - `lmcache-cpu-layerwise`, `lmcache-disk-async`: a tier with `use_layerwise` / `enable_async_loading`.
 - `lmcache-remote-slow` / `lmcache-remote-slow-async`: the remote tier on an `lm://` server that
   answers every GET `slow_remote_delay_ms` late (`--delay-ms`), with asynchronous loading off / on:
@@ -40,6 +44,9 @@ from typing import Optional, Sequence
 from urllib.error import URLError
 from urllib.request import urlopen
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/: mooncake_store
+import mooncake_store  # noqa: E402
+
 VLLM_KIND = "vllm"
 # Our kinds with a v1 door mode on top of one tier (issue 12): kind -> (tier kind, settings).
 MODE_KINDS = {
@@ -50,14 +57,18 @@ MODE_KINDS = {
 }
 # Kinds whose lm:// server answers slowly: they run the `interference` workload and nothing else.
 SLOW_REMOTE_KINDS = ("lmcache-remote-slow", "lmcache-remote-slow-async")
-OUR_KINDS = ("lmcache-cpu", "lmcache-disk", "lmcache-remote", *MODE_KINDS)
+OUR_KINDS = ("lmcache-cpu", "lmcache-disk", "lmcache-remote", "lmcache-mooncake", *MODE_KINDS)
 ALL_KINDS = (VLLM_KIND, *OUR_KINDS)
 # Each kind's colour in the benchmark's plots (vLLM alone grey).
 KIND_COLORS = {VLLM_KIND: "#7f7f7f", "lmcache-cpu": "#1f77b4", "lmcache-disk": "#2ca02c", "lmcache-remote": "#d62728",
+               "lmcache-mooncake": "#8c564b",
                "lmcache-cpu-layerwise": "#17becf", "lmcache-disk-async": "#ff7f0e", "lmcache-remote-slow": "#ff9896",
                "lmcache-remote-slow-async": "#9467bd"}
 # Kinds whose cache outlives the vLLM process, so the restart workload means something for them.
-PERSISTENT_KINDS = ("lmcache-disk", "lmcache-remote", "lmcache-disk-async")
+PERSISTENT_KINDS = ("lmcache-disk", "lmcache-remote", "lmcache-mooncake", "lmcache-disk-async")
+# Kinds whose tier is a store this module starts beside the server: the `lm://` server, or
+# Mooncake Store's master and storage process (`remote_port` is then the master's).
+REMOTE_TIERS = ("lmcache-remote", "lmcache-mooncake")
 
 VLLM_ENTRY = ["-m", "vllm.entrypoints.openai.api_server"]
 WRAPPER_ENTRY = ["-m", "lmcache_vllm.script", "serve"]
@@ -90,7 +101,7 @@ class ServerSettings:
     chunk_size: int  # LMCache chunk size in tokens
     cpu_tier_gb: float  # our CPU tier size (the staging memory of the disk and remote kinds)
     disk_tier_gb: float  # our disk tier size
-    remote_tier_gb: float  # the lm:// server's memory
+    remote_tier_gb: float  # the lm:// server's memory, and the segment Mooncake's storage process lends
     disk_dir: str  # where the disk tier keeps chunks
     door: str = "wrapper"  # "wrapper": `lmcache_vllm serve`; "v1": vLLM's own server + our connector
     slow_remote_delay_ms: float = 100.0  # the lm:// server's delay per GET for SLOW_REMOTE_KINDS
@@ -176,6 +187,18 @@ def tier_env(kind: str, settings: ServerSettings, remote_port: Optional[int]) ->
             LMCACHE_REMOTE_URL=f"lm://127.0.0.1:{remote_port}",
             LMCACHE_REMOTE_SERDE="naive",
         )
+    elif kind == "lmcache-mooncake":
+        if remote_port is None:
+            raise ValueError("lmcache-mooncake needs the port of a running mooncake_master")
+        env.update(
+            LMCACHE_LOCAL_CPU="False",
+            LMCACHE_REMOTE_URL=mooncake_store.url(remote_port),
+            LMCACHE_REMOTE_SERDE="naive",
+            # A pure client: the storage process lends the pool its memory; the receive buffer
+            # bounds one get batch, so it gets the tier's size (every chunk of the run would fit).
+            LMCACHE_MOONCAKE_GLOBAL_SEGMENT_SIZE="0",
+            LMCACHE_MOONCAKE_LOCAL_BUFFER_SIZE=str(int(settings.remote_tier_gb * 1e9)),
+        )
     else:
         raise ValueError(f"server kind {kind!r} is not one of {', '.join(ALL_KINDS)}")
     return env
@@ -214,6 +237,17 @@ def remote_server_launch(kind: str, port: int, settings: ServerSettings, log_pat
         *(["--delay-ms", f"{settings.slow_remote_delay_ms:g}"] if kind in SLOW_REMOTE_KINDS else []),
     ]
     return LaunchSpec("lm-server", argv, {"LMCACHE_LOG_LEVEL": "INFO"}, log_path)
+
+
+def mooncake_launches(master_port: int, storage_port: int, settings: ServerSettings,
+                      log_dir: Path) -> tuple[LaunchSpec, LaunchSpec]:
+    """How to start the Mooncake Store `lmcache-mooncake` talks to: the master on `master_port`,
+    then a storage process lending `remote_tier_gb` (the `lm://` server's size) on `storage_port`."""
+    segment = f"{max(1, round(settings.remote_tier_gb * 1000))}MB"
+    return (LaunchSpec("mooncake-master", mooncake_store.master_argv(master_port), {},
+                       log_dir / f"mooncake-master-{master_port}.log"),
+            LaunchSpec("mooncake-storage", mooncake_store.storage_argv(master_port, storage_port, segment), {},
+                       log_dir / f"mooncake-storage-{storage_port}.log"))
 
 
 def clean_environ(overlay: dict[str, str]) -> dict[str, str]:

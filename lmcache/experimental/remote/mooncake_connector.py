@@ -17,6 +17,11 @@ call, ~4 s seen), and its `setup` retries for ~90 s holding the GIL. So:
   (`lookup_timeout` for exists, `timeout` for gets and puts); at most `pool_size` run at once.
   A put abandoned this way may still read its object after the tier freed it: the stored value
   then fails its checksum and reads as a miss, never as wrong bytes.
+Threads: the setup thread and the call threads are prepared as our other threads are
+(`background_threads.prepare_thread`: the process's whole CPU mask). Mooncake starts its own
+transfer threads inside `setup` and the calls, and they inherit the creator's mask: created from
+vLLM's model thread, they were all pinned to its one core and competed with the forward pass
+(25 such threads seen in the engine's `/proc/<pid>/task`, now on every core of the process).
 Return codes: RPC_FAIL (master unreachable) raises `RemoteUnavailableError`; anything else
 negative is a miss or a refused put (logged, rate-limited).
 """
@@ -32,6 +37,7 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from lmcache.background_threads import prepared, thread_initializer
 from lmcache.experimental.config import MOONCAKE_SCHEME
 from lmcache.experimental.remote.connector import (
     Buffer,
@@ -85,7 +91,8 @@ class MooncakeStoreConnector(RemoteConnector):
         self._setup: Optional[threading.Thread] = None
         self._setup_done = threading.Event()
         self._setup_error = ""
-        self._calls = ThreadPoolExecutor(max_workers=pool_size, thread_name_prefix="lmcache-mooncake")
+        self._calls = ThreadPoolExecutor(max_workers=pool_size, thread_name_prefix="lmcache-mooncake",
+                                         initializer=thread_initializer("lmc-mooncake", background=False))
         self._slots = threading.BoundedSemaphore(pool_size)
         self._refused = 0
         self._failed_gets = 0
@@ -194,7 +201,8 @@ class MooncakeStoreConnector(RemoteConnector):
                 return self._store
             if self._setup is None or not self._setup.is_alive():
                 self._setup_done.clear()
-                self._setup = threading.Thread(target=self._run_setup, name="lmcache-mooncake-setup", daemon=True)
+                self._setup = threading.Thread(target=prepared(self._run_setup, "lmc-mooncake-set", background=False),
+                                               name="lmcache-mooncake-setup", daemon=True)
                 self._setup.start()
             done = self._setup_done
         done.wait(wait)

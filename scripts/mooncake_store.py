@@ -1,0 +1,59 @@
+"""A Mooncake Store on this machine, as the tests and benchmarks start one: `mooncake_master` on a
+loopback port and `mooncake_client` as a storage process that only lends the pool a segment, so
+values outlive the clients that stored them (a vLLM instance then joins as a pure client).
+
+Only the command lines and the check that the client imports live here; starting, waiting and
+stopping stay with each caller's own process helper (`tests/mooncake_fixture.py`,
+`scripts/bench/bench_remote.py`, `scripts/bench/bench_serving_servers.py`). Both binaries come
+with the `mooncake-transfer-engine-non-cuda` wheel (`make setup`), beside the venv's python.
+"""
+
+from __future__ import annotations
+
+import ctypes.util
+import socket
+import sys
+from pathlib import Path
+from typing import Optional
+
+BIN = Path(sys.executable).parent
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def missing() -> Optional[str]:
+    """Why Mooncake's client cannot run here (None: it can): Debian's libibverbs1, which its
+    `store.so` links, or the wheel itself."""
+    if ctypes.util.find_library("ibverbs") is None:
+        return "Mooncake's store.so links libibverbs.so.1, which is missing (apt-get install libibverbs1)"
+    try:
+        import mooncake.store  # noqa: F401
+    except ImportError as err:
+        return f"Mooncake's client does not import ({err}): run `make setup`"
+    if not (BIN / "mooncake_master").exists():
+        return f"no mooncake_master beside {sys.executable}: run `make setup`"
+    return None
+
+
+def master_argv(port: int, metrics_port: Optional[int] = None) -> list[str]:
+    """`mooncake_master` on 127.0.0.1:`port`, its metrics on a loopback port too (default: a free one)."""
+    return [str(BIN / "mooncake_master"), f"--rpc_port={port}", "--rpc_address=127.0.0.1",
+            f"--metrics_port={metrics_port or free_port()}", "--metrics_host=127.0.0.1"]
+
+
+def storage_argv(master_port: int, port: int, segment: str = "128MB") -> list[str]:
+    """`mooncake_client` lending `segment` (bytes, or like '512MB') to the master's pool over TCP,
+    listening on 127.0.0.1:`port`; it stores nothing itself."""
+    return [str(BIN / "mooncake_client"), f"--global_segment_size={segment}", "--host=127.0.0.1",
+            f"--master_server_address=127.0.0.1:{master_port}", "--metadata_server=P2PHANDSHAKE",
+            f"--port={port}", "--protocol=tcp"]
+
+
+def url(master_port: int) -> str:
+    """The `remote_url` of the master on 127.0.0.1:`master_port`."""
+    return f"mooncakestore://127.0.0.1:{master_port}"
