@@ -8,6 +8,9 @@ Kinds:
   `--kv-transfer-config` naming `LMCacheConnectorV1`), holding chunks in one tier each: host RAM, a
   local directory, or an `lm://` server that this module also starts (`python -m lmcache.server`).
 - `lmcache-cpu-layerwise`, `lmcache-disk-async`: a tier with `use_layerwise` / `enable_async_loading`.
+- `lmcache-pool` (the multi-instance benchmark's, not in `ALL_KINDS`): the remote tier on the node
+  pool (`lm+shm://`, an `lmcache.server --unix-socket` this module starts too) with no CPU tier
+  of its own, so the instances of one machine share one copy of each chunk.
 - `lmcache-remote-slow` / `lmcache-remote-slow-async`: the remote tier on an `lm://` server that
   answers every GET `slow_remote_delay_ms` late (`--delay-ms`), with asynchronous loading off / on:
   the `interference` workload's slow tier (and the only workload they run).
@@ -48,6 +51,8 @@ MODE_KINDS = {
     "lmcache-remote-slow": ("lmcache-remote", {}),
     "lmcache-remote-slow-async": ("lmcache-remote", {"LMCACHE_ENABLE_ASYNC_LOADING": "True"}),
 }
+# Our cache on the node pool (`lm+shm://`): the multi-instance benchmark's shared kind.
+POOL_KIND = "lmcache-pool"
 # Kinds whose lm:// server answers slowly: they run the `interference` workload and nothing else.
 SLOW_REMOTE_KINDS = ("lmcache-remote-slow", "lmcache-remote-slow-async")
 OUR_KINDS = ("lmcache-cpu", "lmcache-disk", "lmcache-remote", *MODE_KINDS)
@@ -55,7 +60,8 @@ ALL_KINDS = (VLLM_KIND, *OUR_KINDS)
 # Each kind's colour in the benchmark's plots (vLLM alone grey).
 KIND_COLORS = {VLLM_KIND: "#7f7f7f", "lmcache-cpu": "#1f77b4", "lmcache-disk": "#2ca02c", "lmcache-remote": "#d62728",
                "lmcache-cpu-layerwise": "#17becf", "lmcache-disk-async": "#ff7f0e", "lmcache-remote-slow": "#ff9896",
-               "lmcache-remote-slow-async": "#9467bd"}
+               "lmcache-remote-slow-async": "#9467bd",
+               POOL_KIND: "#8c564b"}
 # Kinds whose cache outlives the vLLM process, so the restart workload means something for them.
 PERSISTENT_KINDS = ("lmcache-disk", "lmcache-remote", "lmcache-disk-async")
 
@@ -95,6 +101,7 @@ class ServerSettings:
     door: str = "wrapper"  # "wrapper": `lmcache_vllm serve`; "v1": vLLM's own server + our connector
     slow_remote_delay_ms: float = 100.0  # the lm:// server's delay per GET for SLOW_REMOTE_KINDS
     extra_vllm_args: tuple[str, ...] = ()
+    pool_socket: str = ""  # the node pool's unix socket (POOL_KIND)
 
 
 @dataclass
@@ -176,8 +183,16 @@ def tier_env(kind: str, settings: ServerSettings, remote_port: Optional[int]) ->
             LMCACHE_REMOTE_URL=f"lm://127.0.0.1:{remote_port}",
             LMCACHE_REMOTE_SERDE="naive",
         )
+    elif kind == POOL_KIND:
+        if not settings.pool_socket:
+            raise ValueError(f"{POOL_KIND} needs the node pool's socket (settings.pool_socket)")
+        env.update(
+            LMCACHE_LOCAL_CPU="False",
+            LMCACHE_REMOTE_URL=f"lm+shm://{settings.pool_socket}",
+            LMCACHE_REMOTE_SERDE="naive",
+        )
     else:
-        raise ValueError(f"server kind {kind!r} is not one of {', '.join(ALL_KINDS)}")
+        raise ValueError(f"server kind {kind!r} is not one of {', '.join((*ALL_KINDS, POOL_KIND))}")
     return env
 
 
@@ -204,10 +219,15 @@ def server_launch(
     return LaunchSpec(kind, argv, env, log_path, health_url=f"http://127.0.0.1:{port}/health")
 
 
-def remote_server_launch(kind: str, port: int, settings: ServerSettings, log_path: Path) -> LaunchSpec:
-    """How to start the `lm://` server the remote tier of `kind` talks to."""
+def remote_server_launch(kind: str, port: Optional[int], settings: ServerSettings, log_path: Path,
+                         metrics_port: Optional[int] = None) -> LaunchSpec:
+    """How to start the `lm://` server the remote tier of `kind` talks to (on `port`; for
+    POOL_KIND on `settings.pool_socket`, and on `port` too unless it is None)."""
     argv = [
-        sys.executable, "-m", "lmcache.server", "127.0.0.1", str(port),
+        sys.executable, "-m", "lmcache.server",
+        *(["127.0.0.1", str(port)] if port is not None else []),
+        *(["--unix-socket", settings.pool_socket] if kind == POOL_KIND else []),
+        *(["--metrics-port", str(metrics_port)] if metrics_port is not None else []),
         "--max-size-gb", f"{settings.remote_tier_gb:g}",
         # Beside the engine on the same cores: fault the store in at start, not during serving.
         "--prefault",
