@@ -14,6 +14,10 @@ Texts are words of the bench model's tokenizer vocabulary (`make_tiny_model.WORD
 token each) drawn from generators seeded by the seed and the part's name, and the answers in the
 history are seeded too rather than what the model said: every kind of server gets the very same
 requests, whatever its numerics. Requests are streamed chat completions (`stream_chat`).
+
+Before the plan, `warm_up` sends each instance one short request of its own (sharing nothing with
+the plan) straight, not through the proxy: an instance's first request pays one-time costs (ours
+about 1-2 s on this machine, whatever the tier), which are not what the rounds compare.
 """
 
 from __future__ import annotations
@@ -155,6 +159,20 @@ class QARunner:
                 else:
                     await asyncio.gather(*(one(turn) for turn in turns))
             self.wall_s = time.perf_counter() - start
+
+
+WARMUP_WORDS = 24
+
+
+async def warm_up(base_urls: Sequence[str], model: str, s: QASizes, clock_zero: float) -> list[float]:
+    """One short request to each of `base_urls` in turn; their TTFTs."""
+    ttfts = []
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_read=900)) as session:
+        for i, url in enumerate(base_urls):
+            messages = [{"role": "user", "content": words(WARMUP_WORDS, s.seed, "warmup", i)}]
+            comp = await stream_chat(session, url, model, messages, 2, f"bench-warmup-{i}", clock_zero)
+            ttfts.append(comp.ttft_s)
+    return ttfts
 
 
 def run_plan(runner: QARunner, rounds: Sequence[Sequence[Turn]], max_tokens: int,
