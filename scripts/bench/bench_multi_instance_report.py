@@ -22,6 +22,8 @@ PRIVATE_KIND = "lmcache-cpu"
 TCP_KIND = "lmcache-remote"
 KIND_LABELS = {VLLM_KIND: "vLLM alone", PRIVATE_KIND: "private CPU tiers", POOL_KIND: "node pool (lm+shm)",
                TCP_KIND: "lm:// TCP sharing"}
+SHORT_LABELS = {VLLM_KIND: "vLLM\nalone", PRIVATE_KIND: "private\ntiers", POOL_KIND: "node pool\nlm+shm",
+                TCP_KIND: "lm://\nTCP"}
 POOL_OVER_PRIVATE_MAX = 0.5
 
 
@@ -111,7 +113,7 @@ def figure(summary: Mapping[str, dict], title: str):
 
     kinds = list(summary)
     rounds = sorted({int(k) for s in summary.values() for k in s["rounds"]})
-    fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(13, 5.2), gridspec_kw={"width_ratios": [2.2, 1]})
+    fig, (ax_t, ax_h, ax_m) = plt.subplots(1, 3, figsize=(15, 5.4), gridspec_kw={"width_ratios": [2.2, 1, 1]})
     width = 0.8 / max(1, len(kinds))
     for j, kind in enumerate(kinds):
         xs = [r + (j - (len(kinds) - 1) / 2) * width for r in rounds]
@@ -129,14 +131,26 @@ def figure(summary: Mapping[str, dict], title: str):
     ax_t.legend(loc="upper center", bbox_to_anchor=(0.5, -0.1), ncol=2, fontsize=9, frameon=False)
     ax_t.grid(axis="y", alpha=0.3)
 
+    names = [SHORT_LABELS.get(k, k) for k in kinds]
+    vllm_hits = [summary[k]["vllm_prefix_hit_tokens"] / 1e3 for k in kinds]
+    our_hits = [summary[k]["lmcache_hit_tokens"] / 1e3 for k in kinds]
+    ax_h.bar(range(len(kinds)), vllm_hits, color="#bbbbbb", label="vLLM's own prefix cache")
+    ax_h.bar(range(len(kinds)), our_hits, bottom=vllm_hits, color=[KIND_COLORS.get(k, "#333333") for k in kinds],
+             label="ours (LMCache)")
+    ax_h.set_xticks(range(len(kinds)), names, fontsize=9)
+    ax_h.set_ylabel("thousand tokens")
+    ax_h.set_title("Hit tokens, all instances\n(from each instance's /metrics)")
+    ax_h.set_ylim(0, max([a + b for a, b in zip(vllm_hits, our_hits)] + [1]) * 1.25)
+    ax_h.legend(loc="upper left", fontsize=8)
+    ax_h.grid(axis="y", alpha=0.3)
+
     ours = [k for k in kinds if k != VLLM_KIND]  # vLLM alone keeps no cache outside its fixed KV space
     mib = [summary[k]["memory"]["total_bytes"] / 2**20 for k in ours]
     bars = ax_m.bar(range(len(ours)), mib, color=[KIND_COLORS.get(k, "#333333") for k in ours])
     for bar, value in zip(bars, mib):
-        ax_m.annotate(f"{value:.0f}", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+        ax_m.annotate(f"{value:.0f}" if value >= 10 else f"{value:.1f}", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
                       ha="center", va="bottom", fontsize=9, xytext=(0, 2), textcoords="offset points")
-    ax_m.set_xticks(range(len(ours)), [KIND_LABELS.get(k, k).replace(" (", "\n(") for k in ours],
-                    fontsize=8, rotation=20, ha="right")
+    ax_m.set_xticks(range(len(ours)), [SHORT_LABELS.get(k, k) for k in ours], fontsize=9)
     ax_m.set_ylabel("MiB")
     ax_m.set_title("KV cache memory at the end\n(instances' tiers + shared store)")
     ax_m.set_ylim(0, max(mib + [1]) * 1.18)
