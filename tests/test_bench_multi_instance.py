@@ -13,10 +13,13 @@ import pytest
 from aiohttp import web
 
 from conftest import ROOT
+from helpers import text_clashes
 
 sys.path.insert(0, str(ROOT / "scripts" / "bench"))
 
-from bench_multi_instance_report import figure, instance_counters, moved_turns, summarize_kind, targets  # noqa: E402
+from bench_multi_instance_report import (  # noqa: E402
+    figure, instance_counters, moved_turns, plot_title, summarize_kind, targets,
+)
 from bench_serving_client import SERVED_BY_HEADER, stream_chat  # noqa: E402
 from multi_round_qa import QARecord, QARunner, QASizes, next_turn_moves, qa_plan  # noqa: E402
 from round_robin_proxy import ProxyLimits, ProxyThread, RoundRobinProxy  # noqa: E402
@@ -235,3 +238,11 @@ def test_summary_targets_and_figure(tmp_path):
     fig = figure(summary, "t")
     fig.savefig(tmp_path / "f.png")
     assert (tmp_path / "f.png").stat().st_size > 10_000
+
+
+@pytest.mark.parametrize("run", ["multi-instance-20261127-021505", "multi-instance-20261127-020706"])
+def test_the_committed_figures_have_no_text_over_text_or_axes(run):
+    import json
+
+    result = json.loads((ROOT / "bench" / "results" / f"{run}.json").read_text())
+    assert text_clashes(figure(result["summary"], plot_title(result))) == []

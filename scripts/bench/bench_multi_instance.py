@@ -40,7 +40,9 @@ import aiohttp
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # make_tiny_model
 
-from bench_multi_instance_report import KIND_LABELS, instance_counters, plot, summarize_kind, targets  # noqa: E402
+from bench_multi_instance_report import (  # noqa: E402
+    KIND_LABELS, instance_counters, plot, plot_title, summarize_kind, targets,
+)
 from bench_serving import BENCH_MODEL, git_state, kv_bytes_per_token, shown, versions  # noqa: E402
 from bench_serving_client import RequestFailed, parse_prefix_counters  # noqa: E402
 from bench_serving_servers import (  # noqa: E402
@@ -282,9 +284,7 @@ def main(argv: list[str]) -> int:
     png_path = out_dir / f"multi-instance-{stamp}.png"
     json_path.write_text(json.dumps(result, indent=1) + "\n")
     if bench.summary:
-        title = (f"Multi-instance: {args.multi_instance} instances behind a round-robin proxy, {sizes.users} users x "
-                 f"{sizes.rounds} rounds ({result['started']}, {os.cpu_count()} CPUs)")
-        plot(bench.summary, title, png_path)
+        plot(bench.summary, plot_title(result), png_path)
     print_table(bench.summary, tgt)
     print(f"bench_multi_instance: wrote {shown(json_path)} and {shown(png_path)} in {result['duration_s']:.0f} s "
           f"(logs in {shown(log_dir)})")

@@ -6,12 +6,14 @@
 - `targets` (issue 31): mean TTFT with the pool <= 0.5x the private tiers' and below `lm://`
   sharing's; one copy of each chunk on the machine (the instances hold no private copy and the
   pool holds less than the private tiers' sum).
-- `plot`: TTFT per round, and memory, one bar group per kind.
+- `plot`: TTFT per round, hit tokens and memory, one bar (group) per kind; `replot` draws a run's
+  figure again from its JSON.
 """
 
 from __future__ import annotations
 
 import statistics
+from pathlib import Path
 from typing import Mapping, Optional, Sequence
 
 from bench_serving_report import percentile
@@ -136,12 +138,12 @@ def figure(summary: Mapping[str, dict], title: str):
     our_hits = [summary[k]["lmcache_hit_tokens"] / 1e3 for k in kinds]
     ax_h.bar(range(len(kinds)), vllm_hits, color="#bbbbbb", label="vLLM's own prefix cache")
     ax_h.bar(range(len(kinds)), our_hits, bottom=vllm_hits, color=[KIND_COLORS.get(k, "#333333") for k in kinds],
-             label="ours (LMCache)")
+             label="ours (LMCache), in the kind's colour")
     ax_h.set_xticks(range(len(kinds)), names, fontsize=9)
     ax_h.set_ylabel("thousand tokens")
     ax_h.set_title("Hit tokens, all instances\n(from each instance's /metrics)")
-    ax_h.set_ylim(0, max([a + b for a, b in zip(vllm_hits, our_hits)] + [1]) * 1.25)
-    ax_h.legend(loc="upper left", fontsize=8)
+    ax_h.set_ylim(0, max([a + b for a, b in zip(vllm_hits, our_hits)] + [1]) * 1.1)
+    ax_h.legend(loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=1, fontsize=8, frameon=False)
     ax_h.grid(axis="y", alpha=0.3)
 
     ours = [k for k in kinds if k != VLLM_KIND]  # vLLM alone keeps no cache outside its fixed KV space
@@ -158,6 +160,22 @@ def figure(summary: Mapping[str, dict], title: str):
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     return fig
+
+
+def plot_title(result: Mapping) -> str:
+    sizes = result["sizes"]
+    return (f"Multi-instance: {result['instances']} instances behind a round-robin proxy, {sizes['users']} users x "
+            f"{sizes['rounds']} rounds ({result['started']}, {result['machine']['cpus']} CPUs)")
+
+
+def replot(json_path: Path) -> Path:
+    """Draw a run's figure again from its JSON, beside it."""
+    import json
+
+    result = json.loads(json_path.read_text())
+    out = json_path.with_suffix(".png")
+    plot(result["summary"], plot_title(result), out)
+    return out
 
 
 def plot(summary: Mapping[str, dict], title: str, out) -> None:
