@@ -1,6 +1,6 @@
 """Multi-instance benchmark (issue 31): N vLLM instances on one machine behind a round-robin proxy.
 
-    .venv/bin/python scripts/bench/bench_serving.py --multi-instance 2            # full run (~10-15 min)
+    .venv/bin/python scripts/bench/bench_serving.py --multi-instance 2    # full run, 7-9 min here (2 or 3)
     .venv/bin/python scripts/bench/bench_serving.py --multi-instance 2 --quick    # tiny model, smoke check
 
 Kinds, one after another, each on N fresh instances started side by side and sent the same seeded

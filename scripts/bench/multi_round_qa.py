@@ -16,8 +16,10 @@ history are seeded too rather than what the model said: every kind of server get
 requests, whatever its numerics. Requests are streamed chat completions (`stream_chat`).
 
 Before the plan, `warm_up` sends each instance one short request of its own (sharing nothing with
-the plan) straight, not through the proxy: an instance's first request pays one-time costs (ours
-about 1-2 s on this machine, whatever the tier), which are not what the rounds compare.
+the plan) straight, not through the proxy, so that an instance's first request is not the first
+user's. It is shorter than a chunk, so it stores nothing: each of our instances' first store, which
+costs more than later ones, stays in round 1 (up to 0.4 s over vLLM alone's first request in the
+quiet run of 2026-11-27).
 """
 
 from __future__ import annotations
