@@ -3,6 +3,7 @@
     .venv/bin/python scripts/bench/bench_serving.py            # full run (~15-20 min on 2 quiet cores)
     .venv/bin/python scripts/bench/bench_serving.py --quick    # tiny model, 2-3 requests per workload
     .venv/bin/python scripts/bench/bench_serving.py --vllm-line latest   # the same on vLLM 0.32
+    .venv/bin/python scripts/bench/bench_serving.py --multi-instance 2   # N instances, one KV pool (issue 31)
 
 The vLLM line is the venv's the script runs from (.venv: 0.9.2, .venv-latest: 0.32);
 `--vllm-line legacy|latest` starts it again from that venv. Results of a line other than 0.9 are
@@ -17,6 +18,10 @@ server, workload and phase: mean/p50/p90 TTFT, throughput and hit rates, the rat
 and the issue's targets. Each of our servers' `lmcache:` metrics are scraped every second while it
 runs (`bench_metrics.py`), kept with its process and checked against its per-request log lines, and
 drawn as the Grafana dashboard's panels in `serving-<timestamp>-metrics.png` (`latest-metrics.png`). Exit code 1 when any server failed (the others are still reported).
+
+`--multi-instance N` runs another benchmark instead, with flags of its own: N instances per kind
+behind a round-robin proxy, multi-round QA, the node pool against private tiers and `lm://`
+sharing (`bench_multi_instance.py`).
 """
 
 from __future__ import annotations
@@ -376,6 +381,11 @@ def memcpy_gbps(nbytes: int = 256 << 20, rounds: int = 7) -> float:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
+    given = list(sys.argv[1:] if argv is None else argv)
+    if any(a == "--multi-instance" or a.startswith("--multi-instance=") for a in given):
+        from bench_multi_instance import main as multi_instance_main  # late: it imports this module
+
+        return multi_instance_main(given)
     args = parse_args(argv)
     switch_vllm_line(args.vllm_line, list(sys.argv[1:] if argv is None else argv))
     os.chdir(ROOT)

@@ -5,6 +5,8 @@
   even one whose text is still empty, so that chunk is the first token). The request id is set
   through `X-Request-Id`, which vLLM turns into its engine request id `cmpl-<id>-0`; our log lines
   name that id, so hits are matched to requests exactly.
+- `stream_chat`: the same through `/v1/chat/completions` with a list of messages (vLLM's engine
+  request id is then `chatcmpl-<id>`).
 - `reset_prefix_cache`: POST `/reset_prefix_cache` (a dev endpoint): drops vLLM's own prefix cache,
   so the next identical prompt has to come from our tier or be recomputed.
 - `prefix_cache_counters`: vLLM's own prefix-cache counters from `/metrics` (queried and hit tokens).
@@ -20,6 +22,7 @@ from typing import Callable, Optional, Sequence
 
 import aiohttp
 
+SERVED_BY_HEADER = "X-Served-By"  # set by `round_robin_proxy.py` on every answer it passes on
 _METRIC_RE = re.compile(r"^(vllm:prefix_cache_(?:queries|hits)_total)\{[^}]*\}\s+([0-9.eE+-]+)\s*$", re.M)
 
 
@@ -39,6 +42,7 @@ class Completion:
     start_s: float
     # (arrival from the run's clock, tokens generated so far) for every chunk that carried tokens
     token_times: tuple[tuple[float, int], ...] = ()
+    served_by: str = ""  # the backend a proxy in front named (`X-Served-By`), else ""
 
 
 @dataclass(frozen=True)
@@ -70,24 +74,56 @@ async def stream_completion(
     """Send one greedy streamed completion and time it; `progress(n)` hears each chunk's token count
     so far. vLLM may merge tokens into one chunk when its output loop falls behind, so the count
     comes from the usage vLLM sends with every chunk (`continuous_usage_stats`)."""
-    body = {
-        "model": model,
-        "prompt": list(prompt),
+    body = {"model": model, "prompt": list(prompt), **_stream_fields(max_tokens)}
+    return await _stream(session, f"{base_url}/v1/completions", body, header_id, engine_request_id(header_id),
+                         clock_zero, progress, len(prompt))
+
+
+async def stream_chat(
+    session: aiohttp.ClientSession,
+    base_url: str,
+    model: str,
+    messages: Sequence[dict],
+    max_tokens: int,
+    header_id: str,
+    clock_zero: float,
+) -> Completion:
+    """Send one greedy streamed chat completion and time it, as `stream_completion` does. vLLM
+    sends the chunk that names the assistant's role with the first token, so it counts as one."""
+    body = {"model": model, "messages": list(messages), **_stream_fields(max_tokens)}
+    return await _stream(session, f"{base_url}/v1/chat/completions", body, header_id, f"chatcmpl-{header_id}",
+                         clock_zero, None, 0)
+
+
+def _stream_fields(max_tokens: int) -> dict:
+    """Greedy, exactly `max_tokens` tokens, streamed with the usage in every chunk."""
+    return {
         "max_tokens": max_tokens,
         "temperature": 0.0,
         "ignore_eos": True,
         "stream": True,
         "stream_options": {"include_usage": True, "continuous_usage_stats": True},
     }
+
+
+async def _stream(
+    session: aiohttp.ClientSession,
+    url: str,
+    body: dict,
+    header_id: str,
+    request_id: str,
+    clock_zero: float,
+    progress: Optional[Callable[[int], None]],
+    prompt_tokens: int,  # if the server sends no usage
+) -> Completion:
     start = time.perf_counter()
     ttft = None
     usage: dict = {}
     token_times: list[tuple[float, int]] = []
-    async with session.post(
-        f"{base_url}/v1/completions", json=body, headers={"X-Request-Id": header_id}
-    ) as resp:
+    async with session.post(url, json=body, headers={"X-Request-Id": header_id}) as resp:
         if resp.status != 200:
             raise RequestFailed(f"{header_id}: HTTP {resp.status}: {(await resp.text())[:2000]}")
+        served_by = resp.headers.get(SERVED_BY_HEADER, "")
         async for raw in resp.content:
             line = raw.strip()
             if not line.startswith(b"data:"):
@@ -111,13 +147,14 @@ async def stream_completion(
     if ttft is None:
         raise RequestFailed(f"{header_id}: the stream ended without a token")
     return Completion(
-        request_id=engine_request_id(header_id),
-        prompt_tokens=int(usage.get("prompt_tokens", len(prompt))),
+        request_id=request_id,
+        prompt_tokens=int(usage.get("prompt_tokens", prompt_tokens)),
         output_tokens=int(usage.get("completion_tokens", 0)),
         ttft_s=ttft,
         latency_s=latency,
         start_s=start - clock_zero,
         token_times=tuple(token_times),
+        served_by=served_by,
     )
 
 

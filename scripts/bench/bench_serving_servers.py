@@ -12,6 +12,9 @@ Kinds:
   (`scripts/mooncake_store.py`'s command lines); the vLLM instance is a pure client (global segment
   0), so its chunks outlive it as they outlive it on the `lm://` server.
 - `lmcache-cpu-layerwise`, `lmcache-disk-async`: a tier with `use_layerwise` / `enable_async_loading`.
+- `lmcache-pool` (the multi-instance benchmark's, not in `ALL_KINDS`): the remote tier on the node
+  pool (`lm+shm://`, an `lmcache.server --unix-socket` this module starts too) with no CPU tier
+  of its own, so the instances of one machine share one copy of each chunk.
 - `lmcache-remote-slow` / `lmcache-remote-slow-async`: the remote tier on an `lm://` server that
   answers every GET `slow_remote_delay_ms` late (`--delay-ms`), with asynchronous loading off / on:
   the `interference` workload's slow tier (and the only workload they run).
@@ -55,6 +58,8 @@ MODE_KINDS = {
     "lmcache-remote-slow": ("lmcache-remote", {}),
     "lmcache-remote-slow-async": ("lmcache-remote", {"LMCACHE_ENABLE_ASYNC_LOADING": "True"}),
 }
+# Our cache on the node pool (`lm+shm://`): the multi-instance benchmark's shared kind.
+POOL_KIND = "lmcache-pool"
 # Kinds whose lm:// server answers slowly: they run the `interference` workload and nothing else.
 SLOW_REMOTE_KINDS = ("lmcache-remote-slow", "lmcache-remote-slow-async")
 OUR_KINDS = ("lmcache-cpu", "lmcache-disk", "lmcache-remote", "lmcache-mooncake", *MODE_KINDS)
@@ -63,7 +68,8 @@ ALL_KINDS = (VLLM_KIND, *OUR_KINDS)
 KIND_COLORS = {VLLM_KIND: "#7f7f7f", "lmcache-cpu": "#1f77b4", "lmcache-disk": "#2ca02c", "lmcache-remote": "#d62728",
                "lmcache-mooncake": "#8c564b",
                "lmcache-cpu-layerwise": "#17becf", "lmcache-disk-async": "#ff7f0e", "lmcache-remote-slow": "#ff9896",
-               "lmcache-remote-slow-async": "#9467bd"}
+               "lmcache-remote-slow-async": "#9467bd",
+               POOL_KIND: "#8c564b"}
 # Kinds whose cache outlives the vLLM process, so the restart workload means something for them.
 PERSISTENT_KINDS = ("lmcache-disk", "lmcache-remote", "lmcache-mooncake", "lmcache-disk-async")
 # Kinds whose tier is a store this module starts beside the server: the `lm://` server, or
@@ -106,6 +112,7 @@ class ServerSettings:
     door: str = "wrapper"  # "wrapper": `lmcache_vllm serve`; "v1": vLLM's own server + our connector
     slow_remote_delay_ms: float = 100.0  # the lm:// server's delay per GET for SLOW_REMOTE_KINDS
     extra_vllm_args: tuple[str, ...] = ()
+    pool_socket: str = ""  # the node pool's unix socket (POOL_KIND)
 
 
 @dataclass
@@ -199,8 +206,16 @@ def tier_env(kind: str, settings: ServerSettings, remote_port: Optional[int]) ->
             LMCACHE_MOONCAKE_GLOBAL_SEGMENT_SIZE="0",
             LMCACHE_MOONCAKE_LOCAL_BUFFER_SIZE=str(int(settings.remote_tier_gb * 1e9)),
         )
+    elif kind == POOL_KIND:
+        if not settings.pool_socket:
+            raise ValueError(f"{POOL_KIND} needs the node pool's socket (settings.pool_socket)")
+        env.update(
+            LMCACHE_LOCAL_CPU="False",
+            LMCACHE_REMOTE_URL=f"lm+shm://{settings.pool_socket}",
+            LMCACHE_REMOTE_SERDE="naive",
+        )
     else:
-        raise ValueError(f"server kind {kind!r} is not one of {', '.join(ALL_KINDS)}")
+        raise ValueError(f"server kind {kind!r} is not one of {', '.join((*ALL_KINDS, POOL_KIND))}")
     return env
 
 
@@ -227,10 +242,15 @@ def server_launch(
     return LaunchSpec(kind, argv, env, log_path, health_url=f"http://127.0.0.1:{port}/health")
 
 
-def remote_server_launch(kind: str, port: int, settings: ServerSettings, log_path: Path) -> LaunchSpec:
-    """How to start the `lm://` server the remote tier of `kind` talks to."""
+def remote_server_launch(kind: str, port: Optional[int], settings: ServerSettings, log_path: Path,
+                         metrics_port: Optional[int] = None) -> LaunchSpec:
+    """How to start the `lm://` server the remote tier of `kind` talks to (on `port`; for
+    POOL_KIND on `settings.pool_socket`, and on `port` too unless it is None)."""
     argv = [
-        sys.executable, "-m", "lmcache.server", "127.0.0.1", str(port),
+        sys.executable, "-m", "lmcache.server",
+        *(["127.0.0.1", str(port)] if port is not None else []),
+        *(["--unix-socket", settings.pool_socket] if kind == POOL_KIND else []),
+        *(["--metrics-port", str(metrics_port)] if metrics_port is not None else []),
         "--max-size-gb", f"{settings.remote_tier_gb:g}",
         # Beside the engine on the same cores: fault the store in at start, not during serving.
         "--prefault",

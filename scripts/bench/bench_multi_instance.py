@@ -1,0 +1,291 @@
+"""Multi-instance benchmark (issue 31): N vLLM instances on one machine behind a round-robin proxy.
+
+    .venv/bin/python scripts/bench/bench_serving.py --multi-instance 2    # full run, 7-9 min here (2 or 3)
+    .venv/bin/python scripts/bench/bench_serving.py --multi-instance 2 --quick    # tiny model, smoke check
+
+Kinds, one after another, each on N fresh instances started side by side and sent the same seeded
+multi-round QA (`multi_round_qa.py`) through `round_robin_proxy.py`:
+- `vllm`: vLLM alone, each instance with its own prefix cache;
+- `lmcache-cpu`: ours with a private CPU tier per instance;
+- `lmcache-pool`: ours sharing the node pool (`lm+shm://`, no CPU tier: one copy per machine);
+- `lmcache-remote`: ours sharing one `lm://` server over TCP (no CPU tier either).
+vLLM's own KV space is a fixed, small number of blocks (as in `bench_serving.py`), too small to
+keep every user's history, so what a kind's cache keeps between a user's turns is what counts.
+
+Writes `bench/results/multi-instance-<timestamp>.json` + `.png`: per kind mean and p90 TTFT per
+round and overall, throughput, the hit tokens each instance's `/metrics` counted, the memory the
+cache held at the end (the instances' own tiers from `lmcache:local_cache_usage`, the shared
+server's `lmcache_server:bytes_used`), and the issue's targets (`bench_multi_instance_report.py`).
+Exit code 1 when any kind failed (the others are still reported).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import platform
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import asdict, replace
+from pathlib import Path
+from typing import Optional
+
+import aiohttp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # make_tiny_model
+
+from bench_multi_instance_report import (  # noqa: E402
+    KIND_LABELS, instance_counters, plot, plot_title, summarize_kind, targets,
+)
+from bench_serving import BENCH_MODEL, git_state, kv_bytes_per_token, shown, versions  # noqa: E402
+from bench_serving_client import RequestFailed, parse_prefix_counters  # noqa: E402
+from bench_serving_servers import (  # noqa: E402
+    POOL_KIND, VLLM_KIND, CpuMeter, ManagedProcess, ServerError, ServerSettings, describe, free_port, launch,
+    remote_server_launch, server_launch, stop_all,
+)
+from make_tiny_model import TinyModelSpec, make_tiny_model  # noqa: E402
+from multi_round_qa import QARecord, QARunner, QASizes, next_turn_moves, qa_plan, run_plan, warm_up  # noqa: E402
+from round_robin_proxy import ProxyThread  # noqa: E402
+
+from lmcache.experimental.metrics import lmcache_samples  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+SCHEMA = "lmcache-bench-multi-instance/1"
+KINDS = (VLLM_KIND, "lmcache-cpu", POOL_KIND, "lmcache-remote")
+SHARED_KINDS = (POOL_KIND, "lmcache-remote")  # kinds with one cache server for all instances
+FAILURES = (ServerError, RequestFailed, aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError)
+# --quick: the test suite's tiny model, 3 users x 2 short rounds, vLLM eager.
+QUICK = dict(model_dir=".cache/tiny-model", hidden=128, layers=4, heads=4, kv_heads=2, max_position=4096,
+             users=3, rounds=2, system_words=300, context_words=300, question_words=16, answer_words=16,
+             max_tokens=8, max_model_len=1024, engine_kv_tokens=1024)
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--multi-instance", type=int, default=2, metavar="N", help="instances per kind")
+    p.add_argument("--quick", action="store_true", help="tiny model, 3 users x 2 short rounds, eager")
+    p.add_argument("--kinds", default=",".join(KINDS), help=f"comma list of {', '.join(KINDS)}")
+    p.add_argument("--model-dir", default=".cache/bench-model")
+    for name in ("hidden", "layers", "heads", "kv_heads", "max_position", "intermediate"):
+        p.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(BENCH_MODEL, name))
+    for name, value in QASizes().__dict__.items():
+        p.add_argument(f"--{name.replace('_', '-')}", type=int, default=value)
+    p.add_argument("--max-model-len", type=int, default=3072)
+    p.add_argument("--engine-kv-tokens", type=int, default=3072,
+                   help="vLLM's own KV space per instance in tokens (rounded up to blocks; at least "
+                        "--max-model-len): small, so vLLM alone cannot keep every user's history")
+    p.add_argument("--block-size", type=int, default=128)
+    p.add_argument("--chunk-size", type=int, default=256, help="LMCache chunk size in tokens")
+    p.add_argument("--tier-gb", type=float, default=2.0,
+                   help="each private CPU tier's size, and the shared server's")
+    p.add_argument("--out-dir", default="bench/results")
+    p.add_argument("--startup-timeout", type=float, default=900)
+    args = p.parse_args(argv)
+    if args.quick:
+        explicit = {a.split("=")[0].lstrip("-").replace("-", "_") for a in argv if a.startswith("--")}
+        for key, value in QUICK.items():
+            if key not in explicit:
+                setattr(args, key, value)
+    return args
+
+
+def scrape_text(url: str, timeout_s: float = 10.0) -> str:
+    with urllib.request.urlopen(url, timeout=timeout_s) as resp:
+        return resp.read().decode()
+
+
+def shared_gauges(metrics_port: int) -> dict:
+    """The shared server's `bytes_used` and `entries` (`lmcache_server --metrics-port`)."""
+    found = {"bytes_used": 0.0, "entries": 0.0}
+    for line in scrape_text(f"http://127.0.0.1:{metrics_port}/metrics").splitlines():
+        for name in found:
+            if line.startswith(f"lmcache_server:{name} "):
+                found[name] = float(line.split()[1])
+    return found
+
+
+class MultiBench:
+    """One run: kinds one after another, N instances each behind a round-robin proxy."""
+
+    def __init__(self, args: argparse.Namespace, settings: ServerSettings, sizes: QASizes, log_dir: Path) -> None:
+        self.args, self.settings, self.sizes, self.log_dir = args, settings, sizes, log_dir
+        self.plan = qa_plan(sizes)
+        self.clock_zero = time.perf_counter()
+        self.records: list[QARecord] = []
+        self.summary: dict[str, dict] = {}
+        self.processes: dict[str, list[dict]] = {}
+        self.errors: dict[str, str] = {}
+        self.kind_wall_s: dict[str, float] = {}
+
+    def _start_shared(self, kind: str, running: list[ManagedProcess]) -> tuple[Optional[int], Optional[int]]:
+        """The cache server `kind`'s instances share: (its lm:// port or None, its metrics port)."""
+        if kind not in SHARED_KINDS:
+            return None, None
+        port = free_port() if kind != POOL_KIND else None
+        metrics_port = free_port()
+        spec = remote_server_launch(kind, port, self.settings, self.log_dir / f"server-{kind}.log", metrics_port)
+        server = launch(spec, ROOT)
+        running.append(server)
+        server.wait_listening(metrics_port, 60)
+        if kind == POOL_KIND:
+            deadline = time.monotonic() + 60
+            while not os.path.exists(self.settings.pool_socket):
+                server.check_alive()
+                if time.monotonic() > deadline:
+                    raise ServerError(f"the node pool did not create {self.settings.pool_socket}")
+                time.sleep(0.2)
+        else:
+            server.wait_listening(port, 60)
+        self.processes.setdefault(kind, []).append({"role": "shared server", **describe(spec)})
+        return port, metrics_port
+
+    def run_kind(self, kind: str) -> None:
+        started = time.monotonic()
+        running: list[ManagedProcess] = []
+        proxy: Optional[ProxyThread] = None
+        try:
+            remote_port, metrics_port = self._start_shared(kind, running)
+            urls, instances = [], []
+            for i in range(self.args.multi_instance):  # started together: startup is mostly compiling
+                port = free_port()
+                spec = server_launch(kind, self.settings, port, self.log_dir / f"{kind}-{i}.log", remote_port)
+                instances.append(launch(spec, ROOT))
+                running.append(instances[-1])
+                urls.append(f"http://127.0.0.1:{port}")
+            for proc in instances:
+                proc.wait_healthy(self.args.startup_timeout)
+                self.processes.setdefault(kind, []).append({"role": "instance", **describe(proc.spec),
+                                                            "ready_s": proc.ready_s})
+            warm = asyncio.run(warm_up(urls, self.args.model_dir, self.sizes, self.clock_zero))
+            meter = CpuMeter({p.pid for p in running})
+            proxy = ProxyThread(urls)
+            base = proxy.start()
+
+            def done(rec: QARecord) -> None:
+                print(f"  {kind} round {rec.round + 1} user {rec.user} on {rec.served_by}: "
+                      f"{rec.prompt_tokens} tokens, TTFT {rec.ttft_s:.3f} s", file=sys.stderr, flush=True)
+
+            runner = QARunner(kind, base, self.args.model_dir, self.clock_zero, self.sizes.concurrency, done)
+            try:
+                run_plan(runner, self.plan, self.sizes.max_tokens)
+            finally:
+                self.records.extend(runner.records)
+            counters = []
+            for url in urls:
+                text = scrape_text(f"{url}/metrics")
+                prefix = parse_prefix_counters(text)
+                counters.append(instance_counters(lmcache_samples(text), prefix.hits, prefix.queries))
+            shared = shared_gauges(metrics_port) if metrics_port is not None else None
+            self.summary[kind] = {**summarize_kind(runner.records, runner.wall_s, counters, shared),
+                                  "warmup_ttft_s": warm, "cpu_while_measured": meter.read()}
+        except FAILURES as err:
+            self.errors[kind] = f"{type(err).__name__}: {err}"
+            print(f"bench_multi_instance: {kind} failed: {str(err)[:3000]}", file=sys.stderr)
+        finally:
+            if proxy is not None:
+                proxy.stop()
+            stop_all(running)
+            self.kind_wall_s[kind] = time.monotonic() - started
+
+
+def print_table(summary: dict, tgt: list) -> None:
+    rounds = sorted({int(k) for s in summary.values() for k in s["rounds"]})
+    head = " ".join(f"{'r' + str(r + 1) + ' mean/p90':>14}" for r in rounds)
+    print(f"{'kind':20} {'mean':>7} {'p90':>7} {head} {'tok/s':>7} {'vLLM hit':>9} {'LMC hit':>9} {'MiB':>7}")
+    for kind, s in summary.items():
+        per = " ".join(f"{s['rounds'][str(r)]['ttft_mean_s']:>6.3f}/{s['rounds'][str(r)]['ttft_p90_s']:<7.3f}"
+                       for r in rounds)
+        print(f"{KIND_LABELS.get(kind, kind):20} {s['ttft_mean_s']:>7.3f} {s['ttft_p90_s']:>7.3f} {per} "
+              f"{s['throughput_tok_s']:>7.0f} {s['vllm_prefix_hit_tokens']:>9.0f} {s['lmcache_hit_tokens']:>9.0f} "
+              f"{s['memory']['total_bytes'] / 2**20:>7.1f}")
+        cpu = s["cpu_while_measured"]
+        print(f"{'':20} other programs used {100 * cpu['foreign_share']:.0f}% of the machine's CPU while it ran; "
+              f"warm-up TTFT per instance " + ", ".join(f"{t:.2f}" for t in s["warmup_ttft_s"]) + " s")
+    for t in tgt:
+        measured = "not measured" if t["measured"] is None else f"{t['measured']:.3f}"
+        verdict = {True: "MET", False: "MISSED", None: "n/a"}[t["met"]]
+        print(f"target [{verdict}] {t['target']}: {measured} (want {t['rule']})")
+
+
+def main(argv: list[str]) -> int:
+    args = parse_args(argv)
+    os.chdir(ROOT)
+    kinds = [k for k in KINDS if k in {x.strip() for x in args.kinds.split(",")}]
+    spec = TinyModelSpec(hidden=args.hidden, layers=args.layers, heads=args.heads, kv_heads=args.kv_heads,
+                         max_position=args.max_position, intermediate=args.intermediate)
+    sizes = QASizes(**{k: getattr(args, k) for k in QASizes().__dict__})
+    try:
+        spec.validate()
+        sizes.validate()
+        if not kinds:
+            raise ValueError(f"--kinds {args.kinds!r}: expected a comma list of {', '.join(KINDS)}")
+        if args.multi_instance < 1:
+            raise ValueError(f"--multi-instance must be positive, got {args.multi_instance}")
+        # The template adds a few tokens per message; a word is about one token.
+        longest = sizes.longest_prompt_words() + 4 * (2 + 2 * sizes.rounds) + sizes.max_tokens
+        if longest > args.max_model_len:
+            raise ValueError(f"the last round needs about {longest} tokens > --max-model-len {args.max_model_len}")
+    except ValueError as err:
+        raise SystemExit(f"bench_multi_instance: {err}")
+    if not next_turn_moves(sizes.users, args.multi_instance):
+        print(f"bench_multi_instance: with {sizes.users} users on {args.multi_instance} instances a user's next "
+              "turn lands on the same instance", file=sys.stderr)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    out_dir = ROOT / args.out_dir
+    out_dir.mkdir(parents=True, exist_ok=True)
+    log_dir = ROOT / ".cache" / "bench-logs" / f"multi-{stamp}-{os.getpid()}"
+    print(f"bench_multi_instance: building the model in {args.model_dir} ({spec})", file=sys.stderr)
+    weights = make_tiny_model(ROOT / args.model_dir, spec)
+    blocks = math.ceil(max(args.engine_kv_tokens, args.max_model_len) / args.block_size)
+    with tempfile.TemporaryDirectory(prefix="lmcache-bench-pool-") as sock_dir:
+        settings = ServerSettings(
+            model=args.model_dir, max_model_len=args.max_model_len, block_size=args.block_size,
+            num_kv_blocks=blocks, chunk_size=args.chunk_size, cpu_tier_gb=args.tier_gb, disk_tier_gb=args.tier_gb,
+            remote_tier_gb=args.tier_gb, disk_dir=str(log_dir / "unused-disk"),
+            extra_vllm_args=("--enforce-eager",) if args.quick else (),
+            pool_socket=str(Path(sock_dir) / "pool.sock"),
+        )
+        load_before = os.getloadavg()
+        started = time.time()
+        bench = MultiBench(args, settings, sizes, log_dir)
+        for kind in kinds:
+            print(f"bench_multi_instance: {kind} x {args.multi_instance}", file=sys.stderr, flush=True)
+            bench.run_kind(kind)
+    tgt = targets(bench.summary)
+    result = {
+        "schema": SCHEMA,
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(started)),
+        "duration_s": round(time.time() - started, 1),
+        "command": " ".join([Path(sys.executable).name, "scripts/bench/bench_serving.py", *argv]),
+        "machine": {"cpus": os.cpu_count(), "load_before": load_before, "load_after": os.getloadavg(),
+                    "platform": platform.platform()},
+        "versions": versions(),
+        "git": git_state(),
+        "model": {"dir": args.model_dir, "spec": asdict(spec), "weights_sha256": weights,
+                  "kv_bytes_per_token": kv_bytes_per_token(spec)},
+        "instances": args.multi_instance,
+        "settings": {**asdict(replace(settings, pool_socket="<temporary>")), "engine_kv_tokens": blocks * args.block_size},
+        "sizes": asdict(sizes),
+        "kinds": kinds,
+        "processes": bench.processes,
+        "kind_wall_s": bench.kind_wall_s,
+        "errors": bench.errors,
+        "summary": bench.summary,
+        "targets": tgt,
+        "requests": [asdict(r) for r in bench.records],
+    }
+    json_path = out_dir / f"multi-instance-{stamp}.json"
+    png_path = out_dir / f"multi-instance-{stamp}.png"
+    json_path.write_text(json.dumps(result, indent=1) + "\n")
+    if bench.summary:
+        plot(bench.summary, plot_title(result), png_path)
+    print_table(bench.summary, tgt)
+    print(f"bench_multi_instance: wrote {shown(json_path)} and {shown(png_path)} in {result['duration_s']:.0f} s "
+          f"(logs in {shown(log_dir)})")
+    return 1 if bench.errors else 0
