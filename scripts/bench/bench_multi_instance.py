@@ -26,7 +26,6 @@ import asyncio
 import json
 import math
 import os
-import platform
 import sys
 import tempfile
 import time
@@ -43,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # make_tiny_model
 from bench_multi_instance_report import (  # noqa: E402
     KIND_LABELS, instance_counters, plot, plot_title, summarize_kind, targets,
 )
-from bench_serving import BENCH_MODEL, git_state, kv_bytes_per_token, shown, versions  # noqa: E402
+from bench_serving import BENCH_MODEL, run_header, shown  # noqa: E402
 from bench_serving_client import RequestFailed, parse_prefix_counters  # noqa: E402
 from bench_serving_servers import (  # noqa: E402
     POOL_KIND, VLLM_KIND, CpuMeter, ManagedProcess, ServerError, ServerSettings, describe, free_port, launch,
@@ -259,16 +258,7 @@ def main(argv: list[str]) -> int:
             bench.run_kind(kind)
     tgt = targets(bench.summary)
     result = {
-        "schema": SCHEMA,
-        "started": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(started)),
-        "duration_s": round(time.time() - started, 1),
-        "command": " ".join([Path(sys.executable).name, "scripts/bench/bench_serving.py", *argv]),
-        "machine": {"cpus": os.cpu_count(), "load_before": load_before, "load_after": os.getloadavg(),
-                    "platform": platform.platform()},
-        "versions": versions(),
-        "git": git_state(),
-        "model": {"dir": args.model_dir, "spec": asdict(spec), "weights_sha256": weights,
-                  "kv_bytes_per_token": kv_bytes_per_token(spec)},
+        **run_header(SCHEMA, started, argv, load_before, args.model_dir, spec, weights),
         "instances": args.multi_instance,
         "settings": {**asdict(replace(settings, pool_socket="<temporary>")), "engine_kv_tokens": blocks * args.block_size},
         "sizes": asdict(sizes),

