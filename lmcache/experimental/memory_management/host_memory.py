@@ -20,10 +20,17 @@ from lmcache.page_advice import HUGE_PAGE
 
 logger = init_logger(__name__)
 
+# How much of a pool the background thread faults in ahead (its front, which the allocators hand
+# out first); the rest faults in on first use. Faulting a default 5 GB pool in whole took a core
+# for seconds on a 2-core machine and committed 5 GB per vLLM instance even when the instance
+# only stages chunks for a shared pool; a vLLM 0.32 worker doing it was still at it when vLLM shut
+# it down and was killed before LMCache closed (tests/latest/test_latest_mp_connector.py).
+PREFAULT_AHEAD = 512 << 20
+
 
 def host_buffer(size: int, *, prefault: bool = True) -> torch.Tensor:
     """A flat uint8 host tensor of `size` bytes starting on a 2 MiB boundary, advised to use
-    huge pages; with `prefault`, a daemon thread faults it in (front first)."""
+    huge pages; with `prefault`, a daemon thread faults its first `PREFAULT_AHEAD` bytes in."""
     if size < HUGE_PAGE or not page_advice.available():
         return torch.empty(size, dtype=torch.uint8)
     raw = torch.empty(size + HUGE_PAGE, dtype=torch.uint8)
@@ -34,7 +41,7 @@ def host_buffer(size: int, *, prefault: bool = True) -> torch.Tensor:
         logger.debug("madvise(MADV_HUGEPAGE) refused for a %d-byte pool: 4 KiB pages", size)
     if prefault:
         threading.Thread(
-            target=prepared(_prefault, "lmc-prefault", background=True), args=(buf, span),
+            target=prepared(_prefault, "lmc-prefault", background=True), args=(buf, min(span, PREFAULT_AHEAD)),
             name="lmcache-prefault", daemon=True,
         ).start()
     return buf
