@@ -128,7 +128,7 @@ def test_proxy_round_robins_and_streams_chunks_through_as_they_come():
             await proxy.stop()
             for runner, _ in backends:
                 await runner.cleanup()
-        return served, firsts, lasts, comp, proxy.routed
+        return served, firsts, lasts, comp, list(proxy.routed)
 
     served, firsts, lasts, comp, routed = asyncio.run(go())
     assert served == ["0", "1", "2", "0", "1", "2", "0"]

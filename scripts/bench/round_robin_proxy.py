@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import itertools
 import threading
 from dataclasses import dataclass
@@ -33,6 +34,9 @@ FORWARDED_HEADERS = ("Content-Type", "Accept", "Authorization", "X-Request-Id")
 # Answer headers not copied back (the proxy frames its own answer).
 HOP_HEADERS = frozenset(h.lower() for h in ("Content-Length", "Transfer-Encoding", "Connection", "Keep-Alive",
                                             "Content-Encoding", "Date", "Server"))
+
+
+ROUTED_KEPT = 100_000
 
 
 @dataclass(frozen=True)
@@ -54,7 +58,9 @@ class RoundRobinProxy:
             raise ValueError("round_robin_proxy: no backends")
         self.backends = [b.rstrip("/") for b in backends]
         self.limits = limits
-        self.routed: list[int] = []  # the backend index of every forwarded request, in order
+        # The backend index of each forwarded request, in order: the latest ROUTED_KEPT (a proxy
+        # run from the command line serves for as long as it is left running).
+        self.routed: collections.deque[int] = collections.deque(maxlen=ROUTED_KEPT)
         self._turn = itertools.cycle(range(len(self.backends)))
         self._slots: Optional[asyncio.Semaphore] = None
         self._session: Optional[aiohttp.ClientSession] = None
