@@ -147,12 +147,8 @@ def encode_header(
     key_bytes = _key_str(key).encode("utf-8")
     dtype_bytes = dtype_name(dtype).encode("ascii")
     dims = tuple(int(d) for d in shape)
-    if len(dims) > MAX_NDIM:
-        raise ValueError(f"shape {dims} has more than {MAX_NDIM} dimensions")
     payload_len = memoryview(payload).nbytes
-    header_len = _MIN_HEADER + 8 * len(dims) + len(dtype_bytes) + len(key_bytes)
-    if header_len > MAX_HEADER_BYTES:
-        raise ValueError(f"chunk header for key {_key_str(key)!r} would exceed {MAX_HEADER_BYTES} bytes")
+    header_len = header_size(key, dims, dtype)
     body = b"".join(
         (
             _PREFIX.pack(MAGIC, VERSION, header_len),
@@ -170,6 +166,19 @@ def encode_header(
         )
     )
     return body + xxhash.xxh3_64_digest(body)
+
+
+def header_size(key: Union[CacheEngineKey, str], shape: Sequence[int], dtype: Optional[torch.dtype]) -> int:
+    """The length of the header `encode_header` writes for this key, shape and dtype (whatever
+    the payload): where a chunk's payload starts when it is written in place.
+
+    Raises ValueError when the key, shape or dtype cannot be represented."""
+    if len(shape) > MAX_NDIM:
+        raise ValueError(f"shape {tuple(shape)} has more than {MAX_NDIM} dimensions")
+    size = _MIN_HEADER + 8 * len(shape) + len(dtype_name(dtype).encode("ascii")) + len(_key_str(key).encode("utf-8"))
+    if size > MAX_HEADER_BYTES:
+        raise ValueError(f"chunk header for key {_key_str(key)!r} would exceed {MAX_HEADER_BYTES} bytes")
+    return size
 
 
 def header_length(prefix: Buffer) -> Optional[int]:
