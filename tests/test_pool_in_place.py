@@ -64,6 +64,8 @@ def test_store_and_retrieve_copy_once_each_way_and_other_clients_read_the_chunks
     tcp_engine = small_engine(remote_url=pool.url, local_cpu=False, remote_serde="naive")
     try:
         tokens, source, slots = store_prompt(engine, 32, seed=1)
+        # Read back at once: a chunk whose commit is queued is read after it, from the pool.
+        retrieve_and_check(engine, tokens, source, slots, expected=32)
         assert remote.flush()
         stats = remote.remote_stats()
         assert stats.puts_in_place == stats.puts_acknowledged == 4 and stats.reserves_refused == 0
@@ -71,7 +73,7 @@ def test_store_and_retrieve_copy_once_each_way_and_other_clients_read_the_chunks
         assert wait_for(lambda: _settled(pool, 4))  # every block committed, the connection back
 
         retrieve_and_check(engine, tokens, source, slots, expected=32)
-        assert allocated == [] and remote.remote_stats().gets_in_place == 4
+        assert allocated == [] and remote.remote_stats().gets_in_place == 4 + 4
         assert _settled(pool, 4)  # the retrieve released its leases
 
         # Whoever reads them the copying way (here over TCP) gets the same chunks.

@@ -317,17 +317,29 @@ class RemoteBackend(StorageBackendInterface):
         return results
 
     def _queued(self, keys: Sequence[CacheEngineKey]) -> Tuple[List[Optional[MemoryObj]], List[int]]:
-        """Chunks still in the put queue (a new reference each), and the indexes of the others."""
+        """Chunks still in the put queue (a new reference each), and the indexes of the others.
+
+        A queued chunk written into a pool block is not handed out: once committed, that block is
+        the server's to evict and reuse, whoever still holds the object. Its put is waited for
+        instead (at most `timeout_s`), and the chunk read from the pool like the others."""
         results: List[Optional[MemoryObj]] = [None] * len(keys)
         remote_slots: List[int] = []
+        committing: List[CacheEngineKey] = []
         with self._lock:
             for i, key in enumerate(keys):
                 queued = self._pending.get(key)
-                if queued is not None:
+                if queued is not None and not (self._in_place is not None and self._in_place.holds(queued)):
                     queued.ref_count_up()
                     results[i] = queued
                 else:
                     remote_slots.append(i)
+                    if queued is not None:
+                        committing.append(key)
+        deadline = time.monotonic() + self._options.timeout_s
+        while committing and time.monotonic() < deadline:
+            time.sleep(0.002)
+            with self._lock:
+                committing = [key for key in committing if key in self._pending]
         return results, remote_slots
 
     def _fetch(self, keys: Sequence[CacheEngineKey]) -> List[Optional[MemoryObj]]:
