@@ -2,11 +2,13 @@
 per name, per process).
 
 Store: tokens -> chunks and keys (token database) -> for each chunk not cached yet, a memory
-object from the CPU tier's allocator; the connector fills them all in one call (one kernel
-call per request: see docs/design.md, "Decisions"), then each goes to every tier.
-Retrieve: chunk by chunk from the fastest tier that has it, stopping at the first missing
-chunk; the connector copies them into the serving engine's KV cache in one call (earlier when
-a tier has a chunk but no memory is left to read it into).
+object from the CPU tier's allocator (or, where the node pool is the only tier, a block of its
+arena: `pool_in_place.py`); the connector fills them all in one call (one kernel call per
+request: see docs/design.md, "Decisions"), then each goes to every tier.
+Retrieve: chunk by chunk from the fastest tier that has it (all at once, leased in place, from a
+sole node pool), stopping at the first missing chunk; the connector copies them into the serving
+engine's KV cache in one call (earlier when a tier has a chunk but no memory is left to read it
+into).
 Lookup: the cached prefix length; a pinned lookup also holds that prefix in CPU memory for a
 request id (see `pins.py`) so the retrieve that follows cannot come back short.
 Each of them updates the `lmcache:` Prometheus metrics (`metrics.py`) from the engine's counters.
