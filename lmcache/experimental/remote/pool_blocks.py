@@ -37,7 +37,7 @@ class HeldConnection:
         self._timeout = timeout
         self._max_payload = max_payload
         self._give_back = give_back
-        self._lock = threading.Lock()
+        self.lock = threading.Lock()  # held by the batch around each exchange and state change
 
     def run(self, requests: Sequence[Request]) -> List[Reply]:
         """One pipelined exchange; a broken or closed connection is `RemoteUnavailableError`."""
@@ -77,13 +77,12 @@ class ReservedBlocks:
     def commit(self, indexes: Sequence[int]) -> List[bool]:
         """Publish these filled blocks (one pipelined exchange); whether the server took each.
         Raises `RemoteUnavailableError` when the connection broke (nothing more is published)."""
-        with self._held._lock:
+        with self._held.lock:
             todo = [i for i in indexes if i in self._open]
             self._open.difference_update(todo)
             try:
-                replies = self._held.run(
-                    [Request(Op.COMMIT, self._keys[i], POOL_WORD.pack(self._offsets[i])) for i in todo]  # type: ignore[arg-type]
-                ) if todo else []
+                commits = [Request(Op.COMMIT, self._keys[i], POOL_WORD.pack(self._offsets[i])) for i in todo]
+                replies = self._held.run(commits) if commits else []
             finally:
                 self._finish_if_done()
         ok = {i: reply.status == Status.OK for i, reply in zip(todo, replies)}
@@ -91,7 +90,7 @@ class ReservedBlocks:
 
     def abandon(self, index: int) -> None:
         """Never publish block `index` (a no-op once it was committed)."""
-        with self._held._lock:
+        with self._held.lock:
             if index in self._open:
                 self._open.discard(index)
                 self._abandoned = True
@@ -117,7 +116,7 @@ class LeasedBlocks:
     def release(self, index: int) -> None:
         """Done reading block `index`; when it was the last, every lease goes in one RELEASE.
         Never raises: a connection that broke took its leases with it."""
-        with self._held._lock:
+        with self._held.lock:
             if index not in self._live:
                 return
             self._live.discard(index)
