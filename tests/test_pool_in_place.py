@@ -5,12 +5,16 @@ read straight out of its leased block - one copy each way - against a real serve
 Checked: no host memory object is ever allocated on that path and the chunks are readable by
 any other client; a block corrupted in the arena is a miss; a refused reserve (or a dead server)
 takes the copying path or drops the put, counted, never failing the store; every reservation and
-lease is given back, also when the kernel copy fails; the layer-wise paths (which keep their
-copies) read and write the same chunks.
+lease is given back, also when the kernel copy fails; an engine killed after its kernel filled
+its blocks publishes none of them; the layer-wise paths (which keep their copies) read and write
+the same chunks.
 """
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Iterator
 
@@ -23,6 +27,27 @@ from tier_helpers import ENGINE_GEO, keys_of, retrieve_and_check, small_engine, 
 from lmcache.experimental.remote import create_connector
 from lmcache.experimental.remote.lm_connector import LMServerConnector
 from lmcache.experimental.storage_backend.remote_backend import RemoteBackend
+
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# An engine that reserves its chunks' blocks, has the kernel fill them, says so and waits to be killed.
+FILL_AND_WAIT = r"""
+import sys
+sys.path.insert(0, "tests")
+from kv_reference import make_kvcaches
+from helpers import prompt, slots_for
+from tier_helpers import ENGINE_GEO, small_engine
+
+engine = small_engine(remote_url=sys.argv[1], local_cpu=False, remote_serde="naive")
+chunks = list(engine.token_database.process_tokens(prompt(32, seed=12)))
+shapes = [engine.gpu_connector.get_shape(end - start) for start, end, _ in chunks]
+objs = engine.storage_manager.reserve_in_place([key for *_, key in chunks], shapes, engine.metadata.kv_dtype)
+engine.gpu_connector.batched_from_gpu(objs, [c[0] for c in chunks], [c[1] for c in chunks],
+                                      kvcaches=make_kvcaches(ENGINE_GEO, seed=12), slot_mapping=slots_for(ENGINE_GEO, 32))
+print(sum(obj is not None for obj in objs), flush=True)
+sys.stdin.readline()
+"""
 
 
 @pytest.fixture
@@ -176,3 +201,18 @@ def test_layerwise_paths_read_and_write_the_same_chunks(pool, monkeypatch) -> No
         assert _settled(pool, 7)
     finally:
         engine.close()
+
+
+def test_an_engine_killed_after_filling_its_blocks_publishes_none_of_them(pool) -> None:
+    child = subprocess.Popen([sys.executable, "-c", FILL_AND_WAIT, pool.pool_url], cwd=ROOT, text=True,
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        assert child.stdout is not None and child.stdout.readline().strip() == "4"
+        info = _info(pool)
+        assert info["pool_reservations"] == 4 and info["entries"] == 0
+        child.kill()
+        child.wait()
+        assert wait_for(lambda: _settled(pool, 0))
+    finally:
+        child.kill()
+        child.wait()
