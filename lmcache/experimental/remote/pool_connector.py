@@ -54,7 +54,7 @@ from lmcache.experimental.remote.lm_connector import (
     key_bytes,
     open_session,
 )
-from lmcache.experimental.remote.pool_blocks import LeasedBlocks, ReservedBlocks, HeldConnection
+from lmcache.experimental.remote.pool_blocks import HeldConnection, LeasedBlocks, ReservedBlocks
 from lmcache.experimental.remote.value_reader import BufferReader, ValueReader
 from lmcache.server.pool import MAX_LEASES, MAX_RESERVATIONS
 from lmcache.server.security import AUTH_REQUIRED
@@ -237,8 +237,8 @@ class PoolConnector(LMServerConnector):
                     if reply.status != Status.OK:
                         self._note_refusal(reply.payload)
                         continue
-                    (offsets[i],) = POOL_WORD.unpack(bytes(reply.payload or b""))
-                    blocks[i] = sock.arena.block(offsets[i], items[i][1])  # type: ignore[arg-type]
+                    (offset,) = POOL_WORD.unpack(bytes(reply.payload or b""))
+                    offsets[i], blocks[i] = offset, sock.arena.block(offset, items[i][1])
             except BaseException:
                 held.finish(keep=False)  # whatever it reserved goes back with it
                 raise

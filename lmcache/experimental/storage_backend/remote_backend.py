@@ -27,10 +27,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, fields
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from lmcache.background_threads import prepared, thread_initializer
-from lmcache.config import LMCacheEngineMetadata
 import torch
 
+from lmcache.background_threads import prepared, thread_initializer
+from lmcache.config import LMCacheEngineMetadata
 from lmcache.experimental.memory_management import MemoryFormat, MemoryObj
 from lmcache.experimental.remote import create_connector, redis_key_prefix
 from lmcache.experimental.remote.connector import RemoteConnector, RemoteUnavailableError
