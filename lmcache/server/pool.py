@@ -2,9 +2,10 @@
 
 `lmcache_server --unix-socket PATH` listens on an owner-only (0600) unix socket beside (or
 instead of) TCP; with `--socket-group NAME` the socket is 0660 and belongs to that group, so
-clients of other users in it may connect too (`bind_unix_listener`). A client there proves the token as on `lm://` (`security.py`), then asks `MAP`
-and receives the arena's memfd once (SCM_RIGHTS) to map it. From then on values never cross the
-socket, only the small control frames of `protocol.py`:
+clients of other users in it may connect too (`bind_unix_listener`). A client there proves the
+token as on `lm://` (`security.py`), then asks `MAP` and receives the arena's memfd once
+(SCM_RIGHTS) to map it. From then on values never cross the socket, only the small control
+frames of `protocol.py`:
 
     store:  RESERVE key size -> offset;   client writes the value at offset;   COMMIT key offset
     hit:    LEASE key -> id, offset, len; client reads the value at offset;    RELEASE id

@@ -25,7 +25,8 @@ protocol (bad magic or version, unknown op, a key over its limit, a frame cut sh
 deadline) is answered with `BAD_REQUEST` where possible and closed, with the reason logged.
 
 With `unix_socket`, the server also (or only) listens on an owner-only unix socket (or one of
-`socket_group`'s) for clients on the same machine, which share the store's arena in shared memory (`pool.py`, the node pool).
+`socket_group`'s) for clients on the same machine, which share the store's arena in shared
+memory (`pool.py`, the node pool).
 
 With a token (`ServerConfig.token`) a connection must pass `security.py`'s handshake before
 anything else is served; a peer that fails it, or asks for anything first, is answered and
