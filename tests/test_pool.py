@@ -189,6 +189,13 @@ def test_socket_group_opens_the_socket_to_that_group_only_and_an_unknown_one_is_
                 assert "this user is not in it" in as_nobody([], _give_a_file_to_group_zero)
         finally:
             server.stop()
+    assert "cannot pass through" not in (tmp_path / "server.log").read_text()
+    # A socket in a directory the group may not enter: served, with a warning saying why.
+    tmp_path.chmod(0o700)
+    hidden = LMServerProcess(["--socket-group", group], log_path=tmp_path / "hidden.log",
+                             unix_socket=tmp_path / "hidden.sock").start()
+    hidden.stop()
+    assert f"group {group} cannot pass through {tmp_path} (mode 700" in (tmp_path / "hidden.log").read_text()
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     for argv, why in (
         (["--unix-socket", str(tmp_path / "u.sock"), "--socket-group", "no-such-group-lmc"],

@@ -27,7 +27,7 @@ import struct
 from typing import Optional
 
 from lmcache.logging import init_logger
-from lmcache.server.pool_address import share_with_group
+from lmcache.server.pool_address import share_with_group, socket_group_id
 from lmcache.server.protocol import (
     ARENA_ID_BYTES,
     MAX_RELEASE_LEASES,
@@ -80,12 +80,23 @@ def bind_unix_listener(path: str, group: Optional[str] = None) -> socket.socket:
             os.chmod(path, 0o600)
         else:  # the group is set before the mode opens, so only it ever gets the extra bits
             share_with_group(path, group, 0o660)
+            _warn_if_the_group_cannot_pass(path, group)
     except OSError:
         listener.close()
         os.unlink(path)
         raise
     listener.listen(128)
     return listener
+
+
+def _warn_if_the_group_cannot_pass(path: str, group: str) -> None:
+    """The socket's directory is the operator's: say so when its mode keeps the group out."""
+    parent = os.path.dirname(os.path.abspath(path))
+    info = os.stat(parent)
+    if not (info.st_mode & 0o001 or (info.st_gid == socket_group_id(group) and info.st_mode & 0o010)):
+        logger.warning("node pool: group %s cannot pass through %s (mode %o, group %d) to reach the socket; "
+                       "give the directory to the group (chgrp, chmod g+x)", group, parent,
+                       stat.S_IMODE(info.st_mode), info.st_gid)
 
 
 def peer_pid(conn: socket.socket) -> int:
