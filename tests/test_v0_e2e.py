@@ -17,7 +17,6 @@ from helpers import A, B, C, D, V0_CHUNK, assert_same_generation, door_steps
 from redis_fixture import LMServerProcess
 
 from lmcache.experimental.remote.lm_connector import LMServerConnector
-
 from lmcache.integration.vllm.request_log import V0StepLine, parse_v0_step_lines
 
 pytestmark = pytest.mark.vllm
