@@ -11,12 +11,13 @@ from conftest import ROOT
 sys.path.insert(0, str(ROOT / "scripts" / "bench"))
 
 from soak_pool import (  # noqa: E402
-    SoakRecord, SoakSizes, counter_delta, prompt_text, rss_drift, schedule, soak_targets, window_hit_rates,
+    SoakRecord, SoakSizes, counter_delta, process_memory, prompt_text, route, rss_drift, schedule, soak_targets,
+    window_hit_rates,
 )
 
 
 def rec(kind: str, start_s: float, tokens: int, rid: str, error: str = "") -> SoakRecord:
-    return SoakRecord(kind, 0, rid, rid, "0", tokens, 0.1, start_s, error)
+    return SoakRecord(kind, 0, rid, rid, 0, tokens, 0.1, start_s, error)
 
 
 def test_schedule_repeats_the_fixed_set_and_never_a_fresh_prompt():
@@ -29,6 +30,15 @@ def test_schedule_repeats_the_fixed_set_and_never_a_fresh_prompt():
     assert prompt_text(sizes, "fixed", 1) == prompt_text(sizes, "fixed", 1) != prompt_text(sizes, "fixed", 2)
     assert len(prompt_text(sizes, "fresh", 0).split()) == 60
     assert prompt_text(sizes, "fresh", 0) != prompt_text(sizes, "fixed", 0)
+
+
+def test_route_sends_each_fixed_prompt_to_every_instance():
+    sizes = SoakSizes(fixed_prompts=4, fresh_per_fixed=1)
+    items = list(itertools.islice(schedule(sizes), 400))
+    assert [route(sizes, n, 3) for n in range(50)] == [route(sizes, n, 3) for n in range(50)]  # seeded
+    for k in range(4):
+        assert {route(sizes, n, 2) for n, item in enumerate(items) if item == ("fixed", k)} == {0, 1}
+        assert {route(sizes, n, 3) for n, item in enumerate(items) if item == ("fixed", k)} == {0, 1, 2}
 
 
 def test_window_hit_rate_is_hit_tokens_over_prompt_tokens_of_logged_requests_by_start():
@@ -50,12 +60,21 @@ def test_window_hit_rate_is_hit_tokens_over_prompt_tokens_of_logged_requests_by_
 
 
 def test_rss_drift_is_measured_from_the_first_sample_after_the_warm_up():
-    samples = [[0, 500], [10, 900], [20, 1000], [30, 1040], [40, 970], [50, 1010]]
+    samples = [(0, 500), (10, 900), (20, 1000), (30, 1040), (40, 970), (50, 1010)]
     assert rss_drift(samples, warmup_s=20) == {"base_kib": 1000, "max_drift": 0.04, "max_rise": 0.04,
                                                "end_drift": 0.01, "samples_after": 4}
     assert rss_drift(samples, warmup_s=15)["base_kib"] == 1000  # the first one at or after it
-    assert rss_drift([[0, 1000], [30, 900]], warmup_s=20)["max_drift"] == 0.0  # one sample: nothing moved
+    assert rss_drift([(0, 1000), (30, 900)], warmup_s=20)["max_drift"] == 0.0  # one sample: nothing moved
     assert rss_drift(samples, warmup_s=60)["max_drift"] is None
+
+
+def test_process_memory_leaves_the_shared_arena_pages_out_of_the_own_drift():
+    # [t, VmRSS, RssAnon, RssFile, RssShmem]: the arena pages touched grow, the rest holds
+    samples = [[0, 1000, 800, 200, 0], [10, 1300, 800, 200, 300], [20, 1500, 810, 200, 490]]
+    got = process_memory(samples, warmup_s=10)
+    assert got["private"]["base_kib"] == 1000 and got["private"]["max_drift"] == 0.01
+    assert got["rss"]["base_kib"] == 1300 and got["rss"]["max_drift"] == round(200 / 1300, 4)
+    assert got["shmem_max_kib"] == 490
 
 
 def test_counter_delta_takes_the_last_samples_at_or_before_each_end():
@@ -66,9 +85,12 @@ def test_counter_delta_takes_the_last_samples_at_or_before_each_end():
     assert counter_delta(series, "evictions", -1, 30) is None
 
 
+def mem(drift: float, shared: float = 100.0, samples_after: int = 10) -> dict:
+    return {"private": {"max_drift": drift, "samples_after": samples_after}, "shmem_max_kib": shared}
+
+
 def flat() -> dict:
-    return {"server x 1": {"max_drift": 0.01, "samples_after": 10}, "instance-0 python 2": {"max_drift": 0.03,
-                                                                                            "samples_after": 10}}
+    return {"server x 1": mem(0.01, shared=1000.0), "instance-0 python 2": mem(0.03)}
 
 
 def windows(first: float, last: float) -> list[dict]:
@@ -76,26 +98,27 @@ def windows(first: float, last: float) -> list[dict]:
 
 
 def verdicts(**kw) -> list[bool]:
-    args = dict(evictions_by_warmup=10, window_evictions=[3, 4, 5], drifts=flat(),
+    args = dict(evictions_by_warmup=10, window_evictions=[3, 4, 5], memory=flat(), arena_kib=1000.0,
                 idle={"pool_leases": 0, "pool_reservations": 0}, windows=windows(0.9, 0.87), failed_requests=0)
     args.update(kw)
     return [t["met"] for t in soak_targets(**args)]
 
 
 def test_targets_pass_a_steady_run_and_each_catches_its_own_failure():
-    assert verdicts() == [True] * 5
+    assert verdicts() == [True] * 6
     assert verdicts(evictions_by_warmup=0)[0] is False
     assert verdicts(window_evictions=[3, 0, 5])[0] is False  # stopped evicting: no churn in that window
-    leaky = {**flat(), "instance-1 VLLM::EngineCor 3": {"max_drift": 0.051, "samples_after": 10}}
-    assert verdicts(drifts=leaky)[1] is False
-    assert verdicts(drifts={**flat(), "x": {"max_drift": 0.0, "samples_after": 1}})[1] is False  # not watched
-    assert verdicts(idle={"pool_leases": 1, "pool_reservations": 0})[2] is False
-    assert verdicts(idle={"pool_leases": 0, "pool_reservations": 2})[2] is False
-    assert verdicts(idle={"pool_leases": None})[2] is False
-    assert verdicts(windows=windows(0.9, 0.84))[3] is False  # decayed
-    assert verdicts(windows=windows(0.6, 0.9))[3] is False  # not the same either way
-    assert verdicts(windows=windows(0.0, 0.0))[3] is False  # never hit: no pool at all
-    assert verdicts(windows=windows(0.9, None))[3] is False  # no fixed request in the last window
-    assert verdicts(failed_requests=1)[4] is False
-    measured = soak_targets(10, [1], flat(), {"pool_leases": 0, "pool_reservations": 0}, windows(0.9, 0.87), 0)
-    assert [t["measured"] for t in measured] == [10, 0.03, 0, -0.03, 0]
+    assert verdicts(memory={**flat(), "instance-1 python 3": mem(0.051)})[1] is False
+    assert verdicts(memory={**flat(), "x": mem(0.0, samples_after=1)})[1] is False  # not watched after warm-up
+    assert verdicts(memory={**flat(), "instance-1 python 3": mem(0.0, shared=1000.0 + 16 * 1024 + 1)})[2] is False
+    assert verdicts(idle={"pool_leases": 1, "pool_reservations": 0})[3] is False
+    assert verdicts(idle={"pool_leases": 0, "pool_reservations": 2})[3] is False
+    assert verdicts(idle={"pool_leases": None})[3] is False
+    assert verdicts(windows=windows(0.9, 0.84))[4] is False  # decayed
+    assert verdicts(windows=windows(0.6, 0.9))[4] is False  # not the same either way
+    assert verdicts(windows=windows(0.0, 0.0))[4] is False  # never hit: no pool at all
+    assert verdicts(windows=windows(0.9, None))[4] is False  # no fixed request in the last window
+    assert verdicts(failed_requests=1)[5] is False
+    measured = soak_targets(10, [1], flat(), 1000.0, {"pool_leases": 0, "pool_reservations": 0},
+                            windows(0.9, 0.87), 0)
+    assert [t["measured"] for t in measured] == [10, 0.03, 1000.0, 0, -0.03, 0]
