@@ -10,9 +10,9 @@ from conftest import ROOT
 
 sys.path.insert(0, str(ROOT / "scripts" / "bench"))
 
-from soak_pool import (  # noqa: E402
-    SoakRecord, SoakSizes, counter_delta, process_memory, prompt_text, route, rss_drift, schedule, soak_targets,
-    window_hit_rates,
+from soak_pool import SoakSizes, prompt_text, route, schedule  # noqa: E402
+from soak_pool_report import (  # noqa: E402
+    SoakRecord, counter_delta, process_memory, rss_drift, soak_targets, window_hit_rates,
 )
 
 
