@@ -45,8 +45,8 @@ from bench_multi_instance_report import (  # noqa: E402
 from bench_serving import BENCH_MODEL, run_header, shown  # noqa: E402
 from bench_serving_client import RequestFailed, parse_prefix_counters  # noqa: E402
 from bench_serving_servers import (  # noqa: E402
-    POOL_KIND, VLLM_KIND, CpuMeter, ManagedProcess, ServerError, ServerSettings, describe, free_port, launch,
-    remote_server_launch, server_launch, stop_all,
+    POOL_KIND, VLLM_KIND, CpuMeter, LaunchSpec, ManagedProcess, ServerError, ServerSettings, describe, free_port,
+    launch, remote_server_launch, server_launch, stop_all,
 )
 from make_tiny_model import TinyModelSpec, make_tiny_model  # noqa: E402
 from multi_round_qa import QARecord, QARunner, QASizes, next_turn_moves, qa_plan, run_plan, warm_up  # noqa: E402
@@ -99,14 +99,54 @@ def scrape_text(url: str, timeout_s: float = 10.0) -> str:
         return resp.read().decode()
 
 
+def server_info(metrics_port: int) -> dict[str, float]:
+    """Every `INFO` field of the shared server, read from its `--metrics-port` page (counters
+    without their `_total`)."""
+    found = {}
+    for line in scrape_text(f"http://127.0.0.1:{metrics_port}/metrics").splitlines():
+        name, _, value = line.partition(" ")
+        if name.startswith("lmcache_server:") and not name.endswith("_created"):
+            found[name[len("lmcache_server:"):].removesuffix("_total")] = float(value)
+    return found
+
+
 def shared_gauges(metrics_port: int) -> dict:
     """The shared server's `bytes_used` and `entries` (`lmcache_server --metrics-port`)."""
-    found = {"bytes_used": 0.0, "entries": 0.0}
-    for line in scrape_text(f"http://127.0.0.1:{metrics_port}/metrics").splitlines():
-        for name in found:
-            if line.startswith(f"lmcache_server:{name} "):
-                found[name] = float(line.split()[1])
-    return found
+    info = server_info(metrics_port)
+    return {name: info.get(name, 0.0) for name in ("bytes_used", "entries")}
+
+
+def start_shared(kind: str, settings: ServerSettings, log_dir: Path,
+                 running: list[ManagedProcess]) -> tuple[Optional[int], int, LaunchSpec]:
+    """Start the cache server `kind`'s instances share (appended to `running`) and wait until it
+    listens: (its lm:// port, None for the node pool; its metrics port; how it was started)."""
+    port = free_port() if kind != POOL_KIND else None
+    metrics_port = free_port()
+    spec = remote_server_launch(kind, port, settings, log_dir / f"server-{kind}.log", metrics_port)
+    server = launch(spec, ROOT)
+    running.append(server)
+    server.wait_listening(metrics_port, 60)
+    if kind == POOL_KIND:
+        server.wait_socket(settings.pool_socket, 60)
+    else:
+        server.wait_listening(port, 60)
+    return port, metrics_port, spec
+
+
+def start_instances(kind: str, n: int, settings: ServerSettings, log_dir: Path, remote_port: Optional[int],
+                    running: list[ManagedProcess], timeout_s: float) -> tuple[list[str], list[ManagedProcess]]:
+    """Start `n` vLLM instances of `kind` side by side (startup is mostly compiling), appended to
+    `running`, and wait until each is healthy: (their base URLs, their processes)."""
+    urls, instances = [], []
+    for i in range(n):
+        port = free_port()
+        spec = server_launch(kind, settings, port, log_dir / f"{kind}-{i}.log", remote_port)
+        instances.append(launch(spec, ROOT))
+        running.append(instances[-1])
+        urls.append(f"http://127.0.0.1:{port}")
+    for proc in instances:
+        proc.wait_healthy(timeout_s)
+    return urls, instances
 
 
 class MultiBench:
@@ -126,16 +166,7 @@ class MultiBench:
         """The cache server `kind`'s instances share: (its lm:// port or None, its metrics port)."""
         if kind not in SHARED_KINDS:
             return None, None
-        port = free_port() if kind != POOL_KIND else None
-        metrics_port = free_port()
-        spec = remote_server_launch(kind, port, self.settings, self.log_dir / f"server-{kind}.log", metrics_port)
-        server = launch(spec, ROOT)
-        running.append(server)
-        server.wait_listening(metrics_port, 60)
-        if kind == POOL_KIND:
-            server.wait_socket(self.settings.pool_socket, 60)
-        else:
-            server.wait_listening(port, 60)
+        port, metrics_port, spec = start_shared(kind, self.settings, self.log_dir, running)
         self.processes.setdefault(kind, []).append({"role": "shared server", **describe(spec)})
         return port, metrics_port
 
@@ -145,15 +176,9 @@ class MultiBench:
         proxy: Optional[ProxyThread] = None
         try:
             remote_port, metrics_port = self._start_shared(kind, running)
-            urls, instances = [], []
-            for i in range(self.args.multi_instance):  # started together: startup is mostly compiling
-                port = free_port()
-                spec = server_launch(kind, self.settings, port, self.log_dir / f"{kind}-{i}.log", remote_port)
-                instances.append(launch(spec, ROOT))
-                running.append(instances[-1])
-                urls.append(f"http://127.0.0.1:{port}")
+            urls, instances = start_instances(kind, self.args.multi_instance, self.settings, self.log_dir,
+                                              remote_port, running, self.args.startup_timeout)
             for proc in instances:
-                proc.wait_healthy(self.args.startup_timeout)
                 self.processes.setdefault(kind, []).append({"role": "instance", **describe(proc.spec),
                                                             "ready_s": proc.ready_s})
             warm = asyncio.run(warm_up(urls, self.args.model_dir, self.sizes, self.clock_zero))

@@ -179,13 +179,13 @@ def git_state() -> dict:
 
 
 def run_header(schema: str, started: float, argv: list[str], load_before: tuple, model_dir: str,
-               spec: TinyModelSpec, weights: str) -> dict:
+               spec: TinyModelSpec, weights: str, script: str = "scripts/bench/bench_serving.py") -> dict:
     """The fields every result JSON of this driver starts with: what ran, where, on what model."""
     return {
         "schema": schema,
         "started": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(started)),
         "duration_s": round(time.time() - started, 1),
-        "command": " ".join([Path(sys.executable).name, "scripts/bench/bench_serving.py", *argv]),
+        "command": " ".join([Path(sys.executable).name, script, *argv]),
         "machine": {"cpus": os.cpu_count(), "load_before": load_before, "load_after": os.getloadavg(),
                     "platform": platform.platform()},
         "versions": versions(),
