@@ -39,10 +39,20 @@ class MooncakeMaster(ListeningProcess):
     what = "mooncake_master"
     log_path: Path
     port: int = field(default_factory=free_port)
+    metrics_port: int = field(default_factory=free_port)
     proc: Optional[subprocess.Popen] = None
 
     def argv(self) -> list[str]:
-        return mooncake_store.master_argv(self.port)
+        return mooncake_store.master_argv(self.port, self.metrics_port)
+
+    def pool_bytes(self) -> float:
+        """What the mounted segments lend the pool now (0 until a client mounts one; a restarted
+        master learns it again when the storage process re-mounts on its own; 0 too while its
+        metrics do not answer yet)."""
+        try:
+            return mooncake_store.master_gauge(self.metrics_port, "master_total_capacity_bytes")
+        except OSError:
+            return 0.0
 
     def start(self) -> "MooncakeMaster":
         ensure_mooncake()
