@@ -17,8 +17,10 @@ import re
 import subprocess
 import sys
 
+import mooncake_store
 import pytest
 from conftest import ROOT, VLLM_TEST_ENV
+from mooncake_fixture import MooncakeMaster, MooncakeStorage
 from test_v1_e2e import (
     LMCACHE_ENV,
     MAX_BATCHED,
@@ -98,12 +100,24 @@ def test_wrapper_serve_hits_over_http():
     assert "server stopped cleanly (exit code 0)" in out
 
 
-def test_layerwise_loads_and_stores_per_layer(tiny_model, baseline):
+def test_layerwise_loads_and_stores_per_layer_through_mooncake(tiny_model, baseline, tmp_path):
     """use_layerwise on vLLM 0.32: its attention calls wait_for_layer_load / save_kv_layer around
-    each layer (kv_transfer_utils.maybe_transfer_kv_layer); tokens and hits as the whole-chunk path."""
+    each layer (kv_transfer_utils.maybe_transfer_kv_layer); tokens and hits as the whole-chunk path.
+    The tier is Mooncake Store alone (a master and a storage process; no CPU tier, no segment of
+    the engine's own), so every hit is read from there."""
+    master = MooncakeMaster(tmp_path / "master.log").start()
+    storage = MooncakeStorage(master, tmp_path / "storage.log").start()
+    env = {**ENV, "LMCACHE_REMOTE_URL": master.url, "LMCACHE_REMOTE_SERDE": "naive", "LMCACHE_LOCAL_CPU": "False",
+           "LMCACHE_MOONCAKE_GLOBAL_SEGMENT_SIZE": "0", "LMCACHE_MOONCAKE_LOCAL_BUFFER_SIZE": str(64 << 20)}
     prompts = [P_LONG, P_SHARED_A, P_SHARED_B]
     kwargs = connector_kwargs(prefix_caching=False, extra={"lmcache.use_layerwise": True})
-    result = run(tiny_model, prompts, kwargs, ENV, rounds=2)
+    try:
+        result = run(tiny_model, prompts, kwargs, env, rounds=2)
+        keys = mooncake_store.master_gauge(master.metrics_port, "master_key_count")
+    finally:
+        storage.stop()
+        master.stop()
+    assert keys == 6 + 6 + 2  # P_LONG's chunks (the last one partial), P_SHARED_A's, P_SHARED_B's past the shared 1024
     assert_same_as_baseline(result, prompts, baseline)
     assert hits(result.lines) == [
         (1500, 0, 0, 0, 1500),
