@@ -21,6 +21,7 @@ from bench_multi_instance_report import (  # noqa: E402
     figure, instance_counters, moved_turns, plot_title, store_gauges, summarize_kind, targets,
 )
 from bench_serving_client import SERVED_BY_HEADER, stream_chat  # noqa: E402
+from bench_serving_servers import KIND_COLORS  # noqa: E402
 from multi_round_qa import QARecord, QARunner, QASizes, next_turn_moves, qa_plan  # noqa: E402
 from round_robin_proxy import ProxyLimits, ProxyThread, RoundRobinProxy  # noqa: E402
 
@@ -254,7 +255,12 @@ def test_store_gauges_of_an_lm_server_and_a_mooncake_master():
     assert store_gauges("") == {"bytes_used": 0.0, "entries": 0.0}
 
 
-@pytest.mark.parametrize("run", ["multi-instance-20261127-021505", "multi-instance-20261127-020706"])
+def test_every_kind_has_a_colour_of_its_own():
+    assert len(set(KIND_COLORS.values())) == len(KIND_COLORS)
+
+
+@pytest.mark.parametrize("run", ["multi-instance-20261127-021505", "multi-instance-20261127-020706",
+                                 "multi-instance-20261127-040801"])
 def test_the_committed_figures_have_no_text_over_text_or_axes(run):
     import json
 

@@ -69,7 +69,7 @@ KIND_COLORS = {VLLM_KIND: "#7f7f7f", "lmcache-cpu": "#1f77b4", "lmcache-disk": "
                "lmcache-mooncake": "#8c564b",
                "lmcache-cpu-layerwise": "#17becf", "lmcache-disk-async": "#ff7f0e", "lmcache-remote-slow": "#ff9896",
                "lmcache-remote-slow-async": "#9467bd",
-               POOL_KIND: "#8c564b"}
+               POOL_KIND: "#e377c2"}
 # Kinds whose cache outlives the vLLM process, so the restart workload means something for them.
 PERSISTENT_KINDS = ("lmcache-disk", "lmcache-remote", "lmcache-mooncake", "lmcache-disk-async")
 # Kinds whose tier is a store this module starts beside the server: the `lm://` server, or
