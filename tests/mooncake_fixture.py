@@ -45,12 +45,12 @@ class MooncakeMaster(ListeningProcess):
     def argv(self) -> list[str]:
         return mooncake_store.master_argv(self.port, self.metrics_port)
 
-    def pool_bytes(self) -> float:
-        """What the mounted segments lend the pool now (0 until a client mounts one; a restarted
-        master learns it again when the storage process re-mounts on its own; 0 too while its
-        metrics do not answer yet)."""
+    def gauge(self, name: str) -> float:
+        """One sample of the master's /metrics: `master_total_capacity_bytes` (what mounted segments
+        lend the pool: 0 after a restart until the storage process re-mounts on its own),
+        `master_key_count`, ...; 0 while the metrics do not answer yet."""
         try:
-            return mooncake_store.master_gauge(self.metrics_port, "master_total_capacity_bytes")
+            return mooncake_store.master_gauge(self.metrics_port, name)
         except OSError:
             return 0.0
 

@@ -130,20 +130,24 @@ def test_mooncake_v0_store_v1_layerwise_async_hits_and_a_master_killed_mid_run(t
         if index == 1:
             master.kill()
             outage["killed"] = time.monotonic()
-        else:
+        elif index == 2:
             time.sleep(OUTAGE_S)  # the tier probes with backoff meanwhile
             master.start()  # same port
-            assert wait_for(lambda: master.pool_bytes() > 0, timeout=30), "the storage process did not re-mount"
+            assert wait_for(lambda: master.gauge("master_total_capacity_bytes") > 0, timeout=30), \
+                "the storage process did not re-mount"
             assert wait_for(lambda: "is back" in log(), timeout=30), "B's tier did not come back"
             outage["back"] = time.monotonic()
+        else:  # prompt 2's chunks are in the store, not only in the tier's put queue
+            assert wait_for(lambda: master.gauge("master_key_count") == 6, timeout=30)
 
     try:
         a = run_vllm_job({**job, "prompts": [PROMPT], "vllm_module": "lmcache_vllm.vllm"}, env={**env, **v0})
-        b = run_vllm_job({**job, "prompts": [PROMPT] * 4, "gate_before": [1, 2], "vllm_module": "lmcache_vllm.vllm",
+        b = run_vllm_job({**job, "prompts": [PROMPT] * 4, "gate_before": [1, 2, 3], "vllm_module": "lmcache_vllm.vllm",
                           "llm_kwargs": V1_LLM_KWARGS}, env={**env, **modes}, at_gate=at_gate)
     finally:
         storage.stop()
         master.stop()
+    (tmp_path / "b.log").write_text(b.log)  # for a failure's post-mortem
     assert door_steps(a.log) == [(1500, 0, 1500)]  # A computed everything (and stored it)
     lines_b = [(ln.stats.lmcache_hit_tokens, ln.counters.loaded_tokens, ln.counters.stored_tokens)
                for ln in parse_request_lines(b.log)]
@@ -154,7 +158,7 @@ def test_mooncake_v0_store_v1_layerwise_async_hits_and_a_master_killed_mid_run(t
     assert lines_b[2:] == [(0, 0, 1500), (1500, 1500, 0)]  # back, empty: stored again, then a hit
     assert sorted(ASYNC_DONE_RE.findall(b.log)) == [("1500", "1500")] * 2  # both hits loaded in the background
     assert b.log.count("is down") == 1 and b.log.count("is back") == 1
-    assert "6 puts acknowledged, 0 refused, 0 lost, 6 dropped; 12 hits" in b.log
+    assert "6 puts acknowledged, 0 refused, 0 lost, 6 dropped; 12 hits" in b.log  # prompt 0's and 3's
     # Probes back off while the master is gone (0.2 s doubling to 10 s): a few failed calls, no hot loop.
     assert b.log.count("master_client.cpp") <= 10
     logprobs_a, logprobs_b = logprobs_of(a)[0], logprobs_of(b)[0]

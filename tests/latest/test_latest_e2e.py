@@ -17,7 +17,6 @@ import re
 import subprocess
 import sys
 
-import mooncake_store
 import pytest
 from conftest import ROOT, VLLM_TEST_ENV
 from mooncake_fixture import MooncakeMaster, MooncakeStorage
@@ -113,7 +112,7 @@ def test_layerwise_loads_and_stores_per_layer_through_mooncake(tiny_model, basel
     kwargs = connector_kwargs(prefix_caching=False, extra={"lmcache.use_layerwise": True})
     try:
         result = run(tiny_model, prompts, kwargs, env, rounds=2)
-        keys = mooncake_store.master_gauge(master.metrics_port, "master_key_count")
+        keys = master.gauge("master_key_count")
     finally:
         storage.stop()
         master.stop()
