@@ -17,7 +17,7 @@ import argparse
 import sys
 from typing import Mapping, Optional, Sequence
 
-from lmcache.server.__main__ import GB, add_security_arguments, security_options, serve
+from lmcache.server.__main__ import GB, add_security_arguments, add_socket_group_argument, security_options, serve
 from lmcache.server.pool_address import ensure_runtime_dir, pool_socket_path, runtime_dir
 from lmcache.server.server import ServerConfig
 
@@ -82,6 +82,7 @@ def _server_parser(verbs: "argparse._SubParsersAction") -> argparse.ArgumentPars
                         help="fault all of --l1-size-gb in at start (see lmcache_server --help)")
     parser.add_argument("--metrics-port", type=int, default=None,
                         help="serve the counters in Prometheus text format on http://127.0.0.1:PORT/metrics")
+    add_socket_group_argument(parser, "0660 and its runtime dir 0750, both owned by NAME")
     add_security_arguments(parser)
     return parser
 
@@ -109,6 +110,7 @@ def parse_server_args(argv: Sequence[str]) -> ServerConfig:
             host="127.0.0.1" if args.host in LOOPBACK_NAMES else args.host,
             port=args.port,
             unix_socket=pool_socket_path(args.port),
+            socket_group=args.socket_group,
             max_size_bytes=int(args.l1_size_gb * GB),
             metrics_port=args.metrics_port,
             prefault=args.prefault,
@@ -123,7 +125,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     """Console-script entry point (`lmcache`); returns the process exit code."""
     config = parse_server_args(sys.argv[1:] if argv is None else argv)
     try:
-        ensure_runtime_dir(runtime_dir())
+        ensure_runtime_dir(runtime_dir(), config.socket_group)
     except OSError as err:
         print(f"lmcache server: {err}", file=sys.stderr)
         return 1

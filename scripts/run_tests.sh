@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # `make test`: both vLLM lines' suites. In each, the tests that start vLLM run on both cores
-# (pytest-xdist, whole files per worker) and the rest after them on their own: those include
+# (pytest-xdist, whole files per worker, the longest first: tests/conftest.py) and the rest after them on their own: those include
 # bounded-wait checks (a dead server answered within 0.5 s) that a busy second worker can starve.
 # vLLM 0.32's venv is prepared in the background during the 0.9.2 engines, the CUDA compile check
 # (one compiler process) beside the 0.9.2 tests that run on one core; both at the lowest priority,
@@ -31,7 +31,7 @@ count() {
 # engines PYTHON NAME / others PYTHON NAME: a suite's two parts.
 engines() {
     say "$2: tests that start vLLM, $WORKERS workers"
-    "$1" -m pytest -m vllm -n "$WORKERS" --dist loadfile "${ARGS[@]}"
+    "$1" -m pytest -m vllm -n "$WORKERS" --dist loadfile --no-loadscope-reorder --durations=12 "${ARGS[@]}"
     count $?
 }
 others() {

@@ -6,12 +6,15 @@ how a port names the node pool's socket (`pool_address.py`), and `LMCacheMPConne
 
 from __future__ import annotations
 
+import grp
 import os
 import stat
 import tempfile
+from pathlib import Path
 
 import pytest
 from redis_fixture import LMCacheCommandServer
+from tier_helpers import as_nobody, passable_dir, read_through_pool
 
 from lmcache.cli import REFUSED_FLAGS, parse_server_args
 from lmcache.experimental.remote import create_connector
@@ -121,6 +124,32 @@ def test_lmcache_server_process_serves_the_pool_where_the_port_says(tmp_path):
         pool.close()
     finally:
         server.stop()
+
+
+def test_socket_group_opens_the_runtime_dir_and_the_socket_to_that_group(tmp_path, capsys):
+    gid = os.getgid()
+    group = grp.getgrgid(gid).gr_name
+    with passable_dir() as where:
+        runtime = Path(where) / "rt"
+        server = LMCacheCommandServer(["--l1-size-gb", "0.05", "--socket-group", group],
+                                      log_path=tmp_path / "server.log", runtime_dir=runtime)
+        server.start()
+        try:
+            socket_path = pool_socket_path(server.port, {RUNTIME_DIR_ENV: str(runtime)})
+            for path, mode in ((runtime, 0o750), (socket_path, 0o660)):
+                info = os.stat(path)
+                assert (stat.S_IMODE(info.st_mode), info.st_gid) == (mode, gid), path
+            pool = create_connector(f"lm+shm://{socket_path}")
+            assert pool.put("k", b"for the group")
+            pool.close()
+            if os.geteuid() == 0:  # clients of another user, in the group and not in it
+                assert as_nobody([gid], lambda: read_through_pool(socket_path, "k")) == repr(b"for the group")
+                assert as_nobody([], lambda: read_through_pool(socket_path, "k")).startswith("PermissionError")
+        finally:
+            server.stop()
+    with pytest.raises(SystemExit):
+        parse_server_args(["server", "--socket-group", "no-such-group-lmc"])
+    assert "socket group 'no-such-group-lmc': no such group" in capsys.readouterr().err
 
 
 # ----- LMCacheMPConnector's keys ----------------------------------------------------------------

@@ -2,19 +2,22 @@
 
 The server runs as its own process; clients that must die mid-operation (`kill -9`) are child
 processes speaking the pool's frames themselves. Checked: the socket is owner-only and takes the
-token as `lm://` does; pool and TCP clients see the same entries; a half-written block is never
+token as `lm://` does, or with `--socket-group` that group's (a client of another user in it
+connects and maps, one outside it cannot; run as root, which alone can start such a client); pool and TCP clients see the same entries; a half-written block is never
 published; a lease pins its block (never reused while live) and dies with its client; a server
 that dies and restarts is a miss, then a new arena, never wrong bytes; a corrupt value is a miss.
 """
 
 from __future__ import annotations
 
+import grp
 import os
 import signal
 import socket
 import stat
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Iterator
 
@@ -22,7 +25,16 @@ import pytest
 import torch
 from helpers import key
 from redis_fixture import LMServerProcess, lmcache_log  # noqa: F401
-from tier_helpers import FAST_REMOTE, remote_backend, remote_chunk, remote_cpu, wait_for
+from tier_helpers import (
+    FAST_REMOTE,
+    as_nobody,
+    passable_dir,
+    read_through_pool,
+    remote_backend,
+    remote_chunk,
+    remote_cpu,
+    wait_for,
+)
 
 from lmcache.experimental.config import RemoteUrl, parse_remote_url
 from lmcache.experimental.remote import create_connector
@@ -30,6 +42,7 @@ from lmcache.experimental.remote.connector import RemoteAuthError, RemoteUnavail
 from lmcache.experimental.remote.lm_connector import LMServerConnector
 from lmcache.experimental.remote.pool_connector import map_arena
 from lmcache.server import LMCacheServer, ServerConfig
+from lmcache.server.pool_address import share_with_group
 from lmcache.server.protocol import HEADER_SIZE, POOL_WORD, Op, Status, parse_header, recv_exact, send_frame
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -41,6 +54,7 @@ CHILD = r"""
 import socket, struct, sys
 import xxhash
 from lmcache.experimental.remote.pool_connector import map_arena
+from lmcache.server.pool_address import share_with_group
 from lmcache.server.protocol import HEADER_SIZE, POOL_WORD, Op, Status, parse_header, recv_exact, send_frame
 
 sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -155,6 +169,53 @@ def test_socket_is_owner_only_takes_the_token_and_shares_entries_with_tcp(pool, 
             refused.close()
     finally:
         guarded.stop()
+
+
+def test_socket_group_opens_the_socket_to_that_group_only_and_an_unknown_one_is_refused(tmp_path) -> None:
+    gid = os.getgid()
+    group = grp.getgrgid(gid).gr_name
+    with passable_dir() as where:
+        path = Path(where) / "pool.sock"
+        server = LMServerProcess(["--socket-group", group], log_path=tmp_path / "server.log", unix_socket=path).start()
+        try:
+            info = os.stat(path)
+            assert (stat.S_IMODE(info.st_mode), info.st_uid, info.st_gid) == (0o660, os.getuid(), gid)
+            shm = create_connector(server.pool_url)
+            assert shm.put("k", b"for the group")
+            shm.close()
+            if os.geteuid() == 0:  # clients of another user, in the group and not in it
+                assert as_nobody([gid], lambda: read_through_pool(str(path), "k")) == repr(b"for the group")
+                assert as_nobody([], lambda: read_through_pool(str(path), "k")).startswith("PermissionError")
+                assert "this user is not in it" in as_nobody([], _give_a_file_to_group_zero)
+        finally:
+            server.stop()
+    assert "cannot pass through" not in (tmp_path / "server.log").read_text()
+    # A socket in a directory the group may not enter: served, with a warning saying why.
+    tmp_path.chmod(0o700)
+    hidden = LMServerProcess(["--socket-group", group], log_path=tmp_path / "hidden.log",
+                             unix_socket=tmp_path / "hidden.sock").start()
+    hidden.stop()
+    assert f"group {group} cannot pass through {tmp_path} (mode 700" in (tmp_path / "hidden.log").read_text()
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    for argv, why in (
+        (["--unix-socket", str(tmp_path / "u.sock"), "--socket-group", "no-such-group-lmc"],
+         "socket group 'no-such-group-lmc': no such group"),
+        (["0", "--socket-group", group], "needs a unix socket"),
+    ):
+        refused = subprocess.run([sys.executable, "-m", "lmcache.server", *argv],
+                                 capture_output=True, text=True, timeout=60, env=env)
+        assert refused.returncode == 2 and why in refused.stderr
+    assert not (tmp_path / "u.sock").exists()
+
+
+def _give_a_file_to_group_zero() -> None:
+    """As a user outside group 0: make a file and try to give it to that group."""
+    fd, path = tempfile.mkstemp()
+    os.close(fd)
+    try:
+        share_with_group(path, "0", 0o660)
+    finally:
+        os.unlink(path)
 
 
 def test_client_killed_mid_store_publishes_nothing_and_frees_its_block(pool) -> None:

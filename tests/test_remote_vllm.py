@@ -3,7 +3,8 @@
 Instance A (one process) serves a long prompt and stores it in an `lm://` server; instance B (a new
 process: empty CPU tier, same remote URL) hits it and must generate what cache-off generates. The
 same through the node pool (`lm+shm://`, the server's arena in shared memory) with no private CPU
-tier: one copy of each chunk on the machine. The same through Mooncake Store: a master and a
+tier, one copy of each chunk on the machine: A stores and reloads layer by layer, B (through
+`lmcache_vllm`) loads in the background. The same through Mooncake Store: a master and a
 storage process hold the pool, the instances lend it no memory, so A's chunks outlive A; there A
 stores through the v0 door, B loads layer-wise and in the background, and B's engine serves on
 through a master killed and restarted between its requests. With
@@ -17,13 +18,13 @@ engine does (storing only reads the KV caches; test_v1_e2e checks that against a
 from __future__ import annotations
 
 import json
+import re
 import time
 from typing import Callable
 
 import pytest
 from conftest import random_prompt, run_vllm_job
 from helpers import door_steps, logprobs_of
-from test_v1_e2e import ASYNC_DONE_RE
 from mooncake_fixture import MooncakeMaster, MooncakeStorage
 from redis_fixture import LMServerProcess, free_port
 from tier_helpers import wait_for
@@ -40,6 +41,8 @@ LOGPROB_TOLERANCE = 1e-3
 PROMPT = random_prompt(1500, seed=31)
 OUTAGE_S = 6.0  # how long the Mooncake master stays dead at least: the tier's backoff reaches 3.2 s
 
+ASYNC_DONE_RE = re.compile(r"background load done, (\d+) leading tokens ready of (\d+) promised")
+
 LMCACHE_ENV = {"VLLM_USE_V1": "1", "LMCACHE_MAX_LOCAL_CPU_SIZE": "0.25", "LMCACHE_LOG_LEVEL": "INFO"}
 
 
@@ -54,17 +57,20 @@ V1_LLM_KWARGS = {
 }
 
 
-def _run(model: str, env: dict) -> tuple[list[int], list[float], list[tuple], str]:
-    """(greedy tokens, their logprobs, per-request (hit, loaded, stored), log) for PROMPT once."""
-    job = {"model": model, "prompts": [PROMPT], "max_tokens": MAX_TOKENS, "logprobs": True, "llm_kwargs": V1_LLM_KWARGS}
+def _run(model: str, env: dict, rounds: int = 1, vllm_module: str = "vllm") -> tuple[list[tuple], list[tuple], str]:
+    """([(greedy tokens, their logprobs)] per round, per-request (hit, loaded, stored), log) for
+    PROMPT sent once per round."""
+    job = {"model": model, "prompts": [PROMPT], "max_tokens": MAX_TOKENS, "logprobs": True,
+           "llm_kwargs": V1_LLM_KWARGS, "rounds": rounds, "vllm_module": vllm_module}
     result = run_vllm_job(job, env={**LMCACHE_ENV, **env})
     payload = [ln for ln in result.log.splitlines() if ln.startswith("RESULT ")][-1]
-    logprobs = json.loads(payload[len("RESULT ") :])["logprobs"][0][0]
+    logprobs = json.loads(payload[len("RESULT ") :])["logprobs"]
     lines = [
         (line.stats.lmcache_hit_tokens, line.counters.loaded_tokens, line.counters.stored_tokens)
         for line in parse_request_lines(result.log)
     ]
-    return result.outputs[0][0], logprobs, lines, result.log
+    runs = [(result.outputs[r][0], logprobs[r][0]) for r in range(rounds)]
+    return runs, lines, result.log
 
 
 def assert_as_computed(a: tuple[list[int], list[float]], *runs: tuple[list[int], list[float]]) -> None:
@@ -78,35 +84,41 @@ def test_second_instance_hits_the_first_ones_chunks_and_a_dead_server_costs_noth
     server = LMServerProcess(log_path=tmp_path / "server.log").start()
     env = {"LMCACHE_REMOTE_URL": server.url, "LMCACHE_REMOTE_SERDE": "naive"}
     try:
-        tokens_a, logprobs_a, lines_a, _ = _run(tiny_model, env)
+        (a,), lines_a, _ = _run(tiny_model, env)
         assert lines_a == [(0, 0, 1500)]  # (hit, loaded, stored): A computed and stored everything
-        tokens_b, logprobs_b, lines_b, log_b = _run(tiny_model, env)
+        (b,), lines_b, _ = _run(tiny_model, env)
         assert lines_b == [(1500, 1500, 0)]  # B's CPU tier is empty: every chunk came from lm://
     finally:
         server.stop()
-    assert_as_computed((tokens_a, logprobs_a), (tokens_b, logprobs_b))
+    assert_as_computed(a, b)
 
     dead = {"LMCACHE_REMOTE_URL": f"lm://127.0.0.1:{free_port()}", "LMCACHE_REMOTE_SERDE": "naive"}
-    tokens_c, logprobs_c, lines_c, log_c = _run(tiny_model, dead)
-    assert_as_computed((tokens_a, logprobs_a), (tokens_c, logprobs_c))
+    (c,), lines_c, log_c = _run(tiny_model, dead)
+    assert_as_computed(a, c)
     assert lines_c[0][:2] == (0, 0)  # no hit, and the request did not fail
     assert "is down" in log_c and "requests recompute" in log_c
 
 
 def test_second_instance_hits_through_the_node_pool_with_no_private_tier(tiny_model, tmp_path):
+    # A stores layer by layer (save_kv_layer) into the pool, then loads its repeat layer by layer
+    # (wait_for_layer_load) from it; B, through lmcache_vllm (whose shell passes "load in the
+    # background" to vLLM), finds the prompt only in the pool and loads it in the background.
     server = LMServerProcess(log_path=tmp_path / "server.log", unix_socket=tmp_path / "pool.sock").start()
-    env = {"LMCACHE_REMOTE_URL": server.pool_url, "LMCACHE_REMOTE_SERDE": "naive", "LMCACHE_LOCAL_CPU": "False"}
+    env = {"LMCACHE_REMOTE_URL": server.pool_url, "LMCACHE_REMOTE_SERDE": "naive", "LMCACHE_LOCAL_CPU": "False",
+           "LMCACHE_USE_LAYERWISE": "True"}
     try:
-        tokens_a, logprobs_a, lines_a, _ = _run(tiny_model, env)
-        tokens_b, logprobs_b, lines_b, _ = _run(tiny_model, env)
+        (a, a_again), lines_a, _ = _run(tiny_model, env, rounds=2)
+        (b,), lines_b, log_b = _run(tiny_model, {**env, "LMCACHE_ENABLE_ASYNC_LOADING": "True"},
+                                    vllm_module="lmcache_vllm.vllm")
         tcp = LMServerConnector("127.0.0.1", server.port)
         info = tcp.info()
         tcp.close()
     finally:
         server.stop()
-    assert lines_a == [(0, 0, 1500)] and lines_b == [(1500, 1500, 0)]
+    assert lines_a == [(0, 0, 1500), (1500, 1500, 0)] and lines_b == [(1500, 1500, 0)]
+    assert ASYNC_DONE_RE.findall(log_b) == [("1500", "1500")]
     assert info["entries"] == -(-1500 // CHUNK) and info["pool_leases"] == 0 and info["pool_reservations"] == 0
-    assert_as_computed((tokens_a, logprobs_a), (tokens_b, logprobs_b))
+    assert_as_computed(a, a_again, b)
 
 
 def test_mooncake_v0_store_v1_layerwise_async_hits_and_a_master_killed_mid_run(tiny_model, tmp_path):
@@ -173,8 +185,9 @@ def test_cachegen_through_vllm_hits_and_reports_agreement(tiny_model, tmp_path):
     url_a = server.url.replace("lm://", f"lm://:{token}@")
     env = {"LMCACHE_REMOTE_SERDE": "cachegen"}
     try:
-        tokens_a, _, lines_a, log_a = _run(tiny_model, {**env, "LMCACHE_REMOTE_URL": url_a})
-        tokens_b, _, lines_b, log_b = _run(tiny_model, {**env, "LMCACHE_REMOTE_URL": server.url, "LMCACHE_REMOTE_TOKEN": token})
+        ((tokens_a, _),), lines_a, log_a = _run(tiny_model, {**env, "LMCACHE_REMOTE_URL": url_a})
+        ((tokens_b, _),), lines_b, log_b = _run(
+            tiny_model, {**env, "LMCACHE_REMOTE_URL": server.url, "LMCACHE_REMOTE_TOKEN": token})
     finally:
         server.stop()
     assert lines_a == [(0, 0, 1500)] and lines_b == [(1500, 1500, 0)]

@@ -33,6 +33,8 @@ def test_round_trip_is_bit_exact(allocator, dtype):
     assert header is not None
     assert (header.key, header.shape, header.dtype, header.fmt) == (KEY, (2, 3, 5, 8), dtype, MemoryFormat.KV_BLOB)
     assert header.payload_len == obj.get_size() and len(blob) == header.size + header.payload_len
+    # The payload starts on a cache line (the node pool's kernel writes it in place, aligned).
+    assert header.size % cf.HEADER_ALIGN == 0 and header.size == cf.header_size(KEY, (2, 3, 5, 8), dtype)
     back = cf.decode_into(blob, allocator.allocate, key=KEY, shape=(2, 3, 5, 8), dtype=dtype, fmt=MemoryFormat.KV_BLOB)
     assert back is not None
     assert torch.equal(back.tensor.view(torch.uint8), obj.tensor.view(torch.uint8))

@@ -3,8 +3,14 @@ chunks. Test files import from here or `helpers`, never from each other."""
 
 from __future__ import annotations
 
+import os
+import shutil
+import socket
+import struct
+import tempfile
 import time
-from typing import Callable
+from contextlib import contextmanager
+from typing import Callable, Iterator, Sequence
 
 import pytest
 import torch
@@ -14,9 +20,11 @@ from kv_reference import make_kvcaches
 from lmcache.config import LMCacheEngineMetadata
 from lmcache.experimental.cache_engine import LMCacheEngine
 from lmcache.experimental.memory_management import HostMemoryAllocator, MemoryFormat, MemoryObj
+from lmcache.experimental.remote.pool_connector import map_arena
 from lmcache.experimental.storage_backend.local_cpu_backend import LocalCPUBackend
 from lmcache.experimental.storage_backend.local_disk_backend import LocalDiskBackend
 from lmcache.experimental.storage_backend.remote_backend import RemoteBackend, RemoteBackendOptions
+from lmcache.server.protocol import HEADER_SIZE, Op, Status, parse_header, recv_exact, send_frame
 
 # ---------------------------------------------------------------- remote backends
 
@@ -57,6 +65,62 @@ def wait_for(cond: Callable[[], bool], timeout: float = 15.0) -> bool:
             return True
         time.sleep(0.02)
     return cond()
+
+
+# ---------------------------------------------------------------- the node pool as another user
+
+NOBODY = 65534  # uid and gid of `nobody`
+
+
+def as_nobody(groups: Sequence[int], fn: Callable[[], object]) -> str:
+    """`repr(fn())`, or `ExcType: message`, from a forked child running as `nobody` with these
+    supplementary groups: a client of another user (only root may start one)."""
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child answers through the pipe and exits without running pytest's cleanup
+        try:
+            os.close(read_end)
+            os.setgroups(list(groups))
+            os.setgid(NOBODY)
+            os.setuid(NOBODY)
+            answer = repr(fn())
+        except BaseException as err:
+            answer = f"{type(err).__name__}: {err}"
+        os.write(write_end, answer.encode()[:4096])
+        os._exit(0)
+    os.close(write_end)
+    with os.fdopen(read_end, "rb") as pipe:
+        answer = pipe.read().decode()
+    os.waitpid(pid, 0)
+    return answer
+
+
+def read_through_pool(path: str, key: str) -> bytes:
+    """Map the node pool at `path` and read `key`'s value in place (LEASE), as its clients do."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(10)
+        sock.connect(path)
+        arena = map_arena(sock, None)
+        send_frame(sock, Op.LEASE, key=key.encode())
+        head = parse_header(recv_exact(sock, HEADER_SIZE, "header"), 1 << 20, is_request=False)
+        recv_exact(sock, head.key_len, "key")
+        payload = bytes(recv_exact(sock, head.payload_len, "payload"))
+        if head.status != Status.OK:
+            raise LookupError(f"LEASE {key}: {head.status.name}")
+        _, offset, length = struct.unpack("!QQQ", payload)
+        return bytes(arena.block(offset, length))
+
+
+@contextmanager
+def passable_dir() -> Iterator[str]:
+    """A fresh directory any user may pass through (0711), for a socket another user must reach
+    (pytest's tmp_path lies under a directory only its owner may enter)."""
+    path = tempfile.mkdtemp(prefix="lmc-pool-")
+    os.chmod(path, 0o711)
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 # ---------------------------------------------------------------- small disk tiers

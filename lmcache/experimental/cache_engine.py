@@ -2,11 +2,13 @@
 per name, per process).
 
 Store: tokens -> chunks and keys (token database) -> for each chunk not cached yet, a memory
-object from the CPU tier's allocator; the connector fills them all in one call (one kernel
-call per request: see docs/design.md, "Decisions"), then each goes to every tier.
-Retrieve: chunk by chunk from the fastest tier that has it, stopping at the first missing
-chunk; the connector copies them into the serving engine's KV cache in one call (earlier when
-a tier has a chunk but no memory is left to read it into).
+object from the CPU tier's allocator (or, where the node pool is the only tier, a block of its
+arena: `pool_in_place.py`); the connector fills them all in one call (one kernel call per
+request: see docs/design.md, "Decisions"), then each goes to every tier.
+Retrieve: chunk by chunk from the fastest tier that has it (all at once, leased in place, from a
+sole node pool), stopping at the first missing chunk; the connector copies them into the serving
+engine's KV cache in one call (earlier when a tier has a chunk but no memory is left to read it
+into).
 Lookup: the cached prefix length; a pinned lookup also holds that prefix in CPU memory for a
 request id (see `pins.py`) so the retrieve that follows cannot come back short.
 Each of them updates the `lmcache:` Prometheus metrics (`metrics.py`) from the engine's counters.
@@ -158,14 +160,26 @@ class LMCacheEngine:
                     obj.ref_count_down()
                 batch.clear()
 
+        todo: List[Tuple[int, int, CacheEngineKey]] = []
+        for start, end, key in chunks:
+            if self.storage_manager.contains_locally(key):
+                skipped += end - start
+            else:
+                todo.append((start, end, key))
+        # Where the only tier can be the engine's memory (the node pool), the kernel writes there.
+        reserved = self.storage_manager.reserve_in_place(
+            [key for *_, key in todo], [self.gpu_connector.get_shape(end - start) for start, end, _ in todo],
+            self.metadata.kv_dtype,
+        )
         try:
-            for start, end, key in chunks:
+            for i, (start, end, key) in enumerate(todo):
                 n = end - start
                 if full:
                     dropped += n
                     continue
-                if self.storage_manager.contains_locally(key):
-                    skipped += n
+                obj, reserved[i] = reserved[i], None
+                if obj is not None:
+                    batch.append((start, end, key, obj))
                     continue
                 shape = self.gpu_connector.get_shape(n)
                 obj = self.storage_manager.allocate(shape, self.metadata.kv_dtype, MemoryFormat.KV_BLOB)
@@ -185,6 +199,9 @@ class LMCacheEngine:
         finally:
             for *_, obj in batch:
                 obj.ref_count_down()
+            for obj in reserved:  # not filled: never published
+                if obj is not None:
+                    obj.ref_count_down()
         self._stats.record_store(requested, stored, skipped, dropped)
         self._metrics.observe_store(time.perf_counter() - started)
         self.publish_metrics()
@@ -233,39 +250,52 @@ class LMCacheEngine:
                     obj.ref_count_down()
                 batch.clear()
 
+        # Where the only tier hands out its own bytes (the node pool), the kernel reads them there.
+        leased = self.storage_manager.lease_in_place([key for *_, key in todo], self.metadata.kv_dtype) if todo else None
         try:
             for i, (start, end, key) in enumerate(todo):
-                if i + 1 < len(todo):
-                    # Let a slower tier read the next chunk into the CPU tier while this one is read.
-                    self.storage_manager.prefetch(todo[i + 1][2])
-                obj = self.storage_manager.get(key)
-                if obj is None and batch and self.storage_manager.contains(key):
-                    # A tier has the chunk but could not read it into memory the batch holds:
-                    # copy the batch (its chunks become evictable) and read again.
-                    flush()
+                if leased is not None:
+                    obj, leased[i] = leased[i], None
+                else:
+                    if i + 1 < len(todo):
+                        # Let a slower tier read the next chunk into the CPU tier while this one is read.
+                        self.storage_manager.prefetch(todo[i + 1][2])
                     obj = self.storage_manager.get(key)
-                if obj is None:
-                    break
-                expected = self.gpu_connector.get_shape(end - start)
-                meta = obj.metadata
-                if meta.shape != expected or meta.dtype != self.metadata.kv_dtype:
-                    logger.warning(
-                        "chunk %s has shape %s %s, expected %s %s: treating it as a miss",
-                        key.chunk_hash, list(meta.shape), meta.dtype, list(expected), self.metadata.kv_dtype,
-                    )
-                    obj.ref_count_down()
-                    self.storage_manager.remove(key)
+                    if obj is None and batch and self.storage_manager.contains(key):
+                        # A tier has the chunk but could not read it into memory the batch holds:
+                        # copy the batch (its chunks become evictable) and read again.
+                        flush()
+                        obj = self.storage_manager.get(key)
+                if obj is None or not self._fits(key, obj, end - start):
                     break
                 batch.append((start, end, obj))
             flush()
         finally:
             for *_, obj in batch:
                 obj.ref_count_down()
+            for obj in leased or ():  # after the first miss: not used
+                if obj is not None:
+                    obj.ref_count_down()
         self._stats.record_retrieve(requested, hit)
         self._metrics.observe_retrieve(time.perf_counter() - started)
         self.publish_metrics()
         logger.debug("retrieve: %d tokens requested, %d loaded", requested, hit)
         return ret_mask
+
+    def _fits(self, key: CacheEngineKey, obj: MemoryObj, num_tokens: int) -> bool:
+        """Whether a read chunk has the shape and dtype of `num_tokens` of this model's KV; if not,
+        it is released and removed (logged): a miss."""
+        expected = self.gpu_connector.get_shape(num_tokens)
+        meta = obj.metadata
+        if meta.shape == expected and meta.dtype == self.metadata.kv_dtype:
+            return True
+        logger.warning(
+            "chunk %s has shape %s %s, expected %s %s: treating it as a miss",
+            key.chunk_hash, list(meta.shape), meta.dtype, list(expected), self.metadata.kv_dtype,
+        )
+        obj.ref_count_down()
+        self.storage_manager.remove(key)
+        return False
 
     def lookup(
         self,

@@ -1,7 +1,8 @@
 """`lmcache_server [HOST] PORT [DEVICE]` / `python -m lmcache.server ...`: run the `lm://` server.
 
 `--unix-socket PATH` adds (or, without HOST PORT, is the only) door: the node pool, an
-owner-only unix socket whose clients (`lm+shm:///PATH`) share the store's memory (`pool.py`).
+owner-only unix socket whose clients (`lm+shm:///PATH`) share the store's memory (`pool.py`);
+`--socket-group NAME` opens it to that group's members (0660).
 HOST defaults to 127.0.0.1. Listening on any other interface needs a token
 (`LMCACHE_SERVER_TOKEN` or `--token-file PATH`; never a command-line value, which `ps` shows),
 or `--no-auth` to insist on none; `--tls-cert`/`--tls-key` serve TLS (`lms://` clients).
@@ -50,6 +51,7 @@ def _parse_args(argv: Optional[Sequence[str]]) -> ServerConfig:
         "(0600): the node pool, where clients on this machine (lm+shm:///PATH) share the store's "
         "memory and values never cross a socket",
     )
+    add_socket_group_argument(parser, "0660, owned by NAME")
     parser.add_argument(
         "--max-size-gb",
         type=float,
@@ -107,6 +109,7 @@ def _parse_args(argv: Optional[Sequence[str]]) -> ServerConfig:
             host=host,
             port=port,
             unix_socket=args.unix_socket,
+            socket_group=args.socket_group,
             max_size_bytes=int(args.max_size_gb * GB),
             max_payload_bytes=max_payload,
             max_connections=args.max_connections,
@@ -169,6 +172,16 @@ def _add_limit_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="payload MiB all unfinished frames together may hold (default: twice "
         "--max-frame-mb, at least --max-frame-mb); a put that would go over is refused",
+    )
+
+
+def add_socket_group_argument(parser: argparse.ArgumentParser, what: str) -> None:
+    """`--socket-group`: who besides the owner may use the node pool (`lmcache server` too)."""
+    parser.add_argument(
+        "--socket-group",
+        metavar="NAME",
+        help=f"let this group's members (other users, e.g. vLLM in another container) use the node "
+        f"pool: its socket becomes {what} (the token still applies; default: owner-only)",
     )
 
 

@@ -1,9 +1,11 @@
 """The node pool, server side: the store's arena shared with clients on the same machine.
 
 `lmcache_server --unix-socket PATH` listens on an owner-only (0600) unix socket beside (or
-instead of) TCP. A client there proves the token as on `lm://` (`security.py`), then asks `MAP`
-and receives the arena's memfd once (SCM_RIGHTS) to map it. From then on values never cross the
-socket, only the small control frames of `protocol.py`:
+instead of) TCP; with `--socket-group NAME` the socket is 0660 and belongs to that group, so
+clients of other users in it may connect too (`bind_unix_listener`). A client there proves the
+token as on `lm://` (`security.py`), then asks `MAP` and receives the arena's memfd once
+(SCM_RIGHTS) to map it. From then on values never cross the socket, only the small control
+frames of `protocol.py`:
 
     store:  RESERVE key size -> offset;   client writes the value at offset;   COMMIT key offset
     hit:    LEASE key -> id, offset, len; client reads the value at offset;    RELEASE id
@@ -25,6 +27,7 @@ import struct
 from typing import Optional
 
 from lmcache.logging import init_logger
+from lmcache.server.pool_address import share_with_group, socket_group_id
 from lmcache.server.protocol import (
     ARENA_ID_BYTES,
     MAX_RELEASE_LEASES,
@@ -49,10 +52,10 @@ _MAP_REPLY = struct.Struct(f"!{ARENA_ID_BYTES}sQ")  # arena id, arena size
 _PEERCRED = struct.Struct("3i")  # pid, uid, gid
 
 
-def bind_unix_listener(path: str) -> socket.socket:
-    """A listening unix socket at `path`, created owner-only (0600). A socket file left by a
-    server that died is replaced; one another server still listens on is an error, and so is
-    any other file at `path`."""
+def bind_unix_listener(path: str, group: Optional[str] = None) -> socket.socket:
+    """A listening unix socket at `path`, created owner-only (0600), then, with `group`, given to
+    that group as 0660. A socket file left by a server that died is replaced; one another server
+    still listens on is an error, and so is any other file at `path`."""
     if os.path.lexists(path):
         if not stat.S_ISSOCK(os.lstat(path).st_mode):
             raise OSError(errno.EEXIST, f"cannot bind unix socket {path}: a file that is not a socket is there")
@@ -72,9 +75,28 @@ def bind_unix_listener(path: str) -> socket.socket:
         raise OSError(err.errno, f"cannot bind unix socket {path}: {err.strerror}") from err
     finally:
         os.umask(old_mask)
-    os.chmod(path, 0o600)
+    try:
+        if group is None:
+            os.chmod(path, 0o600)
+        else:  # the group is set before the mode opens, so only it ever gets the extra bits
+            share_with_group(path, group, 0o660)
+            _warn_if_the_group_cannot_pass(path, group)
+    except OSError:
+        listener.close()
+        os.unlink(path)
+        raise
     listener.listen(128)
     return listener
+
+
+def _warn_if_the_group_cannot_pass(path: str, group: str) -> None:
+    """The socket's directory is the operator's: say so when its mode keeps the group out."""
+    parent = os.path.dirname(os.path.abspath(path))
+    info = os.stat(parent)
+    if not (info.st_mode & 0o001 or (info.st_gid == socket_group_id(group) and info.st_mode & 0o010)):
+        logger.warning("node pool: group %s cannot pass through %s (mode %o, group %d) to reach the socket; "
+                       "give the directory to the group (chgrp, chmod g+x)", group, parent,
+                       stat.S_IMODE(info.st_mode), info.st_gid)
 
 
 def peer_pid(conn: socket.socket) -> int:

@@ -1,5 +1,6 @@
 """Where the node pool of `lmcache server --port PORT` listens, so that a vLLM instance told only
-upstream's host and port (`lmcache.mp.host`, `lmcache.mp.port`) finds it without a path.
+upstream's host and port (`lmcache.mp.host`, `lmcache.mp.port`) finds it without a path; and who
+besides its owner may use a pool (`--socket-group`).
 
 The socket is `<runtime dir>/pool-<PORT>.sock`. The runtime dir is `LMCACHE_RUNTIME_DIR` when set
 (server and vLLM must then see the same value, e.g. a directory mounted into both containers),
@@ -10,12 +11,17 @@ user's server from posing as ours, since only its owner can create a socket insi
 Operations:
 - `runtime_dir(environ)`: the directory (not created).
 - `pool_socket_path(port, environ)`: the socket for a port.
-- `ensure_runtime_dir(path)`: create it owner-only (0700), or check that an existing one is a
-  directory of ours that nobody else may write.
+- `socket_group_id(group)`, `share_with_group(path, group, mode)`: `--socket-group`, the group
+  (name or gid) whose members may use the pool besides its owner.
+- `ensure_runtime_dir(path, group)`: create it owner-only (0700), or check that an existing one
+  is a directory of ours that nobody else may write; with `group` (`--socket-group`), give it to
+  that group as 0750, so its members can reach the socket inside. A client of another user
+  finds the directory through `LMCACHE_RUNTIME_DIR`, since its default names the client's uid.
 """
 
 from __future__ import annotations
 
+import grp
 import os
 import stat
 import tempfile
@@ -50,9 +56,30 @@ def pool_socket_path(port: int, environ: Optional[Mapping[str, str]] = None) -> 
     return path
 
 
-def ensure_runtime_dir(path: str) -> None:
+def socket_group_id(group: str) -> int:
+    """The gid of `--socket-group` (a group name, or a number); ValueError naming it if unknown."""
+    if group.isascii() and group.isdigit():
+        return int(group)
+    try:
+        return grp.getgrnam(group).gr_gid
+    except KeyError:
+        raise ValueError(f"socket group {group!r}: no such group on this machine") from None
+
+
+def share_with_group(path: str, group: str, mode: int) -> None:
+    """Give `path` to `group` (name or gid) with `mode`; an OSError naming both if that is not
+    allowed (a user may only give a file to a group it is in)."""
+    try:
+        os.chown(path, -1, socket_group_id(group))
+    except PermissionError as err:
+        raise OSError(err.errno, f"cannot give {path} to group {group!r}: this user is not in it") from err
+    os.chmod(path, mode)
+
+
+def ensure_runtime_dir(path: str, group: Optional[str] = None) -> None:
     """Create `path` owner-only, or refuse one that is not a directory of this user's, or that
-    others may write (they could replace the socket with their own)."""
+    others may write (they could replace the socket with their own); with `group`, open it to
+    that group for reading (0750)."""
     try:
         os.mkdir(path, 0o700)
     except FileExistsError:
@@ -64,3 +91,5 @@ def ensure_runtime_dir(path: str) -> None:
         raise OSError(f"runtime dir {path} belongs to uid {info.st_uid}, not to this user ({os.getuid()})")
     if info.st_mode & 0o022:
         raise OSError(f"runtime dir {path} is writable by others (mode {stat.S_IMODE(info.st_mode):o}); make it 0700")
+    if group is not None:
+        share_with_group(path, group, 0o750)

@@ -24,8 +24,9 @@ reason and the frame limit, and counted in `refused_puts`. A connection that bre
 protocol (bad magic or version, unknown op, a key over its limit, a frame cut short or past its
 deadline) is answered with `BAD_REQUEST` where possible and closed, with the reason logged.
 
-With `unix_socket`, the server also (or only) listens on an owner-only unix socket for clients on
-the same machine, which share the store's arena in shared memory (`pool.py`, the node pool).
+With `unix_socket`, the server also (or only) listens on an owner-only unix socket (or one of
+`socket_group`'s) for clients on the same machine, which share the store's arena in shared
+memory (`pool.py`, the node pool).
 
 With a token (`ServerConfig.token`) a connection must pass `security.py`'s handshake before
 anything else is served; a peer that fails it, or asks for anything first, is answered and
@@ -53,6 +54,7 @@ from typing import Optional, Union
 from lmcache.background_threads import thread_initializer
 from lmcache.logging import init_logger
 from lmcache.server.pool import PoolSession, bind_unix_listener, peer_pid
+from lmcache.server.pool_address import socket_group_id
 from lmcache.server.protocol import (
     ARENA_ID_BYTES,
     DEFAULT_MAX_PAYLOAD_BYTES,
@@ -116,6 +118,8 @@ class ServerConfig:
     port: Optional[int] = 65432
     # Listen on this unix socket too (owner-only): the node pool's door (`pool.py`).
     unix_socket: Optional[str] = None
+    # Give the unix socket to this group (name or gid) as 0660: its members' clients may connect.
+    socket_group: Optional[str] = None
     max_size_bytes: int = 4 << 30
     max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES
     max_connections: int = 256
@@ -147,6 +151,10 @@ class ServerConfig:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
         if self.unix_socket is not None and not self.unix_socket:
             raise ValueError("unix_socket is an empty path")
+        if self.socket_group is not None:
+            if self.unix_socket is None:
+                raise ValueError(f"socket_group={self.socket_group!r} needs a unix socket to give to the group")
+            socket_group_id(self.socket_group)  # an unknown group fails at start, by name
         if self.max_size_bytes <= 0:
             raise ValueError(f"max_size_bytes must be positive, got {self.max_size_bytes}")
         if not 0 < self.max_payload_bytes <= HARD_MAX_PAYLOAD_BYTES:
@@ -280,10 +288,11 @@ class LMCacheServer:
         if self._started:
             raise RuntimeError("server already started")
         if self.config.unix_socket is not None:
-            self._unix_listener = bind_unix_listener(self.config.unix_socket)
+            self._unix_listener = bind_unix_listener(self.config.unix_socket, self.config.socket_group)
             self._unix_inode = os.stat(self.config.unix_socket).st_ino
-            logger.info("node pool on unix socket %s (owner-only, %s; arena of %.2f GiB in shared memory)",
+            logger.info("node pool on unix socket %s (%s, %s; arena of %.2f GiB in shared memory)",
                         self.config.unix_socket,
+                        "owner-only" if self.config.socket_group is None else f"group {self.config.socket_group}",
                         "token required" if self.config.token is not None else "no token",
                         self.store.arena.capacity / 1024**3)
         if self.config.port is not None:

@@ -17,10 +17,10 @@ the rows with every round's time.
   files the same ways: the limit is the file system delivering those bytes, nothing more.
 - Node pool (`--pool`): an `lm://` server process with `--unix-socket`, the engine at
   `lm+shm:///PATH` with no CPU tier (`local_cpu=False`), so every retrieve reads the pool: store
-  GB/s until the server acknowledged every chunk (copy out of the KV cache, checksum, one copy into
-  the shared arena) and retrieve GB/s of a prompt stored before (lease, copy out of the arena with
-  the checksum, copy into the KV cache, checked bit-exact) vs memcpy; and the same engine over the
-  same server's TCP port (`lm://`) for comparison.
+  GB/s until the server acknowledged every chunk (reserve, copy out of the KV cache straight into
+  the arena's blocks, checksum in place, commit) and retrieve GB/s of a prompt stored before
+  (lease, checksum in place, copy out of the arena straight into the KV cache, checked bit-exact)
+  vs memcpy; and the same engine over the same server's TCP port (`lm://`) for comparison.
 - Lookup latency for a 32k-token prompt that is fully cached, and one that misses at once.
 - The XXH3-64 checksum the disk tier computes on every write and read, as its ceiling.
 

@@ -132,12 +132,7 @@ class MultiBench:
         server = self._launch_shared(kind, spec, running)
         server.wait_listening(metrics_port, 60)
         if kind == POOL_KIND:
-            deadline = time.monotonic() + 60
-            while not os.path.exists(self.settings.pool_socket):
-                server.check_alive()
-                if time.monotonic() > deadline:
-                    raise ServerError(f"the node pool did not create {self.settings.pool_socket}")
-                time.sleep(0.2)
+            server.wait_socket(self.settings.pool_socket, 60)
         else:
             server.wait_listening(port, 60)
         return port, metrics_port

@@ -35,8 +35,9 @@ import platform
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from importlib import metadata
 from pathlib import Path
 from typing import Optional
@@ -52,7 +53,7 @@ from bench_serving_report import (  # noqa: E402
     attach_lmcache_hits, beside, hit_retrieve_gbps, interference, plot, plot_title, ratios, summarize, targets,
 )
 from bench_serving_servers import (  # noqa: E402
-    ALL_KINDS, PERSISTENT_KINDS, REMOTE_TIERS, SLOW_REMOTE_KINDS, VLLM_KIND, CpuMeter, ManagedProcess, ServerError,
+    ALL_KINDS, PERSISTENT_KINDS, POOL_KIND, REMOTE_TIERS, SLOW_REMOTE_KINDS, VLLM_KIND, CpuMeter, ManagedProcess, ServerError,
     ServerSettings, describe, free_port, launch, mooncake_launches, remote_server_launch, server_launch, stop_all,
     tier_of,
 )
@@ -241,8 +242,9 @@ class Bench:
         return paired + sum(count_requests(a) + count_requests(b) for a, b in map(self.plans_for, self.servers))
 
     def _start_remote(self, kind: str, running: list[ManagedProcess]) -> Optional[int]:
-        """The store `kind`'s remote tier talks to, started: the lm:// server (its port), or Mooncake
-        Store's master and storage process (the master's port); None for other tiers."""
+        """The store `kind`'s remote tier talks to, started: the lm:// server (its port; with the node
+        pool on `settings.pool_socket` too), or Mooncake Store's master and storage process (the
+        master's port); None for other tiers."""
         if tier_of(kind) not in REMOTE_TIERS:
             return None
         port = free_port()
@@ -257,6 +259,8 @@ class Bench:
             proc = launch(spec, ROOT)
             running.append(proc)
             proc.wait_listening(listens_on, 60)
+            if kind == POOL_KIND:
+                proc.wait_socket(self.settings.pool_socket, 60)
         return port
 
     def _start(self, kind: str, tag: str, remote_port: Optional[int],
@@ -430,12 +434,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     weights = make_tiny_model(ROOT / args.model_dir, spec)
     tier_gb = max(0.5, math.ceil(stored_tokens(sizes, args.chunk_size) * kv_bytes_per_token(spec) * 1.25 / 1e8) / 10)
     blocks = math.ceil(max(args.engine_kv_tokens, args.max_model_len) / args.block_size)
+    # The node pool's socket: a short path (a unix socket's is limited to 107 bytes), owner-only.
+    sock_dir = tempfile.mkdtemp(prefix="lmcache-bench-pool-")
     settings = ServerSettings(
         model=args.model_dir, max_model_len=args.max_model_len, block_size=args.block_size,
         num_kv_blocks=blocks, chunk_size=args.chunk_size, cpu_tier_gb=tier_gb, disk_tier_gb=tier_gb,
         remote_tier_gb=tier_gb, disk_dir=str(disk_dir), door=args.door, slow_remote_delay_ms=args.slow_remote_delay_ms,
         # --quick checks the harness with a few requests; vLLM's compile warm-up would be most of it.
         extra_vllm_args=("--enforce-eager",) if args.quick else (),
+        pool_socket=str(Path(sock_dir) / "pool.sock"),
     )
     load_before = os.getloadavg()
     started = time.time()
@@ -444,6 +451,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         bench.run()
     finally:
         shutil.rmtree(disk_dir, ignore_errors=True)
+        shutil.rmtree(sock_dir, ignore_errors=True)
     summaries = summarize(bench.records, bench.totals)
     rat = ratios(summaries)
     itl = interference(bench.records)
@@ -453,7 +461,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     tgt = targets(rat, itl, hit_copy)
     result = {
         **run_header(SCHEMA, started, argv or sys.argv[1:], load_before, args.model_dir, spec, weights),
-        "settings": {**asdict(settings), "engine_kv_tokens": blocks * args.block_size},
+        "settings": {**asdict(replace(settings, pool_socket="<temporary>")), "engine_kv_tokens": blocks * args.block_size},
         "sizes": asdict(sizes),
         "servers": servers,
         "workloads": workloads,

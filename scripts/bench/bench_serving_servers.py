@@ -12,9 +12,10 @@ Kinds:
   (`scripts/mooncake_store.py`'s command lines); the vLLM instance is a pure client (global segment
   0), so its chunks outlive it as they outlive it on the `lm://` server.
 - `lmcache-cpu-layerwise`, `lmcache-disk-async`: a tier with `use_layerwise` / `enable_async_loading`.
-- `lmcache-pool` (the multi-instance benchmark's, not in `ALL_KINDS`): the remote tier on the node
-  pool (`lm+shm://`, an `lmcache.server --unix-socket` this module starts too) with no CPU tier
-  of its own, so the instances of one machine share one copy of each chunk.
+- `lmcache-pool`: the remote tier on the node pool (`lm+shm://`, an `lmcache.server --unix-socket`
+  this module starts too) with no CPU tier of its own, so the instances of one machine share one
+  copy of each chunk (the multi-instance benchmark's shared kind; here beside the CPU tier it is the
+  node-pool issue's "a pool hit within 1.1x of a CPU-tier hit").
 - `lmcache-remote-slow` / `lmcache-remote-slow-async`: the remote tier on an `lm://` server that
   answers every GET `slow_remote_delay_ms` late (`--delay-ms`), with asynchronous loading off / on:
   the `interference` workload's slow tier (and the only workload they run).
@@ -58,11 +59,11 @@ MODE_KINDS = {
     "lmcache-remote-slow": ("lmcache-remote", {}),
     "lmcache-remote-slow-async": ("lmcache-remote", {"LMCACHE_ENABLE_ASYNC_LOADING": "True"}),
 }
-# Our cache on the node pool (`lm+shm://`): the multi-instance benchmark's shared kind.
+# Our cache on the node pool (`lm+shm://`).
 POOL_KIND = "lmcache-pool"
 # Kinds whose lm:// server answers slowly: they run the `interference` workload and nothing else.
 SLOW_REMOTE_KINDS = ("lmcache-remote-slow", "lmcache-remote-slow-async")
-OUR_KINDS = ("lmcache-cpu", "lmcache-disk", "lmcache-remote", "lmcache-mooncake", *MODE_KINDS)
+OUR_KINDS = ("lmcache-cpu", "lmcache-disk", "lmcache-remote", "lmcache-mooncake", POOL_KIND, *MODE_KINDS)
 ALL_KINDS = (VLLM_KIND, *OUR_KINDS)
 # Each kind's colour in the benchmark's plots (vLLM alone grey).
 KIND_COLORS = {VLLM_KIND: "#7f7f7f", "lmcache-cpu": "#1f77b4", "lmcache-disk": "#2ca02c", "lmcache-remote": "#d62728",
@@ -71,10 +72,10 @@ KIND_COLORS = {VLLM_KIND: "#7f7f7f", "lmcache-cpu": "#1f77b4", "lmcache-disk": "
                "lmcache-remote-slow-async": "#9467bd",
                POOL_KIND: "#e377c2"}
 # Kinds whose cache outlives the vLLM process, so the restart workload means something for them.
-PERSISTENT_KINDS = ("lmcache-disk", "lmcache-remote", "lmcache-mooncake", "lmcache-disk-async")
-# Kinds whose tier is a store this module starts beside the server: the `lm://` server, or
-# Mooncake Store's master and storage process (`remote_port` is then the master's).
-REMOTE_TIERS = ("lmcache-remote", "lmcache-mooncake")
+PERSISTENT_KINDS = ("lmcache-disk", "lmcache-remote", "lmcache-mooncake", POOL_KIND, "lmcache-disk-async")
+# Kinds whose tier is a store this module starts beside the server: the `lm://` server (the node
+# pool's too), or Mooncake Store's master and storage process (`remote_port` is then the master's).
+REMOTE_TIERS = ("lmcache-remote", "lmcache-mooncake", POOL_KIND)
 
 VLLM_ENTRY = ["-m", "vllm.entrypoints.openai.api_server"]
 WRAPPER_ENTRY = ["-m", "lmcache_vllm.script", "serve"]
@@ -339,6 +340,15 @@ class ManagedProcess:
             except OSError:
                 time.sleep(0.2)
         raise ServerError(f"{self.spec.name} did not listen on port {port} within {timeout_s:.0f} s")
+
+    def wait_socket(self, path: str, timeout_s: float) -> None:
+        """Wait until the unix socket `path` exists (the node pool's, created after its TCP port)."""
+        deadline = self.started_at + timeout_s
+        while not os.path.exists(path):
+            self.check_alive()
+            if time.monotonic() > deadline:
+                raise ServerError(f"{self.spec.name} did not create {path} within {timeout_s:.0f} s")
+            time.sleep(0.2)
 
     def stop(self, grace_s: float = 60.0) -> int:
         """SIGINT, then SIGTERM, then SIGKILL of its process group; return the exit code."""

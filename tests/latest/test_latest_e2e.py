@@ -7,7 +7,9 @@ logprobs equal up to float rounding. Hit, load and store counts come from the do
 log line. vLLM 0.32 keeps the CPU cache as CPU_ATTN blocks of 128 tokens and prefills in chunks of
 `max_num_batched_tokens`; P_LONG is longer than one such chunk. Engine starts cost most of the
 time, so there are four: cache off, vLLM's connector with its prefix cache off, the wrapper with
-it on, and the server.
+it on, and the server. The layer-wise test and the wrapper's (background loads) run on the node
+pool (`lm+shm://`, a server started in the test) as their only tier, vLLM's connector's on
+Mooncake Store (a master and a storage process started in the test) as its only tier.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import sys
 import pytest
 from conftest import ROOT, VLLM_TEST_ENV
 from mooncake_fixture import MooncakeMaster, MooncakeStorage
+from redis_fixture import LMServerProcess
 from test_v1_e2e import (
     LMCACHE_ENV,
     MAX_BATCHED,
@@ -35,11 +38,42 @@ from test_v1_e2e import (
     run,
 )
 
+from lmcache.experimental.remote.lm_connector import LMServerConnector
+
 pytestmark = pytest.mark.vllm
 
 PROMPTS = [P_LONG, P_SHARED_A, P_SHARED_B, P_OTHER]
 # vLLM 0.32 has no VLLM_USE_V1 (one engine); the shared settings set it to 1, which it ignores.
 ENV = {**LMCACHE_ENV}
+
+
+@pytest.fixture
+def pool(tmp_path):
+    """The node pool (a server started here) as the engine's only tier: every hit is read from
+    the server's arena (`lm+shm://`), every store written into it."""
+    server = LMServerProcess(log_path=tmp_path / "server.log", unix_socket=tmp_path / "pool.sock").start()
+    env = {**ENV, "LMCACHE_LOCAL_CPU": "False", "LMCACHE_REMOTE_URL": server.pool_url, "LMCACHE_REMOTE_SERDE": "naive"}
+    yield env
+    tcp = LMServerConnector("127.0.0.1", server.port)
+    info = tcp.info()
+    tcp.close()
+    server.stop()
+    assert info["entries"] > 0 and info["pool_leases"] == 0 and info["pool_reservations"] == 0
+
+
+@pytest.fixture
+def mooncake(tmp_path):
+    """Mooncake Store (a master and a storage process lending the segment) as the engine's only
+    tier; the engine lends no segment: every hit is read from the storage process."""
+    master = MooncakeMaster(tmp_path / "master.log").start()
+    storage = MooncakeStorage(master, tmp_path / "storage.log").start()
+    env = {**ENV, "LMCACHE_LOCAL_CPU": "False", "LMCACHE_REMOTE_URL": master.url, "LMCACHE_REMOTE_SERDE": "naive",
+           "LMCACHE_MOONCAKE_GLOBAL_SEGMENT_SIZE": "0", "LMCACHE_MOONCAKE_LOCAL_BUFFER_SIZE": str(64 << 20)}
+    yield env
+    keys = master.gauge("master_key_count")
+    storage.stop()
+    master.stop()
+    assert keys > 0
 
 
 @pytest.fixture(scope="module")
@@ -51,10 +85,11 @@ def baseline(tiny_model):
     return {tuple(p): (outputs[i], off.logprobs[0][i]) for i, p in enumerate(PROMPTS)}
 
 
-def test_vllm_connector_repeats_and_shared_prefix_with_chunked_prefill(tiny_model, baseline):
-    """vLLM's own LMCacheConnectorV1, its prefix cache off: every repeat is loaded from LMCache."""
+def test_vllm_connector_repeats_and_shared_prefix_with_chunked_prefill_on_mooncake(tiny_model, baseline, mooncake):
+    """vLLM's own LMCacheConnectorV1, its prefix cache off: every repeat is loaded from LMCache,
+    here from Mooncake Store."""
     prompts = [P_LONG, P_SHARED_A, P_SHARED_B, [P_LONG, P_OTHER]]
-    result = run(tiny_model, prompts, connector_kwargs(prefix_caching=False), ENV, rounds=2)
+    result = run(tiny_model, prompts, connector_kwargs(prefix_caching=False), mooncake, rounds=2)
     assert_same_as_baseline(result, prompts, baseline)
     lines = hits(result.lines)
     assert lines[:3] == [
@@ -69,16 +104,19 @@ def test_vllm_connector_repeats_and_shared_prefix_with_chunked_prefill(tiny_mode
     assert_no_pins_left(result)
 
 
-def test_wrapper_llm_with_vllm_prefix_cache(tiny_model, baseline):
+def test_wrapper_llm_with_vllm_prefix_cache_loads_the_rest_from_the_pool_in_the_background(tiny_model, baseline, pool):
     """`lmcache_vllm.vllm.LLM` with no KV transfer config: the wrapper turns the connector on; vLLM's
-    own prefix cache serves what it still holds and LMCache loads only the rest."""
+    own prefix cache serves what it still holds and LMCache loads only the rest, from the node
+    pool, in the background (enable_async_loading: the pool is not this process's memory)."""
     prompts = [P_LONG, P_SHARED_A, P_SHARED_B]
     kwargs = {"enable_prefix_caching": True, "max_num_batched_tokens": MAX_BATCHED}
-    env = {**ENV, "LMCACHE_CHUNK_SIZE": "256"}
+    env = {**pool, "LMCACHE_CHUNK_SIZE": "256", "LMCACHE_ENABLE_ASYNC_LOADING": "True"}
     result = run(tiny_model, prompts, kwargs, env, rounds=2, vllm_module="lmcache_vllm.vllm")
     assert_same_as_baseline(result, prompts, baseline)
     assert "lmcache_vllm: v1 engine selected, using KV connector LMCacheConnectorV1" in result.log
     assert hits(result.lines) == PREFIX_CACHE_ON_HITS  # as on vLLM 0.9.2
+    done = re.findall(r"background load done, (\d+) leading tokens ready of (\d+) promised", result.log)
+    assert sorted(done) == [("1424", "1424"), ("1424", "1424"), ("1500", "1500")]
     assert_no_pins_left(result)
 
 
@@ -99,24 +137,13 @@ def test_wrapper_serve_hits_over_http():
     assert "server stopped cleanly (exit code 0)" in out
 
 
-def test_layerwise_loads_and_stores_per_layer_through_mooncake(tiny_model, baseline, tmp_path):
+def test_layerwise_loads_and_stores_per_layer_in_the_pool(tiny_model, baseline, pool):
     """use_layerwise on vLLM 0.32: its attention calls wait_for_layer_load / save_kv_layer around
-    each layer (kv_transfer_utils.maybe_transfer_kv_layer); tokens and hits as the whole-chunk path.
-    The tier is Mooncake Store alone (a master and a storage process; no CPU tier, no segment of
-    the engine's own), so every hit is read from there."""
-    master = MooncakeMaster(tmp_path / "master.log").start()
-    storage = MooncakeStorage(master, tmp_path / "storage.log").start()
-    env = {**ENV, "LMCACHE_REMOTE_URL": master.url, "LMCACHE_REMOTE_SERDE": "naive", "LMCACHE_LOCAL_CPU": "False",
-           "LMCACHE_MOONCAKE_GLOBAL_SEGMENT_SIZE": "0", "LMCACHE_MOONCAKE_LOCAL_BUFFER_SIZE": str(64 << 20)}
+    each layer (kv_transfer_utils.maybe_transfer_kv_layer); tokens and hits as the whole-chunk path,
+    with the node pool as the only tier."""
     prompts = [P_LONG, P_SHARED_A, P_SHARED_B]
     kwargs = connector_kwargs(prefix_caching=False, extra={"lmcache.use_layerwise": True})
-    try:
-        result = run(tiny_model, prompts, kwargs, env, rounds=2)
-        keys = master.gauge("master_key_count")
-    finally:
-        storage.stop()
-        master.stop()
-    assert keys == 6 + 6 + 2  # P_LONG's chunks (the last one partial), P_SHARED_A's, P_SHARED_B's past the shared 1024
+    result = run(tiny_model, prompts, kwargs, pool, rounds=2)
     assert_same_as_baseline(result, prompts, baseline)
     assert hits(result.lines) == [
         (1500, 0, 0, 0, 1500),

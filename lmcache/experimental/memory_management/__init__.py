@@ -15,6 +15,7 @@ from lmcache.experimental.memory_management.allocators import (
     TensorMemoryAllocator,
 )
 from lmcache.experimental.memory_management.objects import (
+    BorrowedMemoryObj,
     BytesBufferMemoryObj,
     MemoryFormat,
     MemoryObj,
@@ -24,6 +25,7 @@ from lmcache.experimental.memory_management.objects import (
 )
 
 __all__ = [
+    "BorrowedMemoryObj",
     "BufferAllocator",
     "BytesBufferMemoryObj",
     "FreeBlock",

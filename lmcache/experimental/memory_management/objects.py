@@ -15,7 +15,7 @@ import threading
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from enum import Enum
-from typing import TYPE_CHECKING, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Callable, Optional, Sequence, Union
 
 import torch
 
@@ -250,3 +250,18 @@ class BytesBufferMemoryObj(MemoryObj):
 
     def get_size(self) -> int:
         return self._size
+
+
+class BorrowedMemoryObj(TensorMemoryObj):
+    """A tensor object over memory some other owner lends (a block of the node pool's arena):
+    when the last reference goes, `on_free` hands the memory back to that owner."""
+
+    def __init__(
+        self, payload: memoryview, metadata: MemoryObjMetadata, on_free: Callable[["BorrowedMemoryObj"], None]
+    ) -> None:
+        super().__init__(torch.frombuffer(payload, dtype=torch.uint8), metadata)
+        self._on_free = on_free
+
+    def _mark_freed(self) -> None:
+        super()._mark_freed()
+        self._on_free(self)

@@ -228,19 +228,19 @@ class LMServerConnector(RemoteConnector):
             return self._max_payload
         return min(self._max_payload, self._server_limit)
 
-    def _slots_within_limit(self, items: Sequence[Tuple[str, Value]]) -> list[int]:
-        """Indexes of the items a put may send: within this client's limit and the server's
-        (learned first, once)."""
+    def _slots_within_limit(self, items: Sequence[Tuple[str, int]]) -> list[int]:
+        """Indexes of the (key, size) items a put may send: within this client's limit and the
+        server's (learned first, once)."""
         if self._server_limit is None:
             self._learn_limit()
         limit = self.max_payload_bytes
-        return [i for i, (key, value) in enumerate(items) if not self._over_limit(key, value, limit)]
+        return [i for i, (key, size) in enumerate(items) if not self._over_limit(key, size, limit)]
 
     def batched_put(self, items: Sequence[Tuple[str, Value]]) -> list[bool]:
         results: list[bool] = [False] * len(items)
         if not items:
             return results
-        slots = self._slots_within_limit(items)
+        slots = self._slots_within_limit([(key, value_nbytes(value)) for key, value in items])
         requests = [Request(Op.PUT, key_bytes(items[i][0]), items[i][1]) for i in slots]
         for slot, reply in zip(slots, self._call(requests, self._timeout)):
             results[slot] = reply.status == Status.OK
@@ -248,9 +248,9 @@ class LMServerConnector(RemoteConnector):
                 self._note_refusal(reply.payload)
         return results
 
-    def _over_limit(self, key: str, value: Value, limit: int) -> bool:
-        """Whether `value` is over `limit` (then counted and logged: a put refused unsent)."""
-        size = value_nbytes(value)
+    def _over_limit(self, key: str, size: int, limit: int) -> bool:
+        """Whether a value of `size` bytes is over `limit` (then counted and logged: a put
+        refused unsent)."""
         if size > limit:
             self._refuse_too_large(key, size, limit)
             return True
@@ -305,11 +305,14 @@ class LMServerConnector(RemoteConnector):
 
         return self._on_connection(work, timeout, lambda: exchanges[-1].received > 0)
 
-    def _on_connection(self, work: Callable[[socket.socket], T], timeout: float, handed: Callable[[], bool]) -> T:
+    def _on_connection(
+        self, work: Callable[[socket.socket], T], timeout: float, handed: Callable[[], bool], keep: bool = False
+    ) -> T:
         """`work` on a pooled connection. A pooled connection that broke (e.g. the server
         restarted) is retried once on a fresh one - unless `handed()` says a value was already
         handed over, which a second try would hand again; a timeout or a second failure means the
-        server is down."""
+        server is down. With `keep`, a connection `work` succeeded on is not given back to the
+        pool: `work` has handed it on (to whoever gives it back or closes it)."""
         may_retry = True
         while True:
             try:
@@ -342,7 +345,8 @@ class LMServerConnector(RemoteConnector):
             except BaseException:  # `receive` itself failed: the connection is inside a value
                 sock.close()
                 raise
-            self._pool.release(sock)
+            if not keep:
+                self._pool.release(sock)
             return result
 
     def _log_auth_refusal(self, err: RemoteAuthError) -> None:

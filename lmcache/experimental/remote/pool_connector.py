@@ -9,6 +9,9 @@ connection holds at most that many reservations or leases):
     get:  LEASE each key -> (lease, offset, length); the serde reads each value from the
           mapping into its memory object (checksum checked); RELEASE the leases
 
+The remote tier can also hold blocks across calls (`reserve`, `lease`: `pool_blocks.py`), so the
+copy kernel writes a stored chunk straight into its block and reads a hit straight out of it.
+
 A value is visible to others only after its commit, and a leased block is not reused before its
 release, so a reader never sees half a value or another value's bytes; the chunk's own checksum
 still checks every read (a corrupt or foreign value is a miss). Leases live for one exchange on
@@ -51,7 +54,9 @@ from lmcache.experimental.remote.lm_connector import (
     key_bytes,
     open_session,
 )
+from lmcache.experimental.remote.pool_blocks import HeldConnection, LeasedBlocks, ReservedBlocks
 from lmcache.experimental.remote.value_reader import BufferReader, ValueReader
+from lmcache.server.pool import MAX_LEASES, MAX_RESERVATIONS
 from lmcache.server.security import AUTH_REQUIRED
 from lmcache.server.protocol import (
     ARENA_ID_BYTES,
@@ -212,13 +217,64 @@ class PoolConnector(LMServerConnector):
 
         self._on_connection(work, self._timeout, lambda: handed > 0)
 
+    def reserve(self, items: Sequence[Tuple[str, int]]) -> ReservedBlocks:
+        """Reserve a block of each (key, size) in one pipelined exchange, for the caller to fill
+        in place and commit (`pool_blocks`). A block the server refuses (pool full, too large,
+        too many open reservations) is None: the caller stores that value another way."""
+        slots = self._slots_within_limit(items)
+        if len(slots) > MAX_RESERVATIONS:
+            slots = slots[:MAX_RESERVATIONS]
+        keys = [key_bytes(key) for key, _ in items]
+
+        def work(sock: socket.socket) -> ReservedBlocks:
+            assert isinstance(sock, PoolSocket)
+            held = HeldConnection(sock, self.url, self._timeout, self._max_payload, self._pool.release)
+            offsets: list[Optional[int]] = [None] * len(items)
+            blocks: list[Optional[memoryview]] = [None] * len(items)
+            requests = [Request(Op.RESERVE, keys[i], POOL_WORD.pack(items[i][1])) for i in slots]
+            try:
+                for i, reply in zip(slots, Exchange(sock, self.url, None).run(requests, self._timeout, self._max_payload)):
+                    if reply.status != Status.OK:
+                        self._note_refusal(reply.payload)
+                        continue
+                    (offset,) = POOL_WORD.unpack(bytes(reply.payload or b""))
+                    offsets[i], blocks[i] = offset, sock.arena.block(offset, items[i][1])
+            except BaseException:
+                held.finish(keep=False)  # whatever it reserved goes back with it
+                raise
+            return ReservedBlocks(held, keys, offsets, blocks)
+
+        return self._on_connection(work, self._timeout, lambda: False, keep=True)
+
+    def lease(self, keys: Sequence[str]) -> LeasedBlocks:
+        """Lease each key's block in one pipelined exchange, for the caller to read in place and
+        release (`pool_blocks`); a missing key (or one over this connection's leases) is None."""
+        requests = [Request(Op.LEASE, key_bytes(k)) for k in keys[:MAX_LEASES]]
+
+        def work(sock: socket.socket) -> LeasedBlocks:
+            assert isinstance(sock, PoolSocket)
+            held = HeldConnection(sock, self.url, self._timeout, self._max_payload, self._pool.release)
+            ids: list[Optional[int]] = [None] * len(keys)
+            blocks: list[Optional[memoryview]] = [None] * len(keys)
+            try:
+                for i, reply in enumerate(Exchange(sock, self.url, None).run(requests, self._timeout, self._max_payload)):
+                    if reply.status == Status.OK:
+                        ids[i], offset, length = _LEASE_REPLY.unpack(bytes(reply.payload or b""))
+                        blocks[i] = sock.arena.block(offset, length)
+            except BaseException:
+                held.finish(keep=False)  # its leases go with it
+                raise
+            return LeasedBlocks(held, ids, blocks)
+
+        return self._on_connection(work, self._timeout, lambda: False, keep=True)
+
     def batched_put(self, items: Sequence[Tuple[str, Value]]) -> list[bool]:
         """Reserve a block per value of a window, copy each value in, commit them; next window.
         One copy per value, no socket payload."""
         results: list[bool] = [False] * len(items)
         if not items:
             return results
-        slots = self._slots_within_limit(items)
+        slots = self._slots_within_limit([(key, value_nbytes(value)) for key, value in items])
 
         def work(sock: socket.socket) -> None:
             assert isinstance(sock, PoolSocket)

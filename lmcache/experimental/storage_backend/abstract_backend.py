@@ -6,7 +6,9 @@ keeps an object takes its own reference; `get_blocking` hands the caller one ref
 """
 
 from abc import ABC, abstractmethod
-from typing import Optional
+from typing import List, Optional, Sequence
+
+import torch
 
 from lmcache.experimental.memory_management import MemoryObj
 from lmcache.utils import CacheEngineKey
@@ -33,6 +35,19 @@ class StorageBackendInterface(ABC):
         """`contains` from what this process knows, asking no server: a store's test for chunks
         to skip, which runs per chunk while a step may wait for it."""
         return self.contains(key)
+
+    def reserve_in_place(
+        self, keys: Sequence[CacheEngineKey], shapes: Sequence[torch.Size], dtype: torch.dtype
+    ) -> Optional[List[Optional[MemoryObj]]]:
+        """For a tier that can be the engine's memory (the node pool): an object to fill for each
+        chunk (None where it has no room), whose put then stores it without a copy. None: this
+        tier stores copies of host memory objects."""
+        return None
+
+    def lease_in_place(self, keys: Sequence[CacheEngineKey], dtype: torch.dtype) -> Optional[List[Optional[MemoryObj]]]:
+        """For such a tier: each chunk as an object over its own stored bytes, checked (None: a
+        miss); the last reference gives them back. None: this tier reads into host memory."""
+        return None
 
     @abstractmethod
     def exists_in_put_tasks(self, key: CacheEngineKey) -> bool:

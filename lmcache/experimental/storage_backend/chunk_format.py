@@ -10,17 +10,19 @@ Header layout (little-endian)::
     |magic | version | header_len | fmt | ndim | dtype_len | key_len   | payload_len | checksum |
     | 4s   | u16     | u32        | u8  | u8   | u8        | u16       | u64         | 8s       |
     +------+---------+------------+-----+------+-----------+-----------+-------------+----------+
-    | dims: ndim x i64 | dtype name (ascii) | key string (utf-8) |     then payload_len bytes
-    +------------------+--------------------+--------------------+-------------------+
-    | dims: ndim x i64 | dtype name (ascii) | key string (utf-8) | header_checksum 8s|  then payload_len bytes
-    +------------------+--------------------+--------------------+-------------------+
+    | dims: ndim x i64 | dtype name (ascii) | key string (utf-8) | zeros  | header_checksum 8s|
+    +------------------+--------------------+--------------------+--------+-------------------+
+    then payload_len bytes
 
 `checksum` is XXH3-64 over the payload: it runs near memory bandwidth (BLAKE2b, version 1 of
 this format, held the disk tier to ~0.3 GB/s), and its job is catching corruption, not forgery.
 `header_checksum` (version 3) is XXH3-64 over every header byte before it, so a flipped header
 bit (a memory format, a shape, a length) is caught before anything is allocated from it; chunks
-of older versions are misses. Decoding never raises for bad input: it logs why and returns
-None, which every caller treats as a miss.
+of older versions are misses. The zeros (version 4) round the header up to a multiple of
+`HEADER_ALIGN` bytes, so a chunk that starts on a cache line has its payload on one too: the
+node pool's copy kernel writes and reads payloads in place (`pool_in_place.py`), and its
+streaming stores need an aligned target. Decoding never raises for bad input: it logs why and
+returns None, which every caller treats as a miss.
 """
 
 import math
@@ -39,10 +41,11 @@ from lmcache.utils import CacheEngineKey
 logger = init_logger(__name__)
 
 MAGIC = b"LMCK"
-VERSION = 3  # 3: header checksum; 2: XXH3-64 payload checksum (1 used BLAKE2b-64)
+VERSION = 4  # 4: aligned header length; 3: header checksum; 2: XXH3-64 payload checksum (1: BLAKE2b-64)
 MAX_HEADER_BYTES = 4096
 MAX_NDIM = 8
 CHECKSUM_BYTES = 8
+HEADER_ALIGN = 64
 
 _PREFIX = struct.Struct("<4sHI")  # magic, version, header_len
 _FIXED = struct.Struct("<BBBHQ8s")  # fmt, ndim, dtype_len, key_len, payload_len, checksum
@@ -147,12 +150,8 @@ def encode_header(
     key_bytes = _key_str(key).encode("utf-8")
     dtype_bytes = dtype_name(dtype).encode("ascii")
     dims = tuple(int(d) for d in shape)
-    if len(dims) > MAX_NDIM:
-        raise ValueError(f"shape {dims} has more than {MAX_NDIM} dimensions")
     payload_len = memoryview(payload).nbytes
-    header_len = _MIN_HEADER + 8 * len(dims) + len(dtype_bytes) + len(key_bytes)
-    if header_len > MAX_HEADER_BYTES:
-        raise ValueError(f"chunk header for key {_key_str(key)!r} would exceed {MAX_HEADER_BYTES} bytes")
+    header_len = header_size(key, dims, dtype)
     body = b"".join(
         (
             _PREFIX.pack(MAGIC, VERSION, header_len),
@@ -169,7 +168,26 @@ def encode_header(
             key_bytes,
         )
     )
+    body += bytes(header_len - CHECKSUM_BYTES - len(body))
     return body + xxhash.xxh3_64_digest(body)
+
+
+def header_size(key: Union[CacheEngineKey, str], shape: Sequence[int], dtype: Optional[torch.dtype]) -> int:
+    """The length of the header `encode_header` writes for this key, shape and dtype (whatever
+    the payload): where a chunk's payload starts when it is written in place.
+
+    Raises ValueError when the key, shape or dtype cannot be represented."""
+    if len(shape) > MAX_NDIM:
+        raise ValueError(f"shape {tuple(shape)} has more than {MAX_NDIM} dimensions")
+    size = _aligned(_MIN_HEADER + 8 * len(shape) + len(dtype_name(dtype).encode("ascii")) + len(_key_str(key).encode("utf-8")))
+    if size > MAX_HEADER_BYTES:
+        raise ValueError(f"chunk header for key {_key_str(key)!r} would exceed {MAX_HEADER_BYTES} bytes")
+    return size
+
+
+def _aligned(fields_len: int) -> int:
+    """The header length for fields of `fields_len` bytes: rounded up to `HEADER_ALIGN`."""
+    return -(-fields_len // HEADER_ALIGN) * HEADER_ALIGN
 
 
 def header_length(prefix: Buffer) -> Optional[int]:
@@ -205,7 +223,7 @@ def decode_header(buf: Buffer) -> Optional[ChunkHeader]:
         logger.warning("chunk header checksum mismatch")
         return None
     fmt_value, ndim, dtype_len, key_len, payload_len, checksum = _FIXED.unpack_from(view, _PREFIX.size)
-    if ndim > MAX_NDIM or _MIN_HEADER + 8 * ndim + dtype_len + key_len != header_len:
+    if ndim > MAX_NDIM or _aligned(_MIN_HEADER + 8 * ndim + dtype_len + key_len) != header_len:
         logger.warning("chunk header fields do not add up to its length %d", header_len)
         return None
     try:

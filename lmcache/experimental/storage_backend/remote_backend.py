@@ -13,6 +13,9 @@
   stalled server costs a request at most one timeout, after which it simply recomputes. The
   background thread probes the server with exponential backoff and, when it answers, logs
   that the tier is back: puts and hits resume on their own, through fresh connections.
+- The node pool (`lm+shm://`, naive serde) can also serve as the engine's memory (`pool_in_place`):
+  `reserve_in_place` hands out objects over arena blocks, whose put is a commit, and
+  `lease_in_place` hands out checked objects over leased blocks.
 """
 
 from __future__ import annotations
@@ -22,7 +25,9 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, fields
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
 
 from lmcache.background_threads import prepared, thread_initializer
 from lmcache.config import LMCacheEngineMetadata
@@ -30,11 +35,13 @@ from lmcache.experimental.memory_management import MemoryFormat, MemoryObj
 from lmcache.experimental.remote import create_connector, redis_key_prefix
 from lmcache.experimental.remote.connector import RemoteConnector, RemoteUnavailableError
 from lmcache.experimental.remote.mooncake_settings import MooncakeSettings
+from lmcache.experimental.remote.pool_connector import PoolConnector
 from lmcache.experimental.remote.serde import Serde, create_serde
 from lmcache.experimental.remote.value_reader import ValueReader
 from lmcache.experimental.stats import TierStats
 from lmcache.experimental.storage_backend.abstract_backend import StorageBackendInterface
 from lmcache.experimental.storage_backend.local_cpu_backend import LocalCPUBackend
+from lmcache.experimental.storage_backend.pool_in_place import InPlaceChunks
 from lmcache.logging import init_logger
 from lmcache.utils import CacheEngineKey
 
@@ -78,8 +85,11 @@ class RemoteStatsSnapshot:
     puts_dropped_queue_full: int = 0
     puts_dropped_tier_down: int = 0
     puts_skipped_stored: int = 0  # not sent: the server had the chunk already
+    puts_in_place: int = 0  # acknowledged puts the copy kernel wrote straight into a pool block
+    reserves_refused: int = 0  # pool blocks refused at reserve: those chunks took the copying path
     gets_hit: int = 0
     gets_miss: int = 0
+    gets_in_place: int = 0  # hits handed over as the leased pool block itself (no copy)
     gets_rejected: int = 0  # bytes failed the header/checksum/shape checks, or no memory to load them
     gets_failed: int = 0  # connection error or timeout
     lookups_failed: int = 0
@@ -193,6 +203,9 @@ class RemoteBackend(StorageBackendInterface):
             mooncake=mooncake,
         )
         self._serde: Serde = create_serde(serde)
+        self._in_place: Optional[InPlaceChunks] = None
+        if isinstance(self._connector, PoolConnector) and self._serde.name == "naive":
+            self._in_place = InPlaceChunks(self._connector)
         self._metadata = metadata
         self._cpu = local_cpu_backend
         self._stats = stats if stats is not None else TierStats()
@@ -253,19 +266,86 @@ class RemoteBackend(StorageBackendInterface):
         """`get_blocking` for many chunks in one pipelined round trip; caller owns each result."""
         return self._fetch(keys)
 
-    def _fetch(self, keys: Sequence[CacheEngineKey]) -> List[Optional[MemoryObj]]:
-        """Queued puts from memory, the rest from the server in one pipeline."""
+    def reserve_in_place(
+        self, keys: Sequence[CacheEngineKey], shapes: Sequence[torch.Size], dtype: torch.dtype
+    ) -> Optional[List[Optional[MemoryObj]]]:
+        """Objects over reserved pool blocks (None where refused: counted, and those chunks take
+        the copying path); None when this tier is not a node pool."""
+        if self._in_place is None:
+            return None
         self._ensure_worker()
+        objs: List[Optional[MemoryObj]] = [None] * len(keys)
+        if self._health.up and keys:
+            try:
+                objs = self._in_place.reserve(keys, shapes, dtype)
+            except RemoteUnavailableError as err:
+                self._stats.record_error()
+                self._health.mark_down(str(err))
+        refused = sum(obj is None for obj in objs)
+        if refused:
+            self._counters.add("reserves_refused", refused)
+        return objs
+
+    def lease_in_place(self, keys: Sequence[CacheEngineKey], dtype: torch.dtype) -> Optional[List[Optional[MemoryObj]]]:
+        """`batched_get_blocking` with each hit the leased pool block itself, checked in place (its
+        last reference releases the lease); None when this tier is not a node pool."""
+        if self._in_place is None:
+            return None
+        self._ensure_worker()
+        results, remote_slots = self._queued(keys)
+        if not remote_slots or not self._health.up:
+            return results
+        try:
+            outcome = self._in_place.lease([keys[i] for i in remote_slots], dtype)
+        except RemoteUnavailableError as err:
+            self._counters.add("gets_failed", len(remote_slots))
+            self._stats.record_error()
+            self._health.mark_down(str(err))
+            return results
+        hits = 0
+        for i, obj in zip(remote_slots, outcome.objs):
+            if obj is not None:
+                results[i] = obj
+                hits += 1
+                self._stats.record_read(obj.get_size())
+        for _ in range(outcome.rejected):
+            self._stats.record_rejected()
+        self._counters.add("gets_hit", hits)
+        self._counters.add("gets_in_place", hits)
+        self._counters.add("gets_rejected", outcome.rejected)
+        self._counters.add("gets_miss", len(remote_slots) - hits - outcome.rejected)
+        return results
+
+    def _queued(self, keys: Sequence[CacheEngineKey]) -> Tuple[List[Optional[MemoryObj]], List[int]]:
+        """Chunks still in the put queue (a new reference each), and the indexes of the others.
+
+        A queued chunk written into a pool block is not handed out: once committed, that block is
+        the server's to evict and reuse, whoever still holds the object. Its put is waited for
+        instead (at most `timeout_s`), and the chunk read from the pool like the others."""
         results: List[Optional[MemoryObj]] = [None] * len(keys)
         remote_slots: List[int] = []
+        committing: List[CacheEngineKey] = []
         with self._lock:
             for i, key in enumerate(keys):
                 queued = self._pending.get(key)
-                if queued is not None:
+                if queued is not None and not (self._in_place is not None and self._in_place.holds(queued)):
                     queued.ref_count_up()
                     results[i] = queued
                 else:
                     remote_slots.append(i)
+                    if queued is not None:
+                        committing.append(key)
+        deadline = time.monotonic() + self._options.timeout_s
+        while committing and time.monotonic() < deadline:
+            time.sleep(0.002)
+            with self._lock:
+                committing = [key for key in committing if key in self._pending]
+        return results, remote_slots
+
+    def _fetch(self, keys: Sequence[CacheEngineKey]) -> List[Optional[MemoryObj]]:
+        """Queued puts from memory, the rest from the server in one pipeline."""
+        self._ensure_worker()
+        results, remote_slots = self._queued(keys)
         if not remote_slots or not self._health.up:
             return results
         answered = 0
@@ -396,6 +476,12 @@ class RemoteBackend(StorageBackendInterface):
             self._health.mark_up()
 
     def _send(self, batch: List[_PutTask]) -> None:
+        in_place = [task for task in batch if self._in_place is not None and self._in_place.holds(task.obj)]
+        if in_place:
+            self._commit(in_place)
+            batch = [task for task in batch if task not in in_place]
+            if not batch:
+                return
         try:
             stored = self._connector.batched_exists([task.key.to_string() for task in batch])
         except RemoteUnavailableError as err:
@@ -432,6 +518,23 @@ class RemoteBackend(StorageBackendInterface):
                 else:
                     self._counters.add("puts_refused")
         self._finish(batch)
+
+    def _commit(self, tasks: List[_PutTask]) -> None:
+        """Seal and commit chunks the kernel wrote into reserved pool blocks (no `exists` first:
+        the block is this store's already)."""
+        assert self._in_place is not None
+        acks = self._in_place.commit([task.obj for task in tasks])
+        for task, ok in zip(tasks, acks):
+            if ok:
+                self._counters.add("puts_acknowledged")
+                self._counters.add("puts_in_place")
+                self._stats.record_write(task.obj.get_size())
+            else:
+                self._counters.add("puts_refused" if ok is False else "puts_lost")
+        if None in acks:
+            self._stats.record_error()
+            self._health.mark_down("committing chunks to the node pool failed")
+        self._finish(tasks)
 
     def _finish(self, batch: List[_PutTask]) -> None:
         with self._lock:

@@ -88,6 +88,49 @@ class StorageManager:
             logger.warning("allocating %s %s failed: %r", tuple(shape), dtype, err)
             return None
 
+    def _sole_lower_tier(self) -> Optional[StorageBackendInterface]:
+        """The one tier when it is the only one and not the CPU tier (`local_cpu: false`): then it
+        may be the engine's memory itself (`reserve_in_place`, `lease_in_place`)."""
+        if len(self._tiers) == 1 and self._tiers[0] is not self._cpu:
+            return self._tiers[0]
+        return None
+
+    def reserve_in_place(
+        self, keys: Sequence[CacheEngineKey], shapes: Sequence[torch.Size], dtype: torch.dtype
+    ) -> List[Optional[MemoryObj]]:
+        """For each chunk to store, an object of the sole tier to fill and `put` (no copy to the
+        tier), or None: allocate one as usual (no such tier, or it had no room)."""
+        tier = self._sole_lower_tier()
+        objs = None
+        if tier is not None and keys:
+            try:
+                objs = tier.reserve_in_place(keys, shapes, dtype)
+            except Exception as err:
+                self._tier_failed(tier, "reserve", keys[0], err)
+        return objs if objs is not None else [None] * len(keys)
+
+    def lease_in_place(self, keys: Sequence[CacheEngineKey], dtype: torch.dtype) -> Optional[List[Optional[MemoryObj]]]:
+        """`get` of many chunks from a sole tier that hands out its own bytes (pinned chunks from
+        their pins), caller owning one reference of each; None when there is no such tier."""
+        tier = self._sole_lower_tier()
+        if tier is None or not keys:
+            return None
+        objs: List[Optional[MemoryObj]] = [self.pins.get(key) for key in keys]
+        ask = [i for i, obj in enumerate(objs) if obj is None]
+        try:
+            got = tier.lease_in_place([keys[i] for i in ask], dtype) if ask else []
+        except Exception as err:
+            self._tier_failed(tier, "read", keys[ask[0]], err)
+            got = [None] * len(ask)
+        if got is None:
+            for obj in objs:
+                if obj is not None:
+                    obj.ref_count_down()
+            return None
+        for i, obj in zip(ask, got):
+            objs[i] = obj
+        return objs
+
     def contains(self, key: CacheEngineKey, search_range: Optional[Iterable[str]] = None) -> bool:
         return self._any_tier_holds(self._selected(search_range), key, local=False)
 

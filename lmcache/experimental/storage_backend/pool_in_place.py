@@ -1,0 +1,155 @@
+"""The node pool's one-copy data path (issue 31): a chunk's memory object is its block in the
+pool's arena, so the copy kernel is the only thing that moves its bytes, once each way.
+
+    store:    reserve (one exchange per store) -> the kernel writes the payload into the block,
+              behind room for the header -> the put thread hashes the payload in place, writes
+              the header in front of it and commits (one exchange per put batch)
+    retrieve: lease (one exchange) -> the header and the payload's XXH3 are checked in place
+              (a mismatch is a miss) -> the kernel reads the payload out of the block -> the
+              object's last reference releases the lease (one RELEASE when the last goes)
+
+    block:  | chunk_format header | payload (what the kernel writes or reads) |
+
+Only the `naive` chunk format is written and read this way: its payload is the object's bytes.
+A reserved object dropped before its commit is never published (`pool_blocks.ReservedBlocks`).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence
+
+import torch
+
+from lmcache.experimental.memory_management import BorrowedMemoryObj, MemoryFormat, MemoryObj, MemoryObjMetadata
+from lmcache.experimental.memory_management.objects import payload_size
+from lmcache.experimental.remote.connector import RemoteUnavailableError
+from lmcache.experimental.remote.pool_blocks import LeasedBlocks, ReservedBlocks
+from lmcache.experimental.remote.pool_connector import PoolConnector
+from lmcache.experimental.storage_backend import chunk_format
+from lmcache.logging import init_logger
+from lmcache.utils import CacheEngineKey
+
+logger = init_logger(__name__)
+
+
+@dataclass(frozen=True)
+class _Reservation:
+    """Where a reserved object's chunk goes: block `index` of `blocks`, header first."""
+
+    blocks: ReservedBlocks
+    index: int
+    key: str
+    header_len: int
+
+
+@dataclass(frozen=True)
+class LeaseOutcome:
+    """What a `lease` found: `objs[i]` for `keys[i]` (None: missing, or rejected by the checks)."""
+
+    objs: List[Optional[MemoryObj]]
+    rejected: int  # found, but the header or the checksum was wrong: a miss
+
+
+class InPlaceChunks:
+    """Reserves, commits and leases chunks as objects over the pool's arena."""
+
+    def __init__(self, connector: PoolConnector) -> None:
+        self._connector = connector
+        self._lock = threading.Lock()
+        self._reserved: Dict[MemoryObj, _Reservation] = {}  # reserved objects not freed yet
+
+    def holds(self, obj: MemoryObj) -> bool:
+        """Whether `obj` is a reserved block of this tier (its put is a commit)."""
+        with self._lock:
+            return obj in self._reserved
+
+    def reserve(self, keys: Sequence[CacheEngineKey], shapes: Sequence[torch.Size], dtype: torch.dtype) -> List[Optional[MemoryObj]]:
+        """An object over a reserved block for each chunk, None where the pool refused.
+        Raises `RemoteUnavailableError` when the pool cannot be reached."""
+        names = [key.to_string() for key in keys]
+        heads = [chunk_format.header_size(name, shape, dtype) for name, shape in zip(names, shapes)]
+        sizes = [payload_size(shape, dtype) for shape in shapes]
+        blocks = self._connector.reserve([(name, head + size) for name, head, size in zip(names, heads, sizes)])
+        objs: List[Optional[MemoryObj]] = []
+        for i, block in enumerate(blocks.blocks):
+            if block is None:
+                objs.append(None)
+                continue
+            meta = MemoryObjMetadata(torch.Size(shapes[i]), dtype, 0, sizes[i], 1, MemoryFormat.KV_BLOB)
+            obj = BorrowedMemoryObj(block[heads[i] :], meta, self._forget)
+            with self._lock:
+                self._reserved[obj] = _Reservation(blocks, i, names[i], heads[i])
+            objs.append(obj)
+        return objs
+
+    def commit(self, objs: Sequence[MemoryObj]) -> List[Optional[bool]]:
+        """Seal each filled reserved object (payload checksum and header written in place) and
+        commit it: True (stored), False (the pool refused), None (the connection broke: lost)."""
+        with self._lock:
+            held = [self._reserved[obj] for obj in objs]
+        by_batch: Dict[int, List[int]] = {}
+        for n, (obj, res) in enumerate(zip(objs, held)):
+            payload = chunk_format.memory_obj_payload(obj)
+            meta = obj.metadata
+            header = chunk_format.encode_header(res.key, meta.shape, meta.dtype, meta.fmt, payload,
+                                                chunk_format.payload_checksum(payload))
+            block = res.blocks.blocks[res.index]
+            assert block is not None and len(header) == res.header_len
+            block[: res.header_len] = header
+            by_batch.setdefault(id(res.blocks), []).append(n)
+        results: List[Optional[bool]] = [None] * len(objs)
+        for members in by_batch.values():
+            blocks = held[members[0]].blocks
+            try:
+                acks = blocks.commit([held[n].index for n in members])
+            except RemoteUnavailableError as err:
+                logger.warning("node pool: committing %d chunks failed: %s", len(members), err)
+                continue
+            for n, ok in zip(members, acks):
+                results[n] = ok
+        return results
+
+    def lease(self, keys: Sequence[CacheEngineKey], dtype: torch.dtype) -> LeaseOutcome:
+        """The leading run of chunks the pool has and that pass the checks (done in place), as
+        objects over their leased blocks; None from the first chunk that is missing or fails
+        on (those after it are released unread). Raises `RemoteUnavailableError` when the pool
+        cannot be reached."""
+        names = [key.to_string() for key in keys]
+        leases = self._connector.lease(names)
+        objs: List[Optional[MemoryObj]] = [None] * len(keys)
+        rejected = 0
+        for i, block in enumerate(leases.blocks):
+            if block is None:
+                continue
+            if rejected or None in objs[:i]:  # past the first gap: the retrieve stops there
+                leases.release(i)
+                continue
+            objs[i] = _checked(names[i], block, dtype, leases, i)
+            if objs[i] is None:
+                rejected += 1
+                leases.release(i)
+        return LeaseOutcome(objs, rejected)
+
+    def _forget(self, obj: BorrowedMemoryObj) -> None:
+        """A reserved object's last reference went: never publish it unless it was committed."""
+        with self._lock:
+            res = self._reserved.pop(obj)
+        res.blocks.abandon(res.index)
+
+
+def _checked(key: str, block: memoryview, dtype: torch.dtype, leases: LeasedBlocks, index: int) -> Optional[MemoryObj]:
+    """An object over the payload of a leased block whose header names `key`, `dtype` and a KV
+    blob, whose length adds up and whose payload has the header's checksum; else None (logged)."""
+    header = chunk_format.decode_header(block)
+    if header is None or not chunk_format.header_matches(header, key=key, dtype=dtype, fmt=MemoryFormat.KV_BLOB):
+        return None
+    if block.nbytes != header.size + header.payload_len:
+        logger.warning("chunk %s: block of %d bytes, header announces %d", key, block.nbytes, header.size + header.payload_len)
+        return None
+    payload = block[header.size :]
+    if not chunk_format.verify_payload(header, payload):
+        return None
+    meta = MemoryObjMetadata(torch.Size(header.shape), dtype, 0, header.payload_len, 1, MemoryFormat.KV_BLOB)
+    return BorrowedMemoryObj(payload, meta, lambda _: leases.release(index))
