@@ -13,6 +13,7 @@ from __future__ import annotations
 import ctypes.util
 import socket
 import sys
+import urllib.request
 from pathlib import Path
 from typing import Optional
 
@@ -57,3 +58,13 @@ def storage_argv(master_port: int, port: int, segment: str = "128MB") -> list[st
 def url(master_port: int) -> str:
     """The `remote_url` of the master on 127.0.0.1:`master_port`."""
     return f"mooncakestore://127.0.0.1:{master_port}"
+
+
+def master_gauge(metrics_port: int, name: str) -> float:
+    """One sample of the master's /metrics on 127.0.0.1:`metrics_port` (e.g.
+    `master_total_capacity_bytes`: what the clients' segments lend the pool now); 0 when absent."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5) as resp:
+        for line in resp.read().decode().splitlines():
+            if line.split(" ", 1)[0] == name:
+                return float(line.split()[1])
+    return 0.0

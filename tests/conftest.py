@@ -9,6 +9,8 @@ import os
 import random
 import subprocess
 import sys
+import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator, List, Optional
@@ -120,21 +122,40 @@ class VLLMJobResult:
 
 
 def run_vllm_job(
-    job: dict, env: Optional[dict[str, str]] = None, timeout: float = 600
+    job: dict,
+    env: Optional[dict[str, str]] = None,
+    timeout: float = 600,
+    at_gate: Optional[Callable[[int, Callable[[], str]], None]] = None,
 ) -> VLLMJobResult:
-    """Run tests/vllm_job.py in a fresh interpreter with `env` over VLLM_TEST_ENV; fail with its log."""
+    """Run tests/vllm_job.py in a fresh interpreter with `env` over VLLM_TEST_ENV; fail with its log.
+
+    With `at_gate`, the job stops before each prompt index in `job["gate_before"]` and
+    `at_gate(index, stderr_so_far)` runs meanwhile (kill a server, wait for a log line), so one
+    engine serves before and after a fault."""
     full_env = {**os.environ, **VLLM_TEST_ENV, **(env or {})}
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "tests" / "vllm_job.py")],
-        input=json.dumps(job),
-        capture_output=True,
-        text=True,
-        env=full_env,
-        timeout=timeout,
-        cwd=str(ROOT),
-    )
-    log = proc.stdout + proc.stderr
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    with tempfile.TemporaryDirectory(prefix="vllm-job-") as tmp:
+        gates = list(job.get("gate_before", [])) if at_gate else []
+        job = {**job, "gate_dir": tmp} if gates else job
+        out_path, err_path = Path(tmp, "stdout"), Path(tmp, "stderr")
+        with open(out_path, "w") as out, open(err_path, "w") as err:
+            proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "vllm_job.py")], stdin=subprocess.PIPE,
+                                    stdout=out, stderr=err, text=True, env=full_env, cwd=str(ROOT))
+        try:
+            proc.stdin.write(json.dumps(job))
+            proc.stdin.close()
+            deadline = time.monotonic() + timeout
+            while gates and proc.poll() is None and time.monotonic() < deadline:
+                if Path(tmp, f"ready-{gates[0]}").exists():
+                    at_gate(gates[0], err_path.read_text)
+                    Path(tmp, f"go-{gates.pop(0)}").touch()
+                time.sleep(0.1)
+            proc.wait(max(0.0, deadline - time.monotonic()))
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        stdout, log = out_path.read_text(), out_path.read_text() + err_path.read_text()
+    lines = [ln for ln in stdout.splitlines() if ln.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:
         pytest.fail(f"vLLM job failed (exit {proc.returncode}):\n{log[-6000:]}")
     result = json.loads(lines[-1][len("RESULT ") :])

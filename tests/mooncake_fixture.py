@@ -39,10 +39,20 @@ class MooncakeMaster(ListeningProcess):
     what = "mooncake_master"
     log_path: Path
     port: int = field(default_factory=free_port)
+    metrics_port: int = field(default_factory=free_port)
     proc: Optional[subprocess.Popen] = None
 
     def argv(self) -> list[str]:
-        return mooncake_store.master_argv(self.port)
+        return mooncake_store.master_argv(self.port, self.metrics_port)
+
+    def gauge(self, name: str) -> float:
+        """One sample of the master's /metrics: `master_total_capacity_bytes` (what mounted segments
+        lend the pool: 0 after a restart until the storage process re-mounts on its own),
+        `master_key_count`, ...; 0 while the metrics do not answer yet."""
+        try:
+            return mooncake_store.master_gauge(self.metrics_port, name)
+        except OSError:
+            return 0.0
 
     def start(self) -> "MooncakeMaster":
         ensure_mooncake()

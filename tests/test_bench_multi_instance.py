@@ -18,9 +18,10 @@ from helpers import text_clashes
 sys.path.insert(0, str(ROOT / "scripts" / "bench"))
 
 from bench_multi_instance_report import (  # noqa: E402
-    figure, instance_counters, moved_turns, plot_title, summarize_kind, targets,
+    figure, instance_counters, moved_turns, plot_title, store_gauges, summarize_kind, targets,
 )
 from bench_serving_client import SERVED_BY_HEADER, stream_chat  # noqa: E402
+from bench_serving_servers import KIND_COLORS  # noqa: E402
 from multi_round_qa import QARecord, QARunner, QASizes, next_turn_moves, qa_plan  # noqa: E402
 from round_robin_proxy import ProxyLimits, ProxyThread, RoundRobinProxy  # noqa: E402
 
@@ -220,6 +221,8 @@ def test_summary_targets_and_figure(tmp_path):
                                        4.0, [none, none], {"bytes_used": 5000.0, "entries": 3.0}),
         "lmcache-remote": summarize_kind([rec("lmcache-remote", u, r, 0.8) for u in range(2) for r in range(2)],
                                          5.0, [none, none], {"bytes_used": 5000.0, "entries": 3.0}),
+        "lmcache-mooncake": summarize_kind([rec("lmcache-mooncake", u, r, 1.0) for u in range(2) for r in range(2)],
+                                           5.0, [none, none], {"bytes_used": 6000.0, "entries": 3.0}),
     }
     cpu = summary["lmcache-cpu"]
     assert cpu["ttft_mean_s"] == pytest.approx(1.5) and cpu["rounds"]["1"]["ttft_mean_s"] == pytest.approx(2.0)
@@ -229,18 +232,35 @@ def test_summary_targets_and_figure(tmp_path):
     ttft_targets = [t for t in targets(summary) if t["target"].startswith("mean TTFT")]
     assert ttft_targets[0]["measured"] == pytest.approx(0.5 / 1.5) and ttft_targets[0]["met"] is True
     assert ttft_targets[1]["measured"] == pytest.approx(0.5 / 0.8) and ttft_targets[1]["met"] is True
+    assert ttft_targets[2]["measured"] == pytest.approx(1.0 / 0.8) and ttft_targets[2]["met"] is True
     assert by_name["memory"]["measured"] == pytest.approx(5000 / 8192) and by_name["memory"]["met"] is True
     # Slower than private tiers by half, or holding a private copy: missed.
     summary["lmcache-pool"] = summarize_kind([rec("lmcache-pool", 0, 0, 1.4)], 1.0, [inst], {"bytes_used": 1.0,
                                                                                              "entries": 1.0})
-    assert [t["met"] for t in targets(summary)] == [False, False, False]
-    assert [t["met"] for t in targets({"vllm": summary["vllm"]})] == [None, None]
+    summary["lmcache-mooncake"] = summarize_kind([rec("lmcache-mooncake", 0, 0, 1.3)], 1.0, [none], None)
+    assert [t["met"] for t in targets(summary)] == [False, False, False, False]
+    assert [t["met"] for t in targets({"vllm": summary["vllm"]})] == [None, None, None]
     fig = figure(summary, "t")
     fig.savefig(tmp_path / "f.png")
     assert (tmp_path / "f.png").stat().st_size > 10_000
 
 
-@pytest.mark.parametrize("run", ["multi-instance-20261127-021505", "multi-instance-20261127-020706"])
+def test_store_gauges_of_an_lm_server_and_a_mooncake_master():
+    # Lines as `lmcache_server --metrics-port` and `mooncake_master`'s /metrics write them.
+    lm = "# TYPE lmcache_server:bytes_used gauge\nlmcache_server:bytes_used 4096.0\nlmcache_server:entries 2.0\n"
+    master = ("master_allocated_bytes 1048576\nmaster_total_capacity_bytes 67108864\n"
+              'segment_allocated_bytes{segment="127.0.0.1:12948"} 1048576\nmaster_key_count 4\n')
+    assert store_gauges(lm) == {"bytes_used": 4096.0, "entries": 2.0}
+    assert store_gauges(master) == {"bytes_used": 1048576.0, "entries": 4.0}
+    assert store_gauges("") == {"bytes_used": 0.0, "entries": 0.0}
+
+
+def test_every_kind_has_a_colour_of_its_own():
+    assert len(set(KIND_COLORS.values())) == len(KIND_COLORS)
+
+
+@pytest.mark.parametrize("run", ["multi-instance-20261127-021505", "multi-instance-20261127-020706",
+                                 "multi-instance-20261127-040801"])
 def test_the_committed_figures_have_no_text_over_text_or_axes(run):
     import json
 

@@ -5,7 +5,9 @@ process: empty CPU tier, same remote URL) hits it and must generate what cache-o
 same through the node pool (`lm+shm://`, the server's arena in shared memory) with no private CPU
 tier, one copy of each chunk on the machine: A stores and reloads layer by layer, B (through
 `lmcache_vllm`) loads in the background. The same through Mooncake Store: a master and a
-storage process hold the pool, the instances lend it no memory, so A's chunks outlive A. With
+storage process hold the pool, the instances lend it no memory, so A's chunks outlive A; there A
+stores through the v0 door, B loads layer-wise and in the background, and B's engine serves on
+through a master killed and restarted between its requests. With
 `cachegen` the KV is lossy by design: B still hits, and the agreement with cache-off is reported.
 A remote URL nobody listens on must cost nothing but the hits: same output, the log says why.
 
@@ -17,11 +19,15 @@ from __future__ import annotations
 
 import json
 import re
+import time
+from typing import Callable
 
 import pytest
 from conftest import random_prompt, run_vllm_job
+from helpers import door_steps, logprobs_of
 from mooncake_fixture import MooncakeMaster, MooncakeStorage
 from redis_fixture import LMServerProcess, free_port
+from tier_helpers import wait_for
 
 from lmcache.experimental.remote.lm_connector import LMServerConnector
 from lmcache.integration.vllm.request_log import parse_request_lines
@@ -33,26 +39,29 @@ MAX_TOKENS = 12
 MAX_BATCHED = 512
 LOGPROB_TOLERANCE = 1e-3
 PROMPT = random_prompt(1500, seed=31)
+OUTAGE_S = 6.0  # how long the Mooncake master stays dead at least: the tier's backoff reaches 3.2 s
 
 ASYNC_DONE_RE = re.compile(r"background load done, (\d+) leading tokens ready of (\d+) promised")
 
 LMCACHE_ENV = {"VLLM_USE_V1": "1", "LMCACHE_MAX_LOCAL_CPU_SIZE": "0.25", "LMCACHE_LOG_LEVEL": "INFO"}
 
 
+V1_LLM_KWARGS = {
+    "enable_prefix_caching": False,
+    "max_num_batched_tokens": MAX_BATCHED,
+    "kv_transfer_config": {
+        "kv_connector": "LMCacheConnectorV1",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"lmcache.chunk_size": CHUNK},
+    },
+}
+
+
 def _run(model: str, env: dict, rounds: int = 1, vllm_module: str = "vllm") -> tuple[list[tuple], list[tuple], str]:
     """([(greedy tokens, their logprobs)] per round, per-request (hit, loaded, stored), log) for
     PROMPT sent once per round."""
-    llm_kwargs = {
-        "enable_prefix_caching": False,
-        "max_num_batched_tokens": MAX_BATCHED,
-        "kv_transfer_config": {
-            "kv_connector": "LMCacheConnectorV1",
-            "kv_role": "kv_both",
-            "kv_connector_extra_config": {"lmcache.chunk_size": CHUNK},
-        },
-    }
     job = {"model": model, "prompts": [PROMPT], "max_tokens": MAX_TOKENS, "logprobs": True,
-           "llm_kwargs": llm_kwargs, "rounds": rounds, "vllm_module": vllm_module}
+           "llm_kwargs": V1_LLM_KWARGS, "rounds": rounds, "vllm_module": vllm_module}
     result = run_vllm_job(job, env={**LMCACHE_ENV, **env})
     payload = [ln for ln in result.log.splitlines() if ln.startswith("RESULT ")][-1]
     logprobs = json.loads(payload[len("RESULT ") :])["logprobs"]
@@ -112,19 +121,60 @@ def test_second_instance_hits_through_the_node_pool_with_no_private_tier(tiny_mo
     assert_as_computed(a, a_again, b)
 
 
-def test_second_instance_hits_through_mooncake_after_the_first_exited(tiny_model, tmp_path):
+def test_mooncake_v0_store_v1_layerwise_async_hits_and_a_master_killed_mid_run(tiny_model, tmp_path):
+    # A master and a storage process hold the pool; the instances lend it no memory and keep no
+    # CPU tier. A stores PROMPT through the v0 door and exits; B (v1 door through lmcache_vllm,
+    # layer-wise, async loading) hits all of it. Then, in B's engine, the master is SIGKILLed
+    # (prompt 1 is computed, the tier says once that it is down) and restarted (it forgot every
+    # key; the storage process re-mounts its segment on its own, B's tier comes back by itself):
+    # prompt 2 stores PROMPT again and prompt 3 hits it.
     master = MooncakeMaster(tmp_path / "master.log").start()
     storage = MooncakeStorage(master, tmp_path / "storage.log").start()
-    env = {"LMCACHE_REMOTE_URL": master.url, "LMCACHE_REMOTE_SERDE": "naive", "LMCACHE_LOCAL_CPU": "False",
-           "LMCACHE_MOONCAKE_GLOBAL_SEGMENT_SIZE": "0", "LMCACHE_MOONCAKE_LOCAL_BUFFER_SIZE": str(64 << 20)}
+    env = {**LMCACHE_ENV, "LMCACHE_REMOTE_URL": master.url, "LMCACHE_REMOTE_SERDE": "naive",
+           "LMCACHE_LOCAL_CPU": "False", "LMCACHE_MOONCAKE_GLOBAL_SEGMENT_SIZE": "0",
+           "LMCACHE_MOONCAKE_LOCAL_BUFFER_SIZE": str(64 << 20)}
+    job = {"model": tiny_model, "max_tokens": MAX_TOKENS, "logprobs": True}
+    v0 = {"VLLM_USE_V1": "0", "LMCACHE_CHUNK_SIZE": str(CHUNK)}
+    modes = {"LMCACHE_USE_LAYERWISE": "True", "LMCACHE_ENABLE_ASYNC_LOADING": "True"}
+    outage: dict[str, float] = {}
+
+    def at_gate(index: int, log: Callable[[], str]) -> None:
+        if index == 1:
+            master.kill()
+            outage["killed"] = time.monotonic()
+        elif index == 2:
+            time.sleep(OUTAGE_S)  # the tier probes with backoff meanwhile
+            master.start()  # same port
+            assert wait_for(lambda: master.gauge("master_total_capacity_bytes") > 0, timeout=30), \
+                "the storage process did not re-mount"
+            assert wait_for(lambda: "is back" in log(), timeout=30), "B's tier did not come back"
+            outage["back"] = time.monotonic()
+        else:  # prompt 2's chunks are in the store, not only in the tier's put queue
+            assert wait_for(lambda: master.gauge("master_key_count") == 6, timeout=30)
+
     try:
-        (a,), lines_a, _ = _run(tiny_model, env)
-        (b,), lines_b, _ = _run(tiny_model, env)
+        a = run_vllm_job({**job, "prompts": [PROMPT], "vllm_module": "lmcache_vllm.vllm"}, env={**env, **v0})
+        b = run_vllm_job({**job, "prompts": [PROMPT] * 4, "gate_before": [1, 2, 3], "vllm_module": "lmcache_vllm.vllm",
+                          "llm_kwargs": V1_LLM_KWARGS}, env={**env, **modes}, at_gate=at_gate)
     finally:
         storage.stop()
         master.stop()
-    assert lines_a == [(0, 0, 1500)] and lines_b == [(1500, 1500, 0)]
-    assert_as_computed(a, b)
+    (tmp_path / "b.log").write_text(b.log)  # for a failure's post-mortem
+    assert door_steps(a.log) == [(1500, 0, 1500)]  # A computed everything (and stored it)
+    lines_b = [(ln.stats.lmcache_hit_tokens, ln.counters.loaded_tokens, ln.counters.stored_tokens)
+               for ln in parse_request_lines(b.log)]
+    print(f"Mooncake master down {outage['back'] - outage['killed']:.1f} s; "
+          f"{b.log.count('master_client.cpp')} failed Mooncake calls in B's log")
+    assert lines_b[0] == (1500, 1500, 0)  # A's chunks, written by the v0 door
+    assert lines_b[1] == (0, 0, 1500)  # the master gone: computed; the tier drops its puts (below)
+    assert lines_b[2:] == [(0, 0, 1500), (1500, 1500, 0)]  # back, empty: stored again, then a hit
+    assert sorted(ASYNC_DONE_RE.findall(b.log)) == [("1500", "1500")] * 2  # both hits loaded in the background
+    assert b.log.count("is down") == 1 and b.log.count("is back") == 1
+    assert "6 puts acknowledged, 0 refused, 0 lost, 6 dropped; 12 hits" in b.log  # prompt 0's and 3's
+    # Probes back off while the master is gone (0.2 s doubling to 10 s): a few failed calls, no hot loop.
+    assert b.log.count("master_client.cpp") <= 10
+    logprobs_a, logprobs_b = logprobs_of(a)[0], logprobs_of(b)[0]
+    assert_as_computed((a.outputs[0][0], logprobs_a[0]), *zip(b.outputs[0], logprobs_b))
 
 
 def test_cachegen_through_vllm_hits_and_reports_agreement(tiny_model, tmp_path):

@@ -10,7 +10,8 @@ and other settings at import time, and the v1 engine spawns an engine-core proce
      "sampling_extra_args": {...} | null,
      "prompt_extra_args": [{...} | null per prompt] | null,   # replaces sampling_extra_args
      "logprobs": false | true,                                # also report the sampled logprobs
-     "close_engine": false | true}        # end with the old wrapper's `close_lmcache_engine()`
+     "close_engine": false | true,        # end with the old wrapper's `close_lmcache_engine()`
+     "gate_dir": PATH, "gate_before": [prompt index, ...]}   # one round only (below)
 
 Each round sends every prompt once, one prompt per `generate` call, in order, so a later prompt can
 hit what an earlier one stored. An entry of "prompts" that is itself a list of prompts goes to vLLM
@@ -18,6 +19,10 @@ as one batch (one `generate` call); its outputs (and logprobs) entry is then a l
 The last stdout line is `RESULT {"outputs": [[[ids]...]...], "latencies": [[seconds]...]}`
 (indexed [round][prompt]); with `"logprobs": true` it also has
 `"logprobs": [[[logprob of each sampled token]...]...]`.
+
+Before each prompt index in "gate_before" the job creates `ready-<index>` in "gate_dir" and waits
+for `go-<index>` there: the test acts on the world meanwhile (`run_vllm_job(..., at_gate=...)`),
+so one engine serves before, during and after a fault.
 """
 
 from __future__ import annotations
@@ -26,6 +31,18 @@ import importlib
 import json
 import sys
 import time
+from pathlib import Path
+
+GATE_TIMEOUT_S = 300
+
+
+def wait_at_gate(gate_dir: str, index: int) -> None:
+    Path(gate_dir, f"ready-{index}").touch()
+    deadline = time.monotonic() + GATE_TIMEOUT_S
+    while not Path(gate_dir, f"go-{index}").exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no go-{index} in {gate_dir} after {GATE_TIMEOUT_S} s")
+        time.sleep(0.05)
 
 
 def run(job: dict) -> dict:
@@ -57,10 +74,15 @@ def run(job: dict) -> dict:
         )
         for extra in per_prompt
     ]
+    gates = set(job.get("gate_before", []))
+    if gates and job.get("rounds", 1) != 1:
+        raise ValueError(f"gate_before needs rounds=1, got rounds={job['rounds']}")
     outputs, latencies, logprobs = [], [], []
     for _ in range(job.get("rounds", 1)):
         round_out, round_lat, round_lp = [], [], []
-        for ids, prompt_params in zip(job["prompts"], params):
+        for index, (ids, prompt_params) in enumerate(zip(job["prompts"], params)):
+            if index in gates:
+                wait_at_gate(job["gate_dir"], index)
             batch = bool(ids) and isinstance(ids[0], list)
             prompts = [{"prompt_token_ids": p} for p in (ids if batch else [ids])]
             start = time.perf_counter()

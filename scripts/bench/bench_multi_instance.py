@@ -8,14 +8,17 @@ multi-round QA (`multi_round_qa.py`) through `round_robin_proxy.py`:
 - `vllm`: vLLM alone, each instance with its own prefix cache;
 - `lmcache-cpu`: ours with a private CPU tier per instance;
 - `lmcache-pool`: ours sharing the node pool (`lm+shm://`, no CPU tier: one copy per machine);
-- `lmcache-remote`: ours sharing one `lm://` server over TCP (no CPU tier either).
+- `lmcache-remote`: ours sharing one `lm://` server over TCP (no CPU tier either);
+- `lmcache-mooncake`: ours sharing one Mooncake Store (`mooncakestore://`): a `mooncake_master` and
+  a `mooncake_client` lending the pool its segment; the instances lend none and keep no CPU tier.
 vLLM's own KV space is a fixed, small number of blocks (as in `bench_serving.py`), too small to
 keep every user's history, so what a kind's cache keeps between a user's turns is what counts.
 
 Writes `bench/results/multi-instance-<timestamp>.json` + `.png`: per kind mean and p90 TTFT per
 round and overall, throughput, the hit tokens each instance's `/metrics` counted, the memory the
 cache held at the end (the instances' own tiers from `lmcache:local_cache_usage`, the shared
-server's `lmcache_server:bytes_used`), and the issue's targets (`bench_multi_instance_report.py`).
+server's `lmcache_server:bytes_used` or the Mooncake master's `master_allocated_bytes`), and the
+issues' targets (`bench_multi_instance_report.py`).
 Exit code 1 when any kind failed (the others are still reported).
 """
 
@@ -40,13 +43,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # make_tiny_model
 
 from bench_multi_instance_report import (  # noqa: E402
-    KIND_LABELS, instance_counters, plot, plot_title, summarize_kind, targets,
+    KIND_LABELS, MOONCAKE_KIND, instance_counters, plot, plot_title, store_gauges, summarize_kind, targets,
 )
 from bench_serving import BENCH_MODEL, run_header, shown  # noqa: E402
 from bench_serving_client import RequestFailed, parse_prefix_counters  # noqa: E402
 from bench_serving_servers import (  # noqa: E402
     POOL_KIND, VLLM_KIND, CpuMeter, LaunchSpec, ManagedProcess, ServerError, ServerSettings, describe, free_port,
-    launch, remote_server_launch, server_launch, stop_all,
+    launch, mooncake_launches, remote_server_launch, server_launch, stop_all,
 )
 from make_tiny_model import TinyModelSpec, make_tiny_model  # noqa: E402
 from multi_round_qa import QARecord, QARunner, QASizes, next_turn_moves, qa_plan, run_plan, warm_up  # noqa: E402
@@ -56,8 +59,8 @@ from lmcache.experimental.metrics import lmcache_samples  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 SCHEMA = "lmcache-bench-multi-instance/1"
-KINDS = (VLLM_KIND, "lmcache-cpu", POOL_KIND, "lmcache-remote")
-SHARED_KINDS = (POOL_KIND, "lmcache-remote")  # kinds with one cache server for all instances
+KINDS = (VLLM_KIND, "lmcache-cpu", POOL_KIND, "lmcache-remote", MOONCAKE_KIND)
+SHARED_KINDS = (POOL_KIND, "lmcache-remote", MOONCAKE_KIND)  # kinds with one cache store for all instances
 FAILURES = (ServerError, RequestFailed, aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError)
 # --quick: the test suite's tiny model, 3 users x 2 short rounds, vLLM eager.
 QUICK = dict(model_dir=".cache/tiny-model", hidden=128, layers=4, heads=4, kv_heads=2, max_position=4096,
@@ -110,18 +113,21 @@ def server_info(metrics_port: int) -> dict[str, float]:
     return found
 
 
-def shared_gauges(metrics_port: int) -> dict:
-    """The shared server's `bytes_used` and `entries` (`lmcache_server --metrics-port`)."""
-    info = server_info(metrics_port)
-    return {name: info.get(name, 0.0) for name in ("bytes_used", "entries")}
-
-
 def start_shared(kind: str, settings: ServerSettings, log_dir: Path,
-                 running: list[ManagedProcess]) -> tuple[Optional[int], int, LaunchSpec]:
-    """Start the cache server `kind`'s instances share (appended to `running`) and wait until it
-    listens: (its lm:// port, None for the node pool; its metrics port; how it was started)."""
+                 running: list[ManagedProcess]) -> tuple[Optional[int], int, list[LaunchSpec]]:
+    """Start the cache store `kind`'s instances share (appended to `running`) and wait until it
+    listens: (its lm:// or Mooncake master's port, None for the node pool; its metrics port; how
+    its processes were started: the server, or Mooncake's master and storage process)."""
     port = free_port() if kind != POOL_KIND else None
     metrics_port = free_port()
+    if kind == MOONCAKE_KIND:
+        storage_port = free_port()
+        specs = list(mooncake_launches(port, storage_port, settings, log_dir, metrics_port))
+        for spec, listens_on in zip(specs, (port, storage_port)):
+            proc = launch(spec, ROOT)
+            running.append(proc)
+            proc.wait_listening(listens_on, 60)
+        return port, metrics_port, specs
     spec = remote_server_launch(kind, port, settings, log_dir / f"server-{kind}.log", metrics_port)
     server = launch(spec, ROOT)
     running.append(server)
@@ -130,7 +136,7 @@ def start_shared(kind: str, settings: ServerSettings, log_dir: Path,
         server.wait_socket(settings.pool_socket, 60)
     else:
         server.wait_listening(port, 60)
-    return port, metrics_port, spec
+    return port, metrics_port, [spec]
 
 
 def start_instances(kind: str, n: int, settings: ServerSettings, log_dir: Path, remote_port: Optional[int],
@@ -163,11 +169,13 @@ class MultiBench:
         self.kind_wall_s: dict[str, float] = {}
 
     def _start_shared(self, kind: str, running: list[ManagedProcess]) -> tuple[Optional[int], Optional[int]]:
-        """The cache server `kind`'s instances share: (its lm:// port or None, its metrics port)."""
+        """The cache store `kind`'s instances share: (its lm:// or Mooncake master's port, or None;
+        its metrics port)."""
         if kind not in SHARED_KINDS:
             return None, None
-        port, metrics_port, spec = start_shared(kind, self.settings, self.log_dir, running)
-        self.processes.setdefault(kind, []).append({"role": "shared server", **describe(spec)})
+        port, metrics_port, specs = start_shared(kind, self.settings, self.log_dir, running)
+        for spec in specs:
+            self.processes.setdefault(kind, []).append({"role": "shared server", **describe(spec)})
         return port, metrics_port
 
     def run_kind(self, kind: str) -> None:
@@ -200,7 +208,9 @@ class MultiBench:
                 text = scrape_text(f"{url}/metrics")
                 prefix = parse_prefix_counters(text)
                 counters.append(instance_counters(lmcache_samples(text), prefix.hits, prefix.queries))
-            shared = shared_gauges(metrics_port) if metrics_port is not None else None
+            shared = None
+            if metrics_port is not None:
+                shared = store_gauges(scrape_text(f"http://127.0.0.1:{metrics_port}/metrics"))
             self.summary[kind] = {**summarize_kind(runner.records, runner.wall_s, counters, shared),
                                   "warmup_ttft_s": warm, "cpu_while_measured": meter.read()}
         except FAILURES as err:

@@ -2,10 +2,11 @@
 
 - `summarize`: per kind, mean and p90 TTFT per round and overall, throughput, how many turns moved
   to another instance, the hit tokens each instance's `/metrics` counted, and the memory the
-  kind's cache held at the end (the instances' own tiers plus the shared server's store).
+  kind's cache held at the end (the instances' own tiers plus the shared store: `store_gauges`).
 - `targets` (issue 31): mean TTFT with the pool <= 0.5x the private tiers' and below `lm://`
   sharing's; one copy of each chunk on the machine (the instances hold no private copy and the
-  pool holds less than the private tiers' sum).
+  pool holds less than the private tiers' sum). Issue 32: mean TTFT through Mooncake Store
+  within 1.5x `lm://` sharing's.
 - `plot`: TTFT per round, hit tokens and memory, one bar (group) per kind; `replot` draws a run's
   figure again from its JSON.
 """
@@ -22,11 +23,13 @@ from multi_round_qa import QARecord
 
 PRIVATE_KIND = "lmcache-cpu"
 TCP_KIND = "lmcache-remote"
+MOONCAKE_KIND = "lmcache-mooncake"
 KIND_LABELS = {VLLM_KIND: "vLLM alone", PRIVATE_KIND: "private CPU tiers", POOL_KIND: "node pool (lm+shm)",
-               TCP_KIND: "lm:// TCP sharing"}
+               TCP_KIND: "lm:// TCP sharing", MOONCAKE_KIND: "Mooncake Store sharing"}
 SHORT_LABELS = {VLLM_KIND: "vLLM\nalone", PRIVATE_KIND: "private\ntiers", POOL_KIND: "node pool\nlm+shm",
-                TCP_KIND: "lm://\nTCP"}
+                TCP_KIND: "lm://\nTCP", MOONCAKE_KIND: "Mooncake\nStore"}
 POOL_OVER_PRIVATE_MAX = 0.5
+MOONCAKE_OVER_TCP_MAX = 1.5
 
 
 def ttft_stats(records: Sequence[QARecord]) -> dict:
@@ -83,12 +86,28 @@ def instance_counters(lmcache: Mapping[str, float], vllm_hits: float, vllm_queri
     }
 
 
+# The shared store's gauges: `lmcache_server --metrics-port`'s, or the Mooncake master's.
+STORE_GAUGES = {"bytes_used": ("lmcache_server:bytes_used", "master_allocated_bytes"),
+                "entries": ("lmcache_server:entries", "master_key_count")}
+
+
+def store_gauges(metrics_text: str) -> dict:
+    """The shared store's `bytes_used` and `entries` from its /metrics (an `lm://` server's or a
+    Mooncake master's)."""
+    found = {"bytes_used": 0.0, "entries": 0.0}
+    for line in metrics_text.splitlines():
+        for name, samples in STORE_GAUGES.items():
+            if line.split(" ", 1)[0] in samples:
+                found[name] = float(line.split()[1])
+    return found
+
+
 def targets(summary: Mapping[str, dict]) -> list[dict]:
     """The issue's targets, each measured (None where a kind did not run) and met or not."""
     def mean(kind: str) -> Optional[float]:
         return summary[kind]["ttft_mean_s"] if kind in summary else None
 
-    pool, private, tcp = mean(POOL_KIND), mean(PRIVATE_KIND), mean(TCP_KIND)
+    pool, private, tcp, mooncake = mean(POOL_KIND), mean(PRIVATE_KIND), mean(TCP_KIND), mean(MOONCAKE_KIND)
     ratio = pool / private if pool is not None and private else None
     out = [
         {"target": "mean TTFT, pool / private CPU tiers", "rule": f"<= {POOL_OVER_PRIVATE_MAX}",
@@ -96,6 +115,9 @@ def targets(summary: Mapping[str, dict]) -> list[dict]:
         {"target": "mean TTFT, pool / lm:// TCP sharing", "rule": "< 1",
          "measured": pool / tcp if pool is not None and tcp else None,
          "met": None if pool is None or not tcp else pool < tcp},
+        {"target": "mean TTFT, Mooncake Store / lm:// TCP sharing", "rule": f"<= {MOONCAKE_OVER_TCP_MAX}",
+         "measured": mooncake / tcp if mooncake is not None and tcp else None,
+         "met": None if mooncake is None or not tcp else mooncake / tcp <= MOONCAKE_OVER_TCP_MAX},
     ]
     if POOL_KIND in summary and PRIVATE_KIND in summary:
         mem, priv = summary[POOL_KIND]["memory"], summary[PRIVATE_KIND]["memory"]["total_bytes"]

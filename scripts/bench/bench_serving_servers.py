@@ -261,11 +261,12 @@ def remote_server_launch(kind: str, port: Optional[int], settings: ServerSetting
 
 
 def mooncake_launches(master_port: int, storage_port: int, settings: ServerSettings,
-                      log_dir: Path) -> tuple[LaunchSpec, LaunchSpec]:
-    """How to start the Mooncake Store `lmcache-mooncake` talks to: the master on `master_port`,
-    then a storage process lending `remote_tier_gb` (the `lm://` server's size) on `storage_port`."""
+                      log_dir: Path, metrics_port: Optional[int] = None) -> tuple[LaunchSpec, LaunchSpec]:
+    """How to start the Mooncake Store `lmcache-mooncake` talks to: the master on `master_port`
+    (its metrics on `metrics_port`, default a free one), then a storage process lending
+    `remote_tier_gb` (the `lm://` server's size) on `storage_port`."""
     segment = f"{max(1, round(settings.remote_tier_gb * 1000))}MB"
-    return (LaunchSpec("mooncake-master", mooncake_store.master_argv(master_port), {},
+    return (LaunchSpec("mooncake-master", mooncake_store.master_argv(master_port, metrics_port), {},
                        log_dir / f"mooncake-master-{master_port}.log"),
             LaunchSpec("mooncake-storage", mooncake_store.storage_argv(master_port, storage_port, segment), {},
                        log_dir / f"mooncake-storage-{storage_port}.log"))

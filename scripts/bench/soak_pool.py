@@ -287,7 +287,7 @@ def run(args: argparse.Namespace, sizes: SoakSizes, settings: ServerSettings, lo
     """Start the pool and the instances, drive them, sample, stop them; the measured parts."""
     running: list[ManagedProcess] = []
     try:
-        _, metrics_port, server_spec = start_shared(POOL_KIND, settings, log_dir, running)
+        _, metrics_port, [server_spec] = start_shared(POOL_KIND, settings, log_dir, running)
         urls, instances = start_instances(POOL_KIND, args.instances, settings, log_dir, None, running,
                                           args.startup_timeout)
         clock_zero = time.perf_counter()

@@ -8,7 +8,8 @@ log line. vLLM 0.32 keeps the CPU cache as CPU_ATTN blocks of 128 tokens and pre
 `max_num_batched_tokens`; P_LONG is longer than one such chunk. Engine starts cost most of the
 time, so there are four: cache off, vLLM's connector with its prefix cache off, the wrapper with
 it on, and the server. The layer-wise test and the wrapper's (background loads) run on the node
-pool (`lm+shm://`, a server started in the test) as their only tier.
+pool (`lm+shm://`, a server started in the test) as their only tier, vLLM's connector's on
+Mooncake Store (a master and a storage process started in the test) as its only tier.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import sys
 
 import pytest
 from conftest import ROOT, VLLM_TEST_ENV
+from mooncake_fixture import MooncakeMaster, MooncakeStorage
 from redis_fixture import LMServerProcess
 from test_v1_e2e import (
     LMCACHE_ENV,
@@ -59,6 +61,21 @@ def pool(tmp_path):
     assert info["entries"] > 0 and info["pool_leases"] == 0 and info["pool_reservations"] == 0
 
 
+@pytest.fixture
+def mooncake(tmp_path):
+    """Mooncake Store (a master and a storage process lending the segment) as the engine's only
+    tier; the engine lends no segment: every hit is read from the storage process."""
+    master = MooncakeMaster(tmp_path / "master.log").start()
+    storage = MooncakeStorage(master, tmp_path / "storage.log").start()
+    env = {**ENV, "LMCACHE_LOCAL_CPU": "False", "LMCACHE_REMOTE_URL": master.url, "LMCACHE_REMOTE_SERDE": "naive",
+           "LMCACHE_MOONCAKE_GLOBAL_SEGMENT_SIZE": "0", "LMCACHE_MOONCAKE_LOCAL_BUFFER_SIZE": str(64 << 20)}
+    yield env
+    keys = master.gauge("master_key_count")
+    storage.stop()
+    master.stop()
+    assert keys > 0
+
+
 @pytest.fixture(scope="module")
 def baseline(tiny_model):
     off = run(tiny_model, PROMPTS, {"enable_prefix_caching": False, "max_num_batched_tokens": MAX_BATCHED}, {})
@@ -68,10 +85,11 @@ def baseline(tiny_model):
     return {tuple(p): (outputs[i], off.logprobs[0][i]) for i, p in enumerate(PROMPTS)}
 
 
-def test_vllm_connector_repeats_and_shared_prefix_with_chunked_prefill(tiny_model, baseline):
-    """vLLM's own LMCacheConnectorV1, its prefix cache off: every repeat is loaded from LMCache."""
+def test_vllm_connector_repeats_and_shared_prefix_with_chunked_prefill_on_mooncake(tiny_model, baseline, mooncake):
+    """vLLM's own LMCacheConnectorV1, its prefix cache off: every repeat is loaded from LMCache,
+    here from Mooncake Store."""
     prompts = [P_LONG, P_SHARED_A, P_SHARED_B, [P_LONG, P_OTHER]]
-    result = run(tiny_model, prompts, connector_kwargs(prefix_caching=False), ENV, rounds=2)
+    result = run(tiny_model, prompts, connector_kwargs(prefix_caching=False), mooncake, rounds=2)
     assert_same_as_baseline(result, prompts, baseline)
     lines = hits(result.lines)
     assert lines[:3] == [
