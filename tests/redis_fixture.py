@@ -348,6 +348,16 @@ class LMServerProcess(ListeningProcess):
         assert self.unix_socket is not None
         return f"lm+shm://{self.unix_socket}"
 
+    def info(self) -> dict:
+        """The server's `INFO` (entries, leases, reservations, ...), asked over TCP."""
+        from lmcache.experimental.remote.lm_connector import LMServerConnector
+
+        tcp = LMServerConnector("127.0.0.1", self.port)
+        try:
+            return tcp.info()
+        finally:
+            tcp.close()
+
 
 @dataclass
 class LMCacheCommandServer(LMServerProcess):
@@ -366,6 +376,16 @@ class LMCacheCommandServer(LMServerProcess):
         if self.runtime_dir is not None:
             env["LMCACHE_RUNTIME_DIR"] = str(self.runtime_dir)
         return env
+
+
+@pytest.fixture
+def pool(tmp_path: Path):
+    """An `lm://` server with a 1 MiB node pool on a unix socket."""
+    server = LMServerProcess(
+        ["--max-size-gb", str(1 / 1024)], log_path=tmp_path / "server.log", unix_socket=tmp_path / "pool.sock"
+    ).start()
+    yield server
+    server.stop()
 
 
 @pytest.fixture

@@ -19,12 +19,11 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 import torch
 from helpers import key
-from redis_fixture import LMServerProcess, lmcache_log  # noqa: F401
+from redis_fixture import LMServerProcess, lmcache_log, pool  # noqa: F401
 from tier_helpers import (
     FAST_REMOTE,
     as_nobody,
@@ -108,23 +107,6 @@ class Child:
         self.proc.wait()
 
 
-@pytest.fixture
-def pool(tmp_path: Path) -> Iterator[LMServerProcess]:
-    server = LMServerProcess(
-        ["--max-size-gb", str(1 / 1024)], log_path=tmp_path / "server.log", unix_socket=tmp_path / "pool.sock"
-    ).start()
-    yield server
-    server.stop()
-
-
-def _info(server: LMServerProcess) -> dict:
-    tcp = LMServerConnector("127.0.0.1", server.port)
-    try:
-        return tcp.info()
-    finally:
-        tcp.close()
-
-
 def test_pool_urls_parse_and_bad_ones_are_refused() -> None:
     assert parse_remote_url("lm+shm:///run/lmc.sock") == RemoteUrl("lm+shm", (), socket="/run/lmc.sock")
     with_token = parse_remote_url("lm+shm://:s3cret@/run/lmc.sock")
@@ -147,7 +129,7 @@ def test_socket_is_owner_only_takes_the_token_and_shares_entries_with_tcp(pool, 
         # A batch far over what one connection may reserve or lease at once goes in windows.
         many = [(f"m{i}", b"%d" % i) for i in range(600)]
         assert all(shm.batched_put(many)) and [bytes(v) for v in shm.batched_get([k for k, _ in many])] == [v for _, v in many]
-        info = _info(pool)
+        info = pool.info()
         assert info["pool_clients"] == 1 and info["pool_leases"] == 0 and info["pool_reservations"] == 0
         assert info["refused_puts"] == 0
     finally:
@@ -222,12 +204,12 @@ def test_client_killed_mid_store_publishes_nothing_and_frees_its_block(pool) -> 
     child = Child(pool.unix_socket)
     try:
         assert child.ask(f"reserve half {BIG}") == "OK"
-        assert _info(pool)["pool_reservations"] == 1
+        assert pool.info()["pool_reservations"] == 1
         shm = create_connector(pool.pool_url)
         # The reserved block holds the arena: a second value of that size has no room.
         assert shm.put("other", b"o" * BIG) is False
         child.kill()
-        assert wait_for(lambda: _info(pool)["pool_clients"] == 1, timeout=10)  # only `shm` is left
+        assert wait_for(lambda: pool.info()["pool_clients"] == 1, timeout=10)  # only `shm` is left
         assert not shm.exists("half") and shm.get("half") is None  # never published
         assert shm.put("other", b"o" * BIG)  # its block came back
         shm.close()
@@ -245,10 +227,10 @@ def test_a_leased_block_is_not_reused_and_its_lease_dies_with_its_client(pool) -
         # Gone from the index, but its block is leased: a value that needs it is refused.
         assert shm.put("next", b"n" * BIG) is False
         assert child.ask("check held") == "True"
-        info = _info(pool)
+        info = pool.info()
         assert info["pool_leases"] == 1 and info["entries"] == 0
         child.kill()
-        assert wait_for(lambda: _info(pool)["pool_leases"] == 0, timeout=10)
+        assert wait_for(lambda: pool.info()["pool_leases"] == 0, timeout=10)
         assert shm.put("next", b"n" * BIG) and bytes(shm.get("next")) == b"n" * BIG
     finally:
         child.kill()

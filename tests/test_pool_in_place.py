@@ -16,16 +16,14 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 from helpers import prompt, slots_for
 from kv_reference import make_kvcaches
-from redis_fixture import LMServerProcess
+from redis_fixture import LMServerProcess, pool  # noqa: F401
 from tier_helpers import ENGINE_GEO, keys_of, retrieve_and_check, small_engine, store_prompt, wait_for
 
 from lmcache.experimental.remote import create_connector
-from lmcache.experimental.remote.lm_connector import LMServerConnector
 from lmcache.experimental.storage_backend.remote_backend import RemoteBackend
 
 
@@ -50,26 +48,9 @@ sys.stdin.readline()
 """
 
 
-@pytest.fixture
-def pool(tmp_path: Path) -> Iterator[LMServerProcess]:
-    server = LMServerProcess(
-        ["--max-size-gb", str(1 / 1024)], log_path=tmp_path / "server.log", unix_socket=tmp_path / "pool.sock"
-    ).start()
-    yield server
-    server.stop()
-
-
-def _info(server: LMServerProcess) -> dict:
-    tcp = LMServerConnector("127.0.0.1", server.port)
-    try:
-        return tcp.info()
-    finally:
-        tcp.close()
-
-
 def _settled(server: LMServerProcess, entries: int) -> bool:
     """The server holds `entries` chunks and no reservation or lease of anybody."""
-    info = _info(server)
+    info = server.info()
     return info["entries"] == entries and info["pool_reservations"] == 0 and info["pool_leases"] == 0
 
 
@@ -208,7 +189,7 @@ def test_an_engine_killed_after_filling_its_blocks_publishes_none_of_them(pool) 
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(ROOT)})
     try:
         assert child.stdout is not None and child.stdout.readline().strip() == "4"
-        info = _info(pool)
+        info = pool.info()
         assert info["pool_reservations"] == 4 and info["entries"] == 0
         child.kill()
         child.wait()

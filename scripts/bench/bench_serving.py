@@ -40,7 +40,7 @@ import time
 from dataclasses import asdict, replace
 from importlib import metadata
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 import aiohttp
 from tqdm import tqdm
@@ -134,11 +134,16 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p.add_argument("--startup-timeout", type=float, default=900)
     args = p.parse_args(argv)
     if args.quick:
-        explicit = {a.split("=")[0].lstrip("-").replace("-", "_") for a in (argv or sys.argv[1:]) if a.startswith("--")}
-        for key, value in QUICK.items():
-            if key not in explicit:
-                setattr(args, key, value)
+        apply_quick(args, argv or sys.argv[1:], QUICK)
     return args
+
+
+def apply_quick(args: argparse.Namespace, argv: Sequence[str], quick: dict) -> None:
+    """`--quick`'s settings on `args`, except for the flags given explicitly in `argv` (they win)."""
+    explicit = {a.split("=")[0].lstrip("-").replace("-", "_") for a in argv if a.startswith("--")}
+    for key, value in quick.items():
+        if key not in explicit:
+            setattr(args, key, value)
 
 
 def split_list(text: str, allowed: tuple[str, ...], flag: str) -> list[str]:

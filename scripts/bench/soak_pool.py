@@ -52,7 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # make_tiny_model
 
 from bench_multi_instance import server_info, start_instances, start_shared  # noqa: E402
-from bench_serving import BENCH_MODEL, run_header, shown  # noqa: E402
+from bench_serving import BENCH_MODEL, apply_quick, run_header, shown  # noqa: E402
 from bench_serving_client import RequestFailed, stream_chat  # noqa: E402
 from bench_serving_servers import (  # noqa: E402
     POOL_KIND, ManagedProcess, ServerSettings, describe, stop_all,
@@ -270,10 +270,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--startup-timeout", type=float, default=900)
     args = p.parse_args(argv)
     if args.quick:
-        explicit = {a.split("=")[0].lstrip("-").replace("-", "_") for a in argv if a.startswith("--")}
-        for key, value in QUICK.items():
-            if key not in explicit:
-                setattr(args, key, value)
+        apply_quick(args, argv, QUICK)
     return args
 
 
