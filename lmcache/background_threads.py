@@ -100,6 +100,21 @@ def prepare_thread(name: str, background: bool) -> None:
         logger.debug("thread %s keeps its CPU mask: %r", name, err)
     if background:
         _lower_priority(name)
+    else:
+        _ordinary_priority(name)
+
+
+def _ordinary_priority(name: str) -> None:
+    """The calling thread back to `SCHED_OTHER` where it inherited `SCHED_IDLE`: a thread starts
+    with its creator's policy, and a pool's worker made on demand by a background thread (the
+    remote put thread submitting a Mooncake call) would otherwise serve lookups at idle priority
+    too, starved while the cores are busy."""
+    try:
+        if os.sched_getscheduler(0) != os.SCHED_IDLE:
+            return
+        os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
+    except (AttributeError, OSError) as err:  # no such policies here, or not allowed to leave it
+        logger.debug("thread %s keeps its idle priority: %r", name, err)
 
 
 def _lower_priority(name: str) -> None:

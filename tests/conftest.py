@@ -62,8 +62,10 @@ _LONGEST_FIRST = {
     )
 }
 
-# vLLM's own settings for every engine the tests start: a small CPU KV space, no usage reporting.
+# vLLM's own settings for every engine the tests start: a small CPU KV space, no usage reporting;
+# and Python's fault handler, so a job that crashes prints every thread's stack.
 VLLM_TEST_ENV = {
+    "PYTHONFAULTHANDLER": "1",
     "VLLM_CPU_KVCACHE_SPACE": "1",
     "VLLM_NO_USAGE_STATS": "1",
     "DO_NOT_TRACK": "1",
@@ -154,9 +156,13 @@ def run_vllm_job(
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
-        stdout, log = out_path.read_text(), out_path.read_text() + err_path.read_text()
+        stdout, stderr = out_path.read_text(), err_path.read_text()
+    log = stdout + stderr
     lines = [ln for ln in stdout.splitlines() if ln.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:
-        pytest.fail(f"vLLM job failed (exit {proc.returncode}):\n{log[-6000:]}")
+        # The end of stderr first and short (a crash at exit comes after a long RESULT line).
+        said = "printed its RESULT" if lines else "printed no RESULT"
+        pytest.fail(f"vLLM job failed (exit {proc.returncode}, {said}); the end of its stderr:\n"
+                    + "\n".join(stderr.splitlines()[-60:])[-5000:])
     result = json.loads(lines[-1][len("RESULT ") :])
     return VLLMJobResult(result["outputs"], result["latencies"], log)

@@ -61,6 +61,17 @@ def test_prepare_thread_unpins_names_and_idles_background_threads(background):
     assert state == ("lmc-test-thread", process_cpus(), _expected(policy, background))
 
 
+def test_a_normal_thread_made_by_an_idle_one_leaves_its_idle_priority():
+    """A thread starts with its creator's policy: a pool worker made on demand by the idle put
+    thread must not serve lookups at idle priority."""
+    if os.geteuid() != 0:
+        pytest.skip("leaving SCHED_IDLE may need CAP_SYS_NICE (RLIMIT_NICE)")
+    inherited = _on_thread(lambda: (prepare_thread("lmc-test-idle", True), _on_thread(lambda: _state()[2]))[1])
+    made = _on_thread(lambda: (prepare_thread("lmc-test-idle", True),
+                               _on_thread(lambda: (prepare_thread("lmc-test-call", False), _state()[2])[1]))[1])
+    assert inherited == os.SCHED_IDLE and made == os.SCHED_OTHER
+
+
 def test_saver_thread_is_unpinned_at_normal_priority():
     """The next step's flush waits for the saver: whole mask, but no lower priority."""
     seen = []
@@ -116,8 +127,9 @@ def test_remote_put_thread_is_unpinned_at_background_priority():
             obj = remote_chunk(tier_cpu, 1)
             backend.submit_put_task(key(1), obj)
             obj.ref_count_down()
+        assert wait_for(lambda: seen)  # before close, whose flush would send it itself
         backend.close()
-        assert seen and seen[0] == ("lmc-remote-put", process_cpus(), _expected(policy, True))
+        assert seen[0] == ("lmc-remote-put", process_cpus(), _expected(policy, True))
     finally:
         srv.shutdown()
 

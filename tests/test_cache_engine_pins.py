@@ -53,6 +53,38 @@ def test_pinned_prefix_survives_the_remote_server_going_away():
     assert engine.memory_allocator.pool.num_live_objects() == 0
 
 
+def test_a_pinned_lookup_asks_the_remote_tier_once_and_pins_only_past_vllms_own_prefix(monkeypatch):
+    """One EXISTS exchange for the prefix, one read for the chunks to pin; chunks that end within
+    `pin_from` (the serving engine's own prefix cache) are found but not read."""
+    server = LMCacheServer(ServerConfig(port=0, max_size_bytes=64 << 20))
+    server.start_in_thread()
+    host, port = server.address
+    engine = small_engine(local_cpu=False, remote_url=f"lm://{host}:{port}", remote_serde="naive")
+    calls = []
+    connector = engine.storage_manager.tiers[0]._connector
+    for name in ("batched_exists", "batched_get_into"):
+        real = getattr(connector, name)
+        monkeypatch.setattr(connector, name, lambda keys, *rest, _r=real, _n=name: calls.append((_n, len(keys))) or _r(keys, *rest))
+    try:
+        tokens, source, slots = store_prompt(engine, 3 * CHUNK + 4, seed=5)  # chunks end at 8, 16, 24, 28
+        flush(engine)
+        calls.clear()
+        assert engine.lookup(tokens, request_id="r", pin=True, pin_from=2 * CHUNK + 3) == 3 * CHUNK + 4
+        assert calls == [("batched_exists", 4), ("batched_get_into", 2)]
+        assert engine.stats().live_pins == 2
+        calls.clear()
+        assert engine.lookup(tokens, request_id="r", pin=True, pin_from=3 * CHUNK + 4) == 3 * CHUNK + 4
+        assert calls == [("batched_exists", 4)] and engine.stats().live_pins == 0
+        assert engine.lookup(tokens[: 2 * CHUNK], request_id="r", pin=True) == 2 * CHUNK
+        assert engine.stats().live_pins == 2
+    finally:
+        server.shutdown()
+    retrieve_and_check(engine, tokens[: 2 * CHUNK], source, slots, 2 * CHUNK)  # from the pins
+    engine.lookup_unpin(["r"])
+    engine.close()
+    assert engine.memory_allocator.pool.num_live_objects() == 0
+
+
 def test_reading_an_earlier_chunk_cannot_evict_a_later_pinned_one(tmp_path):
     """Chunk 0 only on disk, chunk 1 only in a full CPU tier where it is the least recently used.
     Reading chunk 0 into memory must evict something: without pins it is chunk 1 (short load)."""

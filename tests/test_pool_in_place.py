@@ -89,6 +89,37 @@ def test_store_and_retrieve_copy_once_each_way_and_other_clients_read_the_chunks
         tcp_engine.close()
 
 
+def test_pinned_lookups_hold_leases_up_to_a_bound_and_copy_beyond_it(pool, monkeypatch) -> None:
+    """A lookup's pins on the sole pool are its leased blocks (no host object); at most
+    MAX_HELD_BATCHES lookups hold leases at once, the next pins copies; a chunk pinned already is
+    shared; every lease comes back."""
+    from lmcache.experimental.storage_backend.pool_in_place import MAX_HELD_BATCHES
+
+    engine, remote, allocated = _pool_engine(pool.pool_url, monkeypatch)
+    held = 4 * MAX_HELD_BATCHES
+    try:
+        prompts = [store_prompt(engine, 32, seed=10 + n) for n in range(MAX_HELD_BATCHES + 1)]
+        assert remote.flush() and wait_for(lambda: _settled(pool, len(prompts) * 4))
+        for n in range(MAX_HELD_BATCHES):
+            assert engine.lookup(prompts[n][0], request_id=f"r{n}", pin=True) == 32
+        assert allocated == [] and pool.info()["pool_leases"] == held
+        assert engine.lookup(prompts[0][0], request_id="shares", pin=True) == 32  # r0's pins, shared
+        assert allocated == [] and pool.info()["pool_leases"] == held
+        tokens, source, slots = prompts[-1]
+        assert engine.lookup(tokens, request_id="copies", pin=True) == 32
+        assert len(allocated) == 4 and pool.info()["pool_leases"] == held
+        retrieve_and_check(engine, tokens, source, slots, expected=32)  # from the copies
+        retrieve_and_check(engine, *prompts[1], expected=32)  # from the leased pins
+        engine.lookup_unpin(["r1", "copies"])
+        assert wait_for(lambda: pool.info()["pool_leases"] == held - 4)
+        assert engine.lookup(tokens, request_id="leases", pin=True) == 32 and len(allocated) == 4
+        engine.lookup_unpin(["r0", "r2", "r3", "shares", "leases"])
+        assert wait_for(lambda: _settled(pool, len(prompts) * 4))
+        assert engine.stats().live_pins == 0
+    finally:
+        engine.close()
+
+
 def test_a_block_corrupted_in_the_arena_is_a_miss_and_its_lease_is_released(pool, monkeypatch) -> None:
     engine, remote, _ = _pool_engine(pool.pool_url, monkeypatch)
     other = create_connector(pool.pool_url)

@@ -33,7 +33,7 @@ from lmcache.experimental.memory_management import MemoryObj
 from lmcache.experimental.remote.connector import RemoteUnavailableError
 from lmcache.experimental.remote.lm_connector import LMServerConnector
 from lmcache.experimental.remote.serde.cachegen import error_bound
-from lmcache.experimental.storage_backend.remote_backend import RemoteBackendOptions
+from lmcache.experimental.storage_backend.remote_backend import RemoteBackend, RemoteBackendOptions
 from lmcache.server import LMCacheServer, ServerConfig
 
 @pytest.fixture
@@ -94,6 +94,25 @@ def test_second_instance_hits_what_the_first_stored(remote_url: str, serde: str)
     assert single is not None
     single.ref_count_down()
     assert reader.remote_stats().gets_hit == 5
+    reader.close()
+
+
+def test_flush_sends_the_queue_itself_when_the_put_thread_gets_no_cpu(lm_server, monkeypatch) -> None:
+    """The idle-priority put thread starves while the cores are busy; a flush (an engine closing)
+    must not wait for it and drop the puts."""
+    host, port = lm_server.address
+    monkeypatch.setattr(RemoteBackend, "_ensure_worker", lambda self: None)  # the put thread never runs
+    cpu = remote_cpu()
+    backend = remote_backend(f"lm://{host}:{port}", cpu=cpu)
+    for i in range(3):
+        obj = remote_chunk(cpu, seed=i)
+        backend.submit_put_task(key(i), obj)
+        obj.ref_count_down()
+    assert backend.flush(timeout_s=10)
+    assert backend.remote_stats().puts_acknowledged == 3
+    backend.close()
+    reader = remote_backend(f"lm://{host}:{port}")
+    assert reader.batched_contains([key(i) for i in range(3)]) == [True] * 3
     reader.close()
 
 

@@ -32,13 +32,15 @@ class Endpoint:
     def __init__(self) -> None:
         self.calls: list[tuple[list[int], str]] = []
         self.request_ids: list[str] = []
+        self.computed: list[int] = []
         self.unpinned: list[list[str]] = []
         self.counters = {"r1": RequestCounters(loaded_tokens=7, stored_tokens=9)}
 
-    def lookup(self, token_ids, cache_salt, request_id=""):
+    def lookup(self, token_ids, cache_salt, request_id="", computed=0):
         tokens = list(token_ids)
         self.calls.append((tokens, cache_salt))
         self.request_ids.append(request_id)
+        self.computed.append(computed)
         if cache_salt == "explode":
             raise KeyError("no such tier")
         hit = 0
@@ -52,8 +54,8 @@ class Endpoint:
     def pop_request_counters(self, req_id):
         return self.counters.pop(req_id, None) or RequestCounters()
 
-    def lookup_async(self, token_ids, cache_salt, request_id):
-        return self.lookup(token_ids, cache_salt, request_id), cache_salt == "slow"
+    def lookup_async(self, token_ids, cache_salt, request_id, computed=0):
+        return self.lookup(token_ids, cache_salt, request_id, computed), cache_salt == "slow"
 
     def pop_async_loaded(self, req_id):
         return {"loaded": 512, "none": 0}.get(req_id)
@@ -73,9 +75,9 @@ def served():
 
 def test_lookup_body_round_trip_and_checks():
     tokens = [0, 5, 2**31 - 1, 1023]
-    assert decode_lookup(encode_lookup(tokens, "sälz")) == (tokens, "sälz", "")
-    assert decode_lookup(encode_lookup(tokens, "sälz", "cmpl-7-0")) == (tokens, "sälz", "cmpl-7-0")
-    assert decode_lookup(encode_lookup([], "")) == ([], "", "")
+    assert decode_lookup(encode_lookup(tokens, "sälz")) == (tokens, "sälz", "", 0)
+    assert decode_lookup(encode_lookup(tokens, "sälz", "cmpl-7-0", 300)) == (tokens, "sälz", "cmpl-7-0", 300)
+    assert decode_lookup(encode_lookup([], "")) == ([], "", "", 0)
     with pytest.raises(ValueError, match="salt length"):
         decode_lookup(encode_lookup([1], "abc")[:9])
     with pytest.raises(ValueError, match="request id length"):
@@ -216,8 +218,8 @@ def test_socket_channel_carries_async_lookups_and_load_results(served):
     client = SocketChannel(path, connect_timeout=5)
     try:
         assert client.lookup_async([2, 2, 3], "slow", "r7") == (2, True)
-        assert client.lookup_async([2, 3], "", "r8") == (1, False)
-        assert endpoint.request_ids == ["r7", "r8"]
+        assert client.lookup_async([2, 3], "", "r8", 256) == (1, False)
+        assert endpoint.request_ids == ["r7", "r8"] and endpoint.computed == [0, 256]
         assert [client.pop_async_loaded(r) for r in ("loaded", "none", "unknown")] == [512, 0, None]
     finally:
         client.close()

@@ -311,6 +311,7 @@ def test_a_promise_vllm_does_not_need_is_released_at_once():
     side, channel, driver = make_side(hit=lambda tokens, salt: 256)
     driver.admit(make_request("b", PROMPT), 1000, vllm_cached=512)
     assert channel.unpinned == ["b"]
+    assert channel.lookup_computed == [512]  # the worker pins nothing vLLM holds
     # No hit: nothing was pinned, nothing to release.
     side, channel, driver = make_side(hit=lambda tokens, salt: 0)
     driver.admit(make_request("c", PROMPT), 1000)

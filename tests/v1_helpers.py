@@ -88,14 +88,16 @@ class RecordingChannel:
     hit: Callable[[list[int], str], int] = lambda tokens, salt: 0
     lookups: list[tuple[list[int], str]] = field(default_factory=list)
     lookup_ids: list[str] = field(default_factory=list)  # the request id each lookup pinned for
+    lookup_computed: list[int] = field(default_factory=list)  # vLLM's own prefix each lookup skipped
     unpinned: list[str] = field(default_factory=list)
     counters: dict[str, RequestCounters] = field(default_factory=dict)
     popped: list[str] = field(default_factory=list)
 
-    def lookup(self, token_ids: Sequence[int], cache_salt: str, request_id: str = "") -> int:
+    def lookup(self, token_ids: Sequence[int], cache_salt: str, request_id: str = "", computed: int = 0) -> int:
         tokens = list(token_ids)
         self.lookups.append((tokens, cache_salt))
         self.lookup_ids.append(request_id)
+        self.lookup_computed.append(computed)
         return self.hit(tokens, cache_salt)
 
     def unpin(self, request_ids: Sequence[str]) -> None:

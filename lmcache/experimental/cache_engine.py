@@ -305,15 +305,19 @@ class LMCacheEngine:
         cache_salt: Optional[str] = None,
         request_id: Optional[str] = None,
         pin: bool = False,
+        pin_from: int = 0,
     ) -> int:
         """How many leading tokens are cached, searching the tiers named in `search_range`
-        (a subset of ["Hot", "LocalDiskBackend", ...]; None = all tiers).
+        (a subset of ["Hot", "LocalDiskBackend", ...]; None = all tiers). Each tier is asked
+        once for the whole prefix (a remote tier: one round trip).
 
         With `pin=True` (needs `request_id`) the answer is a promise a later `retrieve` can keep:
-        every chunk of the prefix is brought into CPU memory now (read from a slower tier if need
-        be) and held for `request_id` until `lookup_unpin([request_id])`, replacing that id's
-        earlier pins. The count is then only the prefix that could be pinned: a chunk that cannot
-        be read or allocated ends it (logged and counted, never raised).
+        every chunk of the prefix that ends after token `pin_from` (the serving engine's own
+        prefix cache holds the rest, which a load skips) is brought into CPU memory now (read
+        from a slower tier if need be, in one batch) and held for `request_id` until
+        `lookup_unpin([request_id])`, replacing that id's earlier pins. The count is then only
+        the prefix that could be pinned: a chunk that cannot be read or allocated ends it
+        (logged and counted, never raised).
         """
         if search_range is not None and (
             isinstance(search_range, str) or not all(isinstance(name, str) for name in search_range)
@@ -321,25 +325,29 @@ class LMCacheEngine:
             raise ValueError(f"search_range must be a list of tier names, got {search_range!r}")
         if pin and (not isinstance(request_id, str) or not request_id):
             raise ValueError(f"lookup(pin=True) needs a request_id (a non-empty str), got {request_id!r}")
-        hit = 0
-        chunks: List[Tuple[int, int, CacheEngineKey]] = []
-        for start, end, key in self.token_database.process_tokens(tokens, cache_salt=cache_salt or ""):
-            if not self.storage_manager.contains(key, search_range):
-                break
-            hit = end
-            chunks.append((start, end, key))
+        chunks = list(self.token_database.process_tokens(tokens, cache_salt=cache_salt or ""))
+        chunks = chunks[: self.storage_manager.contains_prefix([key for *_, key in chunks], search_range)]
+        hit = chunks[-1][1] if chunks else 0
         if pin:
             assert request_id is not None
-            hit = self._pin(request_id, chunks, search_range)
+            hit = self._pin(request_id, chunks, search_range, pin_from)
         self._stats.record_lookup(len(tokens), hit)
         self.publish_metrics()
         return hit
 
-    def _pin(self, request_id: str, chunks: List[Tuple[int, int, CacheEngineKey]], search_range: Optional[List[str]]) -> int:
-        """Pin the chunks of a found prefix; the tokens covered by the run that was pinned."""
+    def _pin(
+        self,
+        request_id: str,
+        chunks: List[Tuple[int, int, CacheEngineKey]],
+        search_range: Optional[List[str]],
+        pin_from: int,
+    ) -> int:
+        """Pin the chunks of a found prefix that end after `pin_from`; the tokens covered by the
+        chunks below it and the run that was pinned."""
+        skipped = sum(1 for _, end, _ in chunks if end <= pin_from)
 
         def usable(i: int, obj: MemoryObj) -> bool:
-            start, end, key = chunks[i]
+            start, end, key = chunks[skipped + i]
             expected = self.gpu_connector.get_shape(end - start)
             if obj.metadata.shape == expected and obj.metadata.dtype == self.metadata.kv_dtype:
                 return True
@@ -353,7 +361,8 @@ class LMCacheEngine:
             logger.warning("pinned lookup on a closed engine: nothing pinned for request %s", request_id)
             return 0
         found = chunks[-1][1] if chunks else 0
-        count = self.storage_manager.pin_prefix(request_id, [key for _, _, key in chunks], search_range, usable)
+        tail = [key for _, _, key in chunks[skipped:]]
+        count = self.storage_manager.pin_prefix(request_id, tail, search_range, usable, self.metadata.kv_dtype) + skipped
         pinned = chunks[count - 1][1] if count else 0
         if pinned < found:
             logger.warning(

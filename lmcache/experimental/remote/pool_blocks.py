@@ -105,13 +105,21 @@ class LeasedBlocks:
     """The blocks one LEASE exchange got: `blocks[i]` is None for a miss."""
 
     def __init__(self, held: HeldConnection, lease_ids: Sequence[Optional[int]],
-                 blocks: Sequence[Optional[memoryview]]) -> None:
+                 blocks: Sequence[Optional[memoryview]], on_done: Optional[Callable[[], None]] = None) -> None:
+        """`on_done` runs once, when the batch has given its connection back (or lost it)."""
         self._held = held
         self._ids = list(lease_ids)
         self.blocks = list(blocks)
+        self._on_done = on_done
         self._live = {i for i, lease in enumerate(lease_ids) if lease is not None}
         if not self._live:
             held.finish(keep=True)
+            self._done()
+
+    def _done(self) -> None:
+        on_done, self._on_done = self._on_done, None
+        if on_done is not None:
+            on_done()
 
     def release(self, index: int) -> None:
         """Done reading block `index`; when it was the last, every lease goes in one RELEASE.
@@ -126,7 +134,8 @@ class LeasedBlocks:
             try:
                 self._held.run([Request(Op.RELEASE, payload=b"".join(ids[i : i + MAX_RELEASE_LEASES]))
                                 for i in range(0, len(ids), MAX_RELEASE_LEASES)])
+                self._held.finish(keep=True)
             except RemoteUnavailableError as err:
                 logger.debug("releasing %d leases: %s (the server released them with the connection)", len(ids), err)
-                return
-            self._held.finish(keep=True)
+            finally:
+                self._done()

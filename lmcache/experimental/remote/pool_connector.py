@@ -32,7 +32,7 @@ import os
 import socket
 import struct
 import threading
-from typing import Optional, Sequence, Tuple
+from typing import Callable, Optional, Sequence, Tuple
 
 import numpy
 
@@ -246,9 +246,10 @@ class PoolConnector(LMServerConnector):
 
         return self._on_connection(work, self._timeout, lambda: False, keep=True)
 
-    def lease(self, keys: Sequence[str]) -> LeasedBlocks:
+    def lease(self, keys: Sequence[str], on_done: Optional[Callable[[], None]] = None) -> LeasedBlocks:
         """Lease each key's block in one pipelined exchange, for the caller to read in place and
-        release (`pool_blocks`); a missing key (or one over this connection's leases) is None."""
+        release (`pool_blocks`); a missing key (or one over this connection's leases) is None.
+        `on_done`: `LeasedBlocks`'."""
         requests = [Request(Op.LEASE, key_bytes(k)) for k in keys[:MAX_LEASES]]
 
         def work(sock: socket.socket) -> LeasedBlocks:
@@ -264,7 +265,7 @@ class PoolConnector(LMServerConnector):
             except BaseException:
                 held.finish(keep=False)  # its leases go with it
                 raise
-            return LeasedBlocks(held, ids, blocks)
+            return LeasedBlocks(held, ids, blocks, on_done)
 
         return self._on_connection(work, self._timeout, lambda: False, keep=True)
 

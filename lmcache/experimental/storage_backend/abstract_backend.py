@@ -31,6 +31,10 @@ class StorageBackendInterface(ABC):
     def contains(self, key: CacheEngineKey) -> bool:
         """Whether `get_blocking(key)` would find the chunk now (stored or still being written)."""
 
+    def batched_contains(self, keys: Sequence[CacheEngineKey]) -> List[bool]:
+        """`contains` of each key (a remote tier asks in one round trip)."""
+        return [self.contains(key) for key in keys]
+
     def contains_locally(self, key: CacheEngineKey) -> bool:
         """`contains` from what this process knows, asking no server: a store's test for chunks
         to skip, which runs per chunk while a step may wait for it."""
@@ -44,9 +48,12 @@ class StorageBackendInterface(ABC):
         tier stores copies of host memory objects."""
         return None
 
-    def lease_in_place(self, keys: Sequence[CacheEngineKey], dtype: torch.dtype) -> Optional[List[Optional[MemoryObj]]]:
+    def lease_in_place(
+        self, keys: Sequence[CacheEngineKey], dtype: torch.dtype, hold: bool = False
+    ) -> Optional[List[Optional[MemoryObj]]]:
         """For such a tier: each chunk as an object over its own stored bytes, checked (None: a
-        miss); the last reference gives them back. None: this tier reads into host memory."""
+        miss); the last reference gives them back. None: this tier reads into host memory (or,
+        with `hold`, for objects kept until a later load, it holds all it may now)."""
         return None
 
     @abstractmethod
@@ -64,6 +71,11 @@ class StorageBackendInterface(ABC):
     @abstractmethod
     def get_blocking(self, key: CacheEngineKey) -> Optional[MemoryObj]:
         """The chunk under `key`, or None on a miss; the caller owns one reference of it."""
+
+    def batched_get_blocking(self, keys: Sequence[CacheEngineKey]) -> List[Optional[MemoryObj]]:
+        """`get_blocking` of each key (a remote tier reads them in one pipeline); the caller
+        owns one reference of each object."""
+        return [self.get_blocking(key) for key in keys]
 
     @abstractmethod
     def remove(self, key: CacheEngineKey) -> bool:

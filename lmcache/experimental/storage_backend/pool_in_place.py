@@ -7,6 +7,8 @@ pool's arena, so the copy kernel is the only thing that moves its bytes, once ea
     retrieve: lease (one exchange) -> the header and the payload's XXH3 are checked in place
               (a mismatch is a miss) -> the kernel reads the payload out of the block -> the
               object's last reference releases the lease (one RELEASE when the last goes)
+    pin:      a lookup's pins lease the same way and hold the leases until the load (at most
+              `MAX_HELD_BATCHES` lookups at once, each keeping a connection; more copy instead)
 
     block:  | chunk_format header | payload (what the kernel writes or reads) |
 
@@ -32,6 +34,10 @@ from lmcache.logging import init_logger
 from lmcache.utils import CacheEngineKey
 
 logger = init_logger(__name__)
+
+# Lease batches a lookup's pins may hold at once: each keeps a connection to the pool until its
+# request loads (the connector keeps 4 idle). Pins beyond them copy out of the pool as before.
+MAX_HELD_BATCHES = 4
 
 
 @dataclass(frozen=True)
@@ -59,6 +65,7 @@ class InPlaceChunks:
         self._connector = connector
         self._lock = threading.Lock()
         self._reserved: Dict[MemoryObj, _Reservation] = {}  # reserved objects not freed yet
+        self._held_batches = 0  # lease batches out with `hold`
 
     def holds(self, obj: MemoryObj) -> bool:
         """Whether `obj` is a reserved block of this tier (its put is a commit)."""
@@ -111,13 +118,24 @@ class InPlaceChunks:
                 results[n] = ok
         return results
 
-    def lease(self, keys: Sequence[CacheEngineKey], dtype: torch.dtype) -> LeaseOutcome:
+    def lease(self, keys: Sequence[CacheEngineKey], dtype: torch.dtype, hold: bool = False) -> Optional[LeaseOutcome]:
         """The leading run of chunks the pool has and that pass the checks (done in place), as
         objects over their leased blocks; None from the first chunk that is missing or fails
         on (those after it are released unread). Raises `RemoteUnavailableError` when the pool
-        cannot be reached."""
+        cannot be reached. `hold`: the objects may be kept long (pins); None when
+        `MAX_HELD_BATCHES` such batches are out already."""
         names = [key.to_string() for key in keys]
-        leases = self._connector.lease(names)
+        if hold:
+            with self._lock:
+                if self._held_batches >= MAX_HELD_BATCHES:
+                    return None
+                self._held_batches += 1
+        try:
+            leases = self._connector.lease(names, self._batch_done if hold else None)
+        except BaseException:
+            if hold:
+                self._batch_done()
+            raise
         objs: List[Optional[MemoryObj]] = [None] * len(keys)
         rejected = 0
         for i, block in enumerate(leases.blocks):
@@ -131,6 +149,10 @@ class InPlaceChunks:
                 rejected += 1
                 leases.release(i)
         return LeaseOutcome(objs, rejected)
+
+    def _batch_done(self) -> None:
+        with self._lock:
+            self._held_batches -= 1
 
     def _forget(self, obj: BorrowedMemoryObj) -> None:
         """A reserved object's last reference went: never publish it unless it was committed."""

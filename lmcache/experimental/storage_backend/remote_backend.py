@@ -235,17 +235,25 @@ class RemoteBackend(StorageBackendInterface):
     # ---- lookups and reads (serving thread) ----------------------------------------------
 
     def contains(self, key: CacheEngineKey) -> bool:
+        return self.batched_contains([key])[0]
+
+    def batched_contains(self, keys: Sequence[CacheEngineKey]) -> List[bool]:
+        """Chunks still in the put queue from memory, the others in one EXISTS round trip."""
         self._ensure_worker()
-        if self.exists_in_put_tasks(key):
-            return True
-        if not self._health.up:
-            return False
+        with self._lock:
+            found = [key in self._pending for key in keys]
+        ask = [i for i, queued in enumerate(found) if not queued]
+        if not ask or not self._health.up:
+            return found
         try:
-            return self._connector.exists(key.to_string())
+            answers = self._connector.batched_exists([keys[i].to_string() for i in ask])
         except RemoteUnavailableError as err:
             self._counters.add("lookups_failed")
             self._health.mark_down(str(err))
-            return False
+            return found
+        for i, exists in zip(ask, answers):
+            found[i] = exists
+        return found
 
     def contains_locally(self, key: CacheEngineKey) -> bool:
         """Only puts still pending: whether the server has a chunk is the put thread's question
@@ -286,9 +294,12 @@ class RemoteBackend(StorageBackendInterface):
             self._counters.add("reserves_refused", refused)
         return objs
 
-    def lease_in_place(self, keys: Sequence[CacheEngineKey], dtype: torch.dtype) -> Optional[List[Optional[MemoryObj]]]:
+    def lease_in_place(
+        self, keys: Sequence[CacheEngineKey], dtype: torch.dtype, hold: bool = False
+    ) -> Optional[List[Optional[MemoryObj]]]:
         """`batched_get_blocking` with each hit the leased pool block itself, checked in place (its
-        last reference releases the lease); None when this tier is not a node pool."""
+        last reference releases the lease); None when this tier is not a node pool, or with
+        `hold` when it holds as many long-kept batches as it may (`pool_in_place`)."""
         if self._in_place is None:
             return None
         self._ensure_worker()
@@ -296,12 +307,17 @@ class RemoteBackend(StorageBackendInterface):
         if not remote_slots or not self._health.up:
             return results
         try:
-            outcome = self._in_place.lease([keys[i] for i in remote_slots], dtype)
+            outcome = self._in_place.lease([keys[i] for i in remote_slots], dtype, hold)
         except RemoteUnavailableError as err:
             self._counters.add("gets_failed", len(remote_slots))
             self._stats.record_error()
             self._health.mark_down(str(err))
             return results
+        if outcome is None:
+            for obj in results:
+                if obj is not None:
+                    obj.ref_count_down()
+            return None
         hits = 0
         for i, obj in zip(remote_slots, outcome.objs):
             if obj is not None:
@@ -458,14 +474,18 @@ class RemoteBackend(StorageBackendInterface):
                 first = self._queue.get(timeout=0.2)
             except queue.Empty:
                 continue
-            batch = [first]
-            while len(batch) < self._options.put_batch_size:
-                try:
-                    batch.append(self._queue.get_nowait())
-                except queue.Empty:
-                    break
-            self._send(batch)
+            self._send(self._batch_after(first))
         self._drop_queued("puts_dropped_tier_down")
+
+    def _batch_after(self, first: _PutTask) -> List[_PutTask]:
+        """`first` and what else is queued, up to a batch."""
+        batch = [first]
+        while len(batch) < self._options.put_batch_size:
+            try:
+                batch.append(self._queue.get_nowait())
+            except queue.Empty:
+                break
+        return batch
 
     def _probe(self) -> None:
         try:
@@ -597,13 +617,24 @@ class RemoteBackend(StorageBackendInterface):
             return False
 
     def flush(self, timeout_s: Optional[float] = None) -> bool:
-        """Wait until every queued put was sent (or dropped); True if the queue drained in time."""
+        """Wait until every queued put was sent (or dropped); True if the queue drained in time.
+
+        The caller sends queued batches itself meanwhile: the put thread runs at idle priority
+        and gets no CPU while the cores are busy (another engine's forward passes), so an engine
+        closing beside a busy one dropped its last puts when it waited for that thread alone."""
         deadline = time.monotonic() + (timeout_s if timeout_s is not None else self._options.flush_timeout_s)
         while time.monotonic() < deadline:
             with self._lock:
                 if not self._pending:
                     return True
-            time.sleep(0.01)
+            try:
+                first = self._queue.get_nowait() if self._health.up else None
+            except queue.Empty:
+                first = None
+            if first is not None:
+                self._send(self._batch_after(first))
+            else:
+                time.sleep(0.01)
         return False
 
     def close(self) -> None:

@@ -134,6 +134,24 @@ class StorageManager:
     def contains(self, key: CacheEngineKey, search_range: Optional[Iterable[str]] = None) -> bool:
         return self._any_tier_holds(self._selected(search_range), key, local=False)
 
+    def contains_prefix(self, keys: Sequence[CacheEngineKey], search_range: Optional[Iterable[str]] = None) -> int:
+        """How many leading `keys` some selected tier holds. Each tier is asked once, for the
+        keys no faster tier holds (a remote tier answers them in one round trip, where one
+        `contains` per chunk cost a round trip each)."""
+        held = [False] * len(keys)
+        for tier in self._selected(search_range):
+            ask = [i for i, found in enumerate(held) if not found]
+            if not ask:
+                break
+            try:
+                answers = tier.batched_contains([keys[i] for i in ask])
+            except Exception as err:
+                self._tier_failed(tier, "look up", keys[ask[0]], err)
+                continue
+            for i, found in zip(ask, answers):
+                held[i] = found
+        return held.index(False) if False in held else len(keys)
+
     def contains_locally(self, key: CacheEngineKey) -> bool:
         """Whether a tier holds `key`, asking no server (`StorageBackendInterface.contains_locally`)."""
         return self._any_tier_holds(self._tiers, key, local=True)
@@ -167,6 +185,20 @@ class StorageManager:
             self._tier_failed(tier, "read", key, err)
             return None
 
+    def _lease(self, tier: StorageBackendInterface, keys: Sequence[CacheEngineKey], dtype: torch.dtype) -> Optional[List[Optional[MemoryObj]]]:
+        try:
+            return tier.lease_in_place(keys, dtype, hold=True)
+        except Exception as err:
+            self._tier_failed(tier, "read", keys[0], err)
+            return [None] * len(keys)
+
+    def _read_many(self, tier: StorageBackendInterface, keys: Sequence[CacheEngineKey]) -> List[Optional[MemoryObj]]:
+        try:
+            return tier.batched_get_blocking(keys)
+        except Exception as err:
+            self._tier_failed(tier, "read", keys[0], err)
+            return [None] * len(keys)
+
     def get(self, key: CacheEngineKey, search_range: Optional[Iterable[str]] = None) -> Optional[MemoryObj]:
         """The chunk from the CPU tier, a pin, or the fastest selected lower tier that has it
         (caller owns one reference); a lower-tier hit is promoted into the CPU tier."""
@@ -199,20 +231,37 @@ class StorageManager:
         keys: Sequence[CacheEngineKey],
         search_range: Optional[Iterable[str]] = None,
         usable: Optional[Callable[[int, MemoryObj], bool]] = None,
+        dtype: Optional[torch.dtype] = None,
     ) -> int:
         """Hold the longest run of leading `keys` in CPU memory for `request_id` (replacing its
         earlier pins); the number of keys pinned. Never raises for a cache problem.
 
         Chunks already in memory are taken first, so reading the others from slower tiers (which
-        allocates, and may evict idle objects) cannot evict a later chunk of the same run. A
-        chunk that cannot be read, or that `usable(index, obj)` rejects, ends the run.
+        allocates, and may evict idle objects) cannot evict a later chunk of the same run; the
+        others are read in one batch per tier. A sole tier that hands out its own bytes (the
+        node pool) pins them where they are, leased (`lease_in_place`, given the KV `dtype`):
+        no copy. A chunk that cannot be read, or that `usable(index, obj)` rejects, ends the run.
         """
-        held: List[Optional[MemoryObj]] = [self.get_resident(key) for key in keys]
+        selected = self._selected(search_range)
+        held: List[Optional[MemoryObj]] = [self.get_resident(key, cpu_tier=self._cpu in selected) for key in keys]
+        sole = self._sole_lower_tier()
+        ask = [i for i, obj in enumerate(held) if obj is None]
+        if ask and sole in selected and dtype is not None:
+            leased = self._lease(sole, [keys[i] for i in ask], dtype)
+            if leased is not None:
+                for i, obj in zip(ask, leased):
+                    held[i] = obj
+                selected = []  # what the lease missed is missing
+        for tier in selected:
+            ask = [i for i, obj in enumerate(held) if obj is None]
+            if not ask or tier is self._cpu:
+                continue
+            for i, obj in zip(ask, self._read_many(tier, [keys[i] for i in ask])):
+                if obj is not None and self._cpu in self._tiers:
+                    self._promote(keys[i], obj)
+                held[i] = obj
         count = len(keys)
-        for i, key in enumerate(keys):
-            if held[i] is None:
-                held[i] = self.get(key, search_range)
-            obj = held[i]
+        for i, obj in enumerate(held):
             if obj is None or (usable is not None and not usable(i, obj)):
                 count = i
                 break

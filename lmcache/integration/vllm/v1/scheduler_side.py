@@ -135,9 +135,9 @@ class LMCacheSchedulerSide:
         slow = False
         try:
             if allow_async:
-                hit, slow = self._channel.lookup_async(prompt[:num_lookup], policy.cache_salt, req_id)
+                hit, slow = self._channel.lookup_async(prompt[:num_lookup], policy.cache_salt, req_id, num_computed_tokens)
             else:
-                hit = self._channel.lookup(prompt[:num_lookup], policy.cache_salt, req_id)
+                hit = self._channel.lookup(prompt[:num_lookup], policy.cache_salt, req_id, num_computed_tokens)
         except ChannelError as err:
             logger.error("request %s: LMCache lookup failed, computing it all: %s", req_id, err)
             return 0, False

@@ -13,7 +13,7 @@ Wire format (little-endian, no pickle), one request and one reply per exchange:
 ```
 request: magic "LMCW" | version u8 | op u8 | body_len u32 | body
    op 1 LOOKUP:   id_len u32 | request id utf-8 (empty: no pin) | salt_len u32 | salt utf-8
-                  | token ids int32 ...
+                  | computed u32 (vLLM's own prefix: not pinned) | token ids int32 ...
    op 2 COUNTERS: request id utf-8
    op 3 UNPIN:    count u32 | count x (id_len u32 | request id utf-8)
    op 4 LOOKUP_ASYNC: as LOOKUP (`enable_async_loading`: pins only a prefix already in memory)
@@ -46,7 +46,7 @@ if TYPE_CHECKING:
 logger = init_logger(__name__)
 
 MAGIC = b"LMCW"
-VERSION = 2
+VERSION = 3
 OP_LOOKUP = 1
 OP_COUNTERS = 2
 OP_UNPIN = 3
@@ -74,13 +74,15 @@ class ChannelError(RuntimeError):
 class WorkerEndpoint(Protocol):
     """What the worker side answers (implemented by `LMCacheWorkerSide`)."""
 
-    def lookup(self, token_ids: Sequence[int], cache_salt: str, request_id: str = "") -> int: ...
+    def lookup(self, token_ids: Sequence[int], cache_salt: str, request_id: str = "", computed: int = 0) -> int: ...
 
     def unpin(self, request_ids: Sequence[str]) -> None: ...
 
     def pop_request_counters(self, req_id: str) -> RequestCounters: ...
 
-    def lookup_async(self, token_ids: Sequence[int], cache_salt: str, request_id: str) -> tuple[int, bool]: ...
+    def lookup_async(
+        self, token_ids: Sequence[int], cache_salt: str, request_id: str, computed: int = 0
+    ) -> tuple[int, bool]: ...
 
     def pop_async_loaded(self, req_id: str) -> Optional[int]: ...
 
@@ -88,15 +90,18 @@ class WorkerEndpoint(Protocol):
 class WorkerChannel(Protocol):
     """What the scheduler side calls."""
 
-    def lookup(self, token_ids: Sequence[int], cache_salt: str, request_id: str = "") -> int:
-        """Cached prefix length; with a `request_id`, that prefix stays pinned for the request."""
+    def lookup(self, token_ids: Sequence[int], cache_salt: str, request_id: str = "", computed: int = 0) -> int:
+        """Cached prefix length; with a `request_id`, that prefix stays pinned for the request,
+        except chunks within the first `computed` tokens (vLLM's own prefix cache has them)."""
 
     def unpin(self, request_ids: Sequence[str]) -> None:
         """Release the pins of these requests' lookups."""
 
     def pop_request_counters(self, req_id: str) -> RequestCounters: ...
 
-    def lookup_async(self, token_ids: Sequence[int], cache_salt: str, request_id: str) -> tuple[int, bool]:
+    def lookup_async(
+        self, token_ids: Sequence[int], cache_salt: str, request_id: str, computed: int = 0
+    ) -> tuple[int, bool]:
         """(cached prefix, whether part of it is only in a slow tier): a prefix all in memory is
         pinned as `lookup` does; one that needs a slow tier is loaded later, in the background."""
 
@@ -112,8 +117,8 @@ class InProcessChannel:
     def __init__(self, endpoint: WorkerEndpoint) -> None:
         self._endpoint = endpoint
 
-    def lookup(self, token_ids: Sequence[int], cache_salt: str, request_id: str = "") -> int:
-        return self._endpoint.lookup(token_ids, cache_salt, request_id)
+    def lookup(self, token_ids: Sequence[int], cache_salt: str, request_id: str = "", computed: int = 0) -> int:
+        return self._endpoint.lookup(token_ids, cache_salt, request_id, computed)
 
     def unpin(self, request_ids: Sequence[str]) -> None:
         self._endpoint.unpin(list(request_ids))
@@ -121,8 +126,10 @@ class InProcessChannel:
     def pop_request_counters(self, req_id: str) -> RequestCounters:
         return self._endpoint.pop_request_counters(req_id)
 
-    def lookup_async(self, token_ids: Sequence[int], cache_salt: str, request_id: str) -> tuple[int, bool]:
-        return self._endpoint.lookup_async(token_ids, cache_salt, request_id)
+    def lookup_async(
+        self, token_ids: Sequence[int], cache_salt: str, request_id: str, computed: int = 0
+    ) -> tuple[int, bool]:
+        return self._endpoint.lookup_async(token_ids, cache_salt, request_id, computed)
 
     def pop_async_loaded(self, req_id: str) -> Optional[int]:
         return self._endpoint.pop_async_loaded(req_id)
@@ -191,20 +198,25 @@ def _decode_text(body: bytes, offset: int, limit: int, what: str) -> tuple[str, 
     return body[start : start + length].decode("utf-8"), start + length
 
 
-def encode_lookup(token_ids: Sequence[int], cache_salt: str, request_id: str = "") -> bytes:
+def encode_lookup(token_ids: Sequence[int], cache_salt: str, request_id: str = "", computed: int = 0) -> bytes:
     head = _encode_text(request_id, MAX_REQUEST_ID_BYTES, "request id")
     salt = _encode_text(cache_salt, MAX_SALT_BYTES, "cache_salt")
-    return head + salt + np.asarray(token_ids, dtype="<i4").tobytes()
+    if not 0 <= computed < 1 << 32:
+        raise ValueError(f"computed tokens must fit a u32, got {computed}")
+    return head + salt + _LEN.pack(computed) + np.asarray(token_ids, dtype="<i4").tobytes()
 
 
-def decode_lookup(body: bytes) -> tuple[list[int], str, str]:
-    """(token ids, cache salt, request id) of a LOOKUP body."""
+def decode_lookup(body: bytes) -> tuple[list[int], str, str, int]:
+    """(token ids, cache salt, request id, computed tokens) of a LOOKUP body."""
     request_id, offset = _decode_text(body, 0, MAX_REQUEST_ID_BYTES, "lookup request id")
     salt, offset = _decode_text(body, offset, MAX_SALT_BYTES, "lookup salt")
-    tokens = body[offset:]
+    if len(body) < offset + _LEN.size:
+        raise ValueError(f"lookup body of {len(body)} bytes ends before its computed-tokens field")
+    (computed,) = _LEN.unpack_from(body, offset)
+    tokens = body[offset + _LEN.size :]
     if len(tokens) % 4:
         raise ValueError(f"lookup token bytes ({len(tokens)}) are not whole int32 values")
-    return np.frombuffer(tokens, dtype="<i4").tolist(), salt, request_id
+    return np.frombuffer(tokens, dtype="<i4").tolist(), salt, request_id, computed
 
 
 def encode_unpin(request_ids: Sequence[str]) -> bytes:
@@ -284,8 +296,8 @@ class WorkerChannelServer:
 
     def _handle(self, op: int, body: bytes) -> bytes:
         if op == OP_LOOKUP:
-            tokens, salt, request_id = decode_lookup(body)
-            return _HIT.pack(self._endpoint.lookup(tokens, salt, request_id))
+            tokens, salt, request_id, computed = decode_lookup(body)
+            return _HIT.pack(self._endpoint.lookup(tokens, salt, request_id, computed))
         if op == OP_UNPIN:
             self._endpoint.unpin(decode_unpin(body))
             return b""
@@ -293,8 +305,8 @@ class WorkerChannelServer:
             counters = self._endpoint.pop_request_counters(body.decode("utf-8"))
             return _COUNTERS.pack(counters.loaded_tokens, counters.stored_tokens)
         if op == OP_LOOKUP_ASYNC:
-            tokens, salt, request_id = decode_lookup(body)
-            return _ASYNC_HIT.pack(*self._endpoint.lookup_async(tokens, salt, request_id))
+            tokens, salt, request_id, computed = decode_lookup(body)
+            return _ASYNC_HIT.pack(*self._endpoint.lookup_async(tokens, salt, request_id, computed))
         if op == OP_ASYNC_LOADED:
             loaded = self._endpoint.pop_async_loaded(body.decode("utf-8"))
             return _HIT.pack(-1 if loaded is None else loaded)
@@ -363,8 +375,8 @@ class SocketChannel:
         except ValueError as err:  # a call this channel cannot carry is a failed call, like a dead peer
             raise ChannelError(f"LMCache worker channel at {self.path!r}: cannot send the call: {err}") from err
 
-    def lookup(self, token_ids: Sequence[int], cache_salt: str, request_id: str = "") -> int:
-        reply = self._call(OP_LOOKUP, self._encode(encode_lookup, token_ids, cache_salt, request_id))
+    def lookup(self, token_ids: Sequence[int], cache_salt: str, request_id: str = "", computed: int = 0) -> int:
+        reply = self._call(OP_LOOKUP, self._encode(encode_lookup, token_ids, cache_salt, request_id, computed))
         return self._unpack(_HIT, reply)[0]
 
     def unpin(self, request_ids: Sequence[str]) -> None:
@@ -376,8 +388,10 @@ class SocketChannel:
         loaded, stored = self._unpack(_COUNTERS, self._call(OP_COUNTERS, req_id.encode("utf-8")))
         return RequestCounters(loaded_tokens=loaded, stored_tokens=stored)
 
-    def lookup_async(self, token_ids: Sequence[int], cache_salt: str, request_id: str) -> tuple[int, bool]:
-        reply = self._call(OP_LOOKUP_ASYNC, self._encode(encode_lookup, token_ids, cache_salt, request_id))
+    def lookup_async(
+        self, token_ids: Sequence[int], cache_salt: str, request_id: str, computed: int = 0
+    ) -> tuple[int, bool]:
+        reply = self._call(OP_LOOKUP_ASYNC, self._encode(encode_lookup, token_ids, cache_salt, request_id, computed))
         hit, slow = self._unpack(_ASYNC_HIT, reply)
         return hit, slow
 

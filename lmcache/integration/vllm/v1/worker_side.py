@@ -133,31 +133,35 @@ class LMCacheWorkerSide:
 
     # ----- channel endpoint ------------------------------------------------------------------------
 
-    def lookup(self, token_ids: Sequence[int], cache_salt: str, request_id: str = "") -> int:
+    def lookup(self, token_ids: Sequence[int], cache_salt: str, request_id: str = "", computed: int = 0) -> int:
         """How many leading tokens of `token_ids` LMCache holds under `cache_salt`; with a
-        `request_id`, that prefix is pinned for the request's load."""
+        `request_id`, the part of that prefix the load will read (past vLLM's own `computed`
+        tokens) is pinned for the request's load."""
         tokens = torch.tensor(list(token_ids), dtype=torch.long)
         self.saver.flush()  # what the last step stored is found
         with self._lock:
             if request_id:
-                return self.engine.lookup(tokens, cache_salt=cache_salt, request_id=request_id, pin=True)
+                return self.engine.lookup(
+                    tokens, cache_salt=cache_salt, request_id=request_id, pin=True, pin_from=computed
+                )
             return self.engine.lookup(tokens, cache_salt=cache_salt)
 
-    def lookup_async(self, token_ids: Sequence[int], cache_salt: str, request_id: str) -> tuple[int, bool]:
+    def lookup_async(
+        self, token_ids: Sequence[int], cache_salt: str, request_id: str, computed: int = 0
+    ) -> tuple[int, bool]:
         """`(hit, needs a slow tier)`: the prefix already in CPU memory is pinned for the request as
         `lookup` pins; when a slower tier continues it, nothing is pinned (the background load
         pins as it reads) and the whole hit is reported."""
         tokens = torch.tensor(list(token_ids), dtype=torch.long)
         self.saver.flush()
         with self._lock:
-            in_memory = self.engine.lookup(tokens, ["Hot"], cache_salt=cache_salt, request_id=request_id, pin=True)
-            total = in_memory
-            for end, key in self.engine.token_database.prefix_keys(tokens, cache_salt=cache_salt):
-                if end <= in_memory:
-                    continue
-                if not self.engine.storage_manager.contains(key):
-                    break
-                total = end
+            in_memory = self.engine.lookup(
+                tokens, ["Hot"], cache_salt=cache_salt, request_id=request_id, pin=True, pin_from=computed
+            )
+            rest = [(end, key) for end, key in self.engine.token_database.prefix_keys(tokens, cache_salt=cache_salt)
+                    if end > in_memory]
+            found = self.engine.storage_manager.contains_prefix([key for _, key in rest])
+            total = rest[found - 1][0] if found else in_memory
         if total > in_memory:
             self.unpin([request_id])
             return total, True
