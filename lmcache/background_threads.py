@@ -104,6 +104,20 @@ def prepare_thread(name: str, background: bool) -> None:
         _ordinary_priority(name)
 
 
+def hurry(thread: threading.Thread) -> None:
+    """Put a background thread back to ordinary priority because someone now waits for its work
+    (a tier closing): at `SCHED_IDLE` beside a busy engine it may hold a batch it took for as long
+    as the cores stay busy. Best effort: leaving the idle policy may need `CAP_SYS_NICE`."""
+    tid = thread.native_id
+    if tid is None or not thread.is_alive():
+        return
+    try:
+        if os.sched_getscheduler(tid) == os.SCHED_IDLE:
+            os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))
+    except (AttributeError, OSError) as err:  # gone meanwhile, no such policies, or not allowed
+        logger.debug("thread %s keeps its priority: %r", thread.name, err)
+
+
 def _ordinary_priority(name: str) -> None:
     """The calling thread back to `SCHED_OTHER` where it inherited `SCHED_IDLE`: a thread starts
     with its creator's policy, and a pool's worker made on demand by a background thread (the

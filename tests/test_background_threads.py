@@ -13,7 +13,7 @@ import pytest
 from helpers import key
 from tier_helpers import cpu, disk_store, disk_tier, remote_backend, remote_chunk, remote_cpu, wait_for  # noqa: F401
 
-from lmcache.background_threads import prepare_thread, process_cpus
+from lmcache.background_threads import hurry, prepare_thread, process_cpus
 from lmcache.experimental.memory_management import host_memory
 from lmcache.experimental.storage_backend import LocalDiskBackend
 from lmcache.integration.vllm.off_step_saver import OffStepSaver
@@ -70,6 +70,33 @@ def test_a_normal_thread_made_by_an_idle_one_leaves_its_idle_priority():
     made = _on_thread(lambda: (prepare_thread("lmc-test-idle", True),
                                _on_thread(lambda: (prepare_thread("lmc-test-call", False), _state()[2])[1]))[1])
     assert inherited == os.SCHED_IDLE and made == os.SCHED_OTHER
+
+
+def test_hurry_puts_an_idle_put_thread_back_to_ordinary_priority():
+    """What a closing tier does first: the put thread it waits for runs at ordinary priority."""
+    if os.geteuid() != 0:
+        pytest.skip("leaving SCHED_IDLE may need CAP_SYS_NICE (RLIMIT_NICE)")
+    srv = LMCacheServer(ServerConfig(port=0, max_size_bytes=64 << 20))
+    host, port = srv.start_in_thread()
+    tier_cpu = remote_cpu()
+    backend = remote_backend(f"lm://{host}:{port}", cpu=tier_cpu)
+    seen = []
+    real_send = backend._send
+    backend._send = lambda batch: (seen.append(_state()[2]), real_send(batch))[1]
+    try:
+        for i in (1, 2):
+            obj = remote_chunk(tier_cpu, i)
+            backend.submit_put_task(key(i), obj)
+            obj.ref_count_down()
+            assert wait_for(lambda: len(seen) == i)
+            if i == 1:
+                worker = backend._worker
+                assert os.sched_getscheduler(worker.native_id) == os.SCHED_IDLE
+                hurry(worker)
+        assert seen == [os.SCHED_IDLE, os.SCHED_OTHER]
+        backend.close()
+    finally:
+        srv.shutdown()
 
 
 def test_saver_thread_is_unpinned_at_normal_priority():

@@ -160,7 +160,8 @@ def test_mooncake_v0_store_v1_layerwise_async_hits_and_a_master_killed_mid_run(t
     finally:
         storage.stop()
         master.stop()
-    (tmp_path / "b.log").write_text(b.log)  # for a failure's post-mortem
+    (tmp_path / "a.log").write_text(a.log)  # for a failure's post-mortem
+    (tmp_path / "b.log").write_text(b.log)
     assert door_steps(a.log) == [(1500, 0, 1500)]  # A computed everything (and stored it)
     lines_b = [(ln.stats.lmcache_hit_tokens, ln.counters.loaded_tokens, ln.counters.stored_tokens)
                for ln in parse_request_lines(b.log)]

@@ -29,7 +29,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from lmcache.background_threads import prepared, thread_initializer
+from lmcache.background_threads import hurry, prepared, thread_initializer
 from lmcache.config import LMCacheEngineMetadata
 from lmcache.experimental.memory_management import MemoryFormat, MemoryObj
 from lmcache.experimental.remote import create_connector, redis_key_prefix
@@ -641,6 +641,8 @@ class RemoteBackend(StorageBackendInterface):
         """Flush queued puts (bounded by `flush_timeout_s`), stop the threads, close connections."""
         if self._closed:
             return
+        if self._worker is not None:
+            hurry(self._worker)  # a batch it holds must not wait for idle CPU
         drained = self.flush()
         with self._lock:
             self._closed = True
