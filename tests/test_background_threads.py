@@ -76,27 +76,15 @@ def test_hurry_puts_an_idle_put_thread_back_to_ordinary_priority():
     """What a closing tier does first: the put thread it waits for runs at ordinary priority."""
     if os.geteuid() != 0:
         pytest.skip("leaving SCHED_IDLE may need CAP_SYS_NICE (RLIMIT_NICE)")
-    srv = LMCacheServer(ServerConfig(port=0, max_size_bytes=64 << 20))
-    host, port = srv.start_in_thread()
-    tier_cpu = remote_cpu()
-    backend = remote_backend(f"lm://{host}:{port}", cpu=tier_cpu)
-    seen = []
-    real_send = backend._send
-    backend._send = lambda batch: (seen.append(_state()[2]), real_send(batch))[1]
-    try:
+    with _remote_tier() as (backend, put, seen):
         for i in (1, 2):
-            obj = remote_chunk(tier_cpu, i)
-            backend.submit_put_task(key(i), obj)
-            obj.ref_count_down()
+            put(i)
             assert wait_for(lambda: len(seen) == i)
             if i == 1:
                 worker = backend._worker
                 assert os.sched_getscheduler(worker.native_id) == os.SCHED_IDLE
                 hurry(worker)
-        assert seen == [os.SCHED_IDLE, os.SCHED_OTHER]
-        backend.close()
-    finally:
-        srv.shutdown()
+        assert [state[2] for state in seen] == [os.SCHED_IDLE, os.SCHED_OTHER]
 
 
 def test_saver_thread_is_unpinned_at_normal_priority():
@@ -141,7 +129,10 @@ def test_disk_catch_up_writer_runs_at_normal_priority(tmp_path, cpu):  # noqa: F
     assert seen[key(2)] == ("lmc-disk-catch", process_cpus(), policy)
 
 
-def test_remote_put_thread_is_unpinned_at_background_priority():
+@contextlib.contextmanager
+def _remote_tier():
+    """A remote tier on a server of its own: (tier, put(i) of chunk i, the put thread's state at
+    each batch it sends); closed after."""
     srv = LMCacheServer(ServerConfig(port=0, max_size_bytes=64 << 20))
     host, port = srv.start_in_thread()
     tier_cpu = remote_cpu()
@@ -149,16 +140,25 @@ def test_remote_put_thread_is_unpinned_at_background_priority():
     seen = []
     real_send = backend._send
     backend._send = lambda batch: (seen.append(_state()), real_send(batch))[1]
+
+    def put(i: int) -> None:
+        obj = remote_chunk(tier_cpu, i)
+        backend.submit_put_task(key(i), obj)
+        obj.ref_count_down()
+
     try:
-        with _pinned() as policy:
-            obj = remote_chunk(tier_cpu, 1)
-            backend.submit_put_task(key(1), obj)
-            obj.ref_count_down()
-        assert wait_for(lambda: seen)  # before close, whose flush would send it itself
+        yield backend, put, seen
         backend.close()
-        assert seen[0] == ("lmc-remote-put", process_cpus(), _expected(policy, True))
     finally:
         srv.shutdown()
+
+
+def test_remote_put_thread_is_unpinned_at_background_priority():
+    with _remote_tier() as (backend, put, seen):
+        with _pinned() as policy:
+            put(1)
+        assert wait_for(lambda: seen)  # before close, whose flush would send it itself
+    assert seen[0] == ("lmc-remote-put", process_cpus(), _expected(policy, True))
 
 
 def test_prefault_thread_is_unpinned_at_background_priority(monkeypatch):
