@@ -45,13 +45,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # make_tiny_model
 from bench_multi_instance_report import (  # noqa: E402
     KIND_LABELS, MOONCAKE_KIND, instance_counters, plot, plot_title, store_gauges, summarize_kind, targets,
 )
-from bench_serving import BENCH_MODEL, apply_quick, run_header, shown  # noqa: E402
+from bench_serving import add_model_args, apply_quick, model_spec, run_header, shown  # noqa: E402
 from bench_serving_client import RequestFailed, parse_prefix_counters  # noqa: E402
 from bench_serving_servers import (  # noqa: E402
     POOL_KIND, VLLM_KIND, CpuMeter, LaunchSpec, ManagedProcess, ServerError, ServerSettings, describe, free_port,
     launch, mooncake_launches, remote_server_launch, server_launch, stop_all,
 )
-from make_tiny_model import TinyModelSpec, make_tiny_model  # noqa: E402
+from make_tiny_model import make_tiny_model  # noqa: E402
 from multi_round_qa import QARecord, QARunner, QASizes, next_turn_moves, qa_plan, run_plan, warm_up  # noqa: E402
 from round_robin_proxy import ProxyThread  # noqa: E402
 
@@ -74,8 +74,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="tiny model, 3 users x 2 short rounds, eager")
     p.add_argument("--kinds", default=",".join(KINDS), help=f"comma list of {', '.join(KINDS)}")
     p.add_argument("--model-dir", default=".cache/bench-model")
-    for name in ("hidden", "layers", "heads", "kv_heads", "max_position", "intermediate"):
-        p.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(BENCH_MODEL, name))
+    add_model_args(p)
     for name, value in QASizes().__dict__.items():
         p.add_argument(f"--{name.replace('_', '-')}", type=int, default=value)
     p.add_argument("--max-model-len", type=int, default=3072)
@@ -243,8 +242,7 @@ def main(argv: list[str]) -> int:
     args = parse_args(argv)
     os.chdir(ROOT)
     kinds = [k for k in KINDS if k in {x.strip() for x in args.kinds.split(",")}]
-    spec = TinyModelSpec(hidden=args.hidden, layers=args.layers, heads=args.heads, kv_heads=args.kv_heads,
-                         max_position=args.max_position, intermediate=args.intermediate)
+    spec = model_spec(args)
     sizes = QASizes(**{k: getattr(args, k) for k in QASizes().__dict__})
     try:
         spec.validate()

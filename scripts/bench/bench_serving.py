@@ -116,8 +116,7 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
                    help="how our servers start: `lmcache_vllm serve` (wrapper, which turns on our v1 "
                         "connector) or vLLM's own server with --kv-transfer-config LMCacheConnectorV1 (v1)")
     p.add_argument("--model-dir", default=".cache/bench-model")
-    for name in ("hidden", "layers", "heads", "kv_heads", "max_position", "intermediate"):
-        p.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(BENCH_MODEL, name))
+    add_model_args(p)
     sizes = WorkloadSizes(vocab=0)
     for name in ("seed", "repeat_prompts", "prompt_tokens", "docs", "doc_tokens", "question_tokens", "rounds",
                  "unique_prompts", "unique_passes", "unique_tokens", "concurrency", "max_tokens", "unique_max_tokens",
@@ -136,6 +135,20 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     if args.quick:
         apply_quick(args, argv or sys.argv[1:], QUICK)
     return args
+
+
+MODEL_FLAGS = ("hidden", "layers", "heads", "kv_heads", "max_position", "intermediate")
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """The benchmark model's geometry flags (`--hidden`, `--kv-heads`, ...), `BENCH_MODEL`'s by default."""
+    for name in MODEL_FLAGS:
+        p.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(BENCH_MODEL, name))
+
+
+def model_spec(args: argparse.Namespace) -> TinyModelSpec:
+    """The model `add_model_args`' flags describe."""
+    return TinyModelSpec(**{name: getattr(args, name) for name in MODEL_FLAGS})
 
 
 def apply_quick(args: argparse.Namespace, argv: Sequence[str], quick: dict) -> None:
@@ -417,8 +430,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     os.chdir(ROOT)
     servers = split_list(args.servers, ALL_KINDS, "--servers")
     workloads = split_list(args.workloads, WORKLOADS, "--workloads")
-    spec = TinyModelSpec(hidden=args.hidden, layers=args.layers, heads=args.heads, kv_heads=args.kv_heads,
-                         max_position=args.max_position, intermediate=args.intermediate)
+    spec = model_spec(args)
     sizes = WorkloadSizes(vocab=spec.vocab, **{k: getattr(args, k) for k in (
         "seed", "repeat_prompts", "prompt_tokens", "docs", "doc_tokens", "question_tokens", "rounds",
         "unique_prompts", "unique_passes", "unique_tokens", "concurrency", "max_tokens", "unique_max_tokens",

@@ -52,12 +52,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # make_tiny_model
 
 from bench_multi_instance import server_info, start_instances, start_shared  # noqa: E402
-from bench_serving import BENCH_MODEL, apply_quick, run_header, shown  # noqa: E402
+from bench_serving import add_model_args, apply_quick, model_spec, run_header, shown  # noqa: E402
 from bench_serving_client import RequestFailed, stream_chat  # noqa: E402
 from bench_serving_servers import (  # noqa: E402
     POOL_KIND, ManagedProcess, ServerSettings, describe, stop_all,
 )
-from make_tiny_model import TinyModelSpec, make_tiny_model  # noqa: E402
+from make_tiny_model import make_tiny_model  # noqa: E402
 from multi_round_qa import QASizes, warm_up, words  # noqa: E402
 from soak_pool_report import (  # noqa: E402
     SoakRecord, counter_delta, print_report, process_memory, soak_targets, window_hit_rates,
@@ -257,8 +257,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--idle-timeout", type=float, default=60, help="how long to wait for the leases to go at the end")
     p.add_argument("--arena-gb", type=float, default=0.25, help="the pool's --max-size-gb: small, to be full")
     p.add_argument("--model-dir", default=".cache/bench-model")
-    for name in ("hidden", "layers", "heads", "kv_heads", "max_position", "intermediate"):
-        p.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(BENCH_MODEL, name))
+    add_model_args(p)
     for name, value in SoakSizes().__dict__.items():
         p.add_argument(f"--{name.replace('_', '-')}", type=int, default=value)
     p.add_argument("--max-model-len", type=int, default=1024)
@@ -343,8 +342,7 @@ def summarize(args: argparse.Namespace, measured: dict) -> dict:
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
     os.chdir(ROOT)
-    spec = TinyModelSpec(hidden=args.hidden, layers=args.layers, heads=args.heads, kv_heads=args.kv_heads,
-                         max_position=args.max_position, intermediate=args.intermediate)
+    spec = model_spec(args)
     sizes = SoakSizes(**{k: getattr(args, k) for k in SoakSizes().__dict__})
     try:
         spec.validate()
