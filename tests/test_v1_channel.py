@@ -86,6 +86,10 @@ def test_lookup_body_round_trip_and_checks():
         decode_lookup(b"\x00\x00")
     with pytest.raises(ValueError, match="whole int32"):
         decode_lookup(encode_lookup([1], "") + b"\x01")
+    with pytest.raises(ValueError, match="computed-tokens field"):
+        decode_lookup(encode_lookup([], "")[:-2])
+    with pytest.raises(ValueError, match="computed tokens must fit a u32"):
+        encode_lookup([1], "", "r", -1)
     huge_id = (MAX_REQUEST_ID_BYTES + 1).to_bytes(4, "little") + b"x" * (MAX_REQUEST_ID_BYTES + 1)
     with pytest.raises(ValueError, match="limit 4096"):
         decode_lookup(huge_id + encode_lookup([1], "")[4:])
