@@ -129,6 +129,34 @@ def test_disk_catch_up_writer_runs_at_normal_priority(tmp_path, cpu):  # noqa: F
     assert seen[key(2)] == ("lmc-disk-catch", process_cpus(), policy)
 
 
+def test_closing_the_disk_tier_hurries_its_idle_writer(tmp_path, cpu):  # noqa: F811 (cpu: fixture)
+    """A write queued behind the idle writer's current one is written at ordinary priority once
+    the tier closes (and waits for it)."""
+    if os.geteuid() != 0:
+        pytest.skip("leaving SCHED_IDLE may need CAP_SYS_NICE (RLIMIT_NICE)")
+    disk = disk_tier(tmp_path, cpu)
+    release, seen = threading.Event(), {}
+    real_save = disk._save
+
+    def save(k, *args):
+        seen[k] = _state()[2]
+        if k == key(1):
+            release.wait()
+        return real_save(k, *args)
+
+    disk._save = save
+    disk_store(disk, cpu, 1, 2)
+    assert wait_for(lambda: key(1) in seen)
+    closing = threading.Thread(target=disk.close)
+    closing.start()
+    try:
+        assert wait_for(lambda: os.sched_getscheduler(disk._writer_thread.native_id) == os.SCHED_OTHER)
+    finally:
+        release.set()
+        closing.join()
+    assert seen == {key(1): os.SCHED_IDLE, key(2): os.SCHED_OTHER}
+
+
 @contextlib.contextmanager
 def _remote_tier():
     """A remote tier on a server of its own: (tier, put(i) of chunk i, the put thread's state at

@@ -34,7 +34,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from lmcache.background_threads import thread_initializer
+from lmcache.background_threads import hurry, prepare_thread, thread_initializer
 from lmcache.experimental.memory_management import MemoryFormat, MemoryObj
 from lmcache.experimental.stats import TierStats
 from lmcache.experimental.storage_backend import chunk_format, hash_thread
@@ -141,6 +141,7 @@ class LocalDiskBackend(StorageBackendInterface):
         self._put_tasks: Dict[CacheEngineKey, _PutTask] = {}
         self._prefetch_tasks: Dict[CacheEngineKey, Future] = {}
         self._writer_pool: Optional[ThreadPoolExecutor] = None
+        self._writer_thread: Optional[threading.Thread] = None  # the idle writer, once started
         self._catch_up_pool: Optional[ThreadPoolExecutor] = None
         self._reader_pool: Optional[ThreadPoolExecutor] = None
         self._tmp_seq = 0
@@ -550,6 +551,9 @@ class LocalDiskBackend(StorageBackendInterface):
         with self._lock:
             self._closed = True
             pools = [p for p in (self._writer_pool, self._catch_up_pool, self._reader_pool) if p is not None]
+            writer = self._writer_thread
+        if writer is not None:
+            hurry(writer)  # its queue must not wait for idle CPU now
         for pool in pools:
             pool.shutdown(wait=True)
         self._hash_thread.close()
@@ -560,10 +564,14 @@ class LocalDiskBackend(StorageBackendInterface):
         """The single writer thread, created on first use (caller holds the lock)."""
         if self._writer_pool is None:
             self._writer_pool = ThreadPoolExecutor(
-                max_workers=1, thread_name_prefix="lmcache-disk-write",
-                initializer=thread_initializer("lmc-disk-write", background=True),
+                max_workers=1, thread_name_prefix="lmcache-disk-write", initializer=self._start_writer,
             )
         return self._writer_pool
+
+    def _start_writer(self) -> None:
+        prepare_thread("lmc-disk-write", background=True)
+        with self._lock:
+            self._writer_thread = threading.current_thread()
 
     def _catch_up_writer(self) -> ThreadPoolExecutor:
         """The writer of normal priority for what the idle one has no room for (caller holds the
