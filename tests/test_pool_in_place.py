@@ -3,7 +3,8 @@ only tier, a store's kernel writes each chunk straight into a reserved arena blo
 read straight out of its leased block - one copy each way - against a real server process.
 
 Checked: no host memory object is ever allocated on that path and the chunks are readable by
-any other client; a block corrupted in the arena is a miss; a refused reserve (or a dead server)
+any other client; each process hashes a commit's payload once; a block corrupted in the arena
+before that (or a header, at any time) is a miss; a refused reserve (or a dead server)
 takes the copying path or drops the put, counted, never failing the store; every reservation and
 lease is given back, also when the kernel copy fails; an engine killed after its kernel filled
 its blocks publishes none of them; the layer-wise paths (which keep their copies) read and write
@@ -120,26 +121,56 @@ def test_pinned_lookups_hold_leases_up_to_a_bound_and_copy_beyond_it(pool, monke
         engine.close()
 
 
-def test_a_block_corrupted_in_the_arena_is_a_miss_and_its_lease_is_released(pool, monkeypatch) -> None:
-    engine, remote, _ = _pool_engine(pool.pool_url, monkeypatch)
+def test_a_process_hashes_a_commit_once_and_a_block_corrupted_before_that_is_a_miss(pool, monkeypatch) -> None:
+    """The writer hashed its chunks at commit and a reader at its first lease: neither hashes them
+    again. A bit of KV flipped in the arena before a reader's first lease, or a header bit flipped
+    at any time, is a miss at that chunk, its lease released."""
+    writer, writer_tier, _ = _pool_engine(pool.pool_url, monkeypatch)
+    readers = [_pool_engine(pool.pool_url, monkeypatch) for _ in range(2)]
     other = create_connector(pool.pool_url)
     try:
-        tokens, source, slots = store_prompt(engine, 32, seed=2)
-        assert remote.flush()
-        names = [key.to_string() for key in keys_of(engine, tokens)]
+        tokens, source, slots = store_prompt(writer, 32, seed=2)
+        assert writer_tier.flush()
+        retrieve_and_check(writer, tokens, source, slots, expected=32)
+        reader, reader_tier, _ = readers[0]
+        for _ in range(2):
+            retrieve_and_check(reader, tokens, source, slots, expected=32)
+        assert writer_tier.remote_stats().gets_hashed_in_place == 0
+        assert reader_tier.remote_stats().gets_hashed_in_place == 4
+
+        names = [key.to_string() for key in keys_of(writer, tokens)]
+        late, late_tier, _ = readers[1]
         for chunk, flip, expected in ((3, -1, 24), (2, 8, 16)):  # a bit of KV, then of a header
             held = other.lease([names[chunk]])
             block = held.blocks[0]
             assert block is not None
             block[flip] ^= 0x01
             held.release(0)
-            retrieve_and_check(engine, tokens, source, slots, expected=expected)  # stops at that chunk
+            retrieve_and_check(late, tokens, source, slots, expected=expected)  # stops at that chunk
             assert _settled(pool, 4)
-        stats = remote.remote_stats()
-        assert stats.gets_in_place == 3 + 2 and stats.gets_rejected == 2
+        stats = late_tier.remote_stats()
+        assert stats.gets_in_place == 3 + 2 and stats.gets_rejected == 2 and stats.gets_hashed_in_place == 3
+        retrieve_and_check(writer, tokens, source, slots, expected=16)  # the header is always read
     finally:
         other.close()
-        engine.close()
+        writer.close()
+        for engine, _, _ in readers:
+            engine.close()
+
+
+def test_known_commits_are_a_bounded_set_of_place_length_and_header() -> None:
+    from lmcache.experimental.storage_backend.pool_in_place import KnownCommits
+
+    known = KnownCommits(capacity=2)
+    arena, other_arena = b"a" * 16, b"b" * 16
+    known.add((arena, 0), 100, b"h0")
+    known.add((arena, 128), 100, b"h1")
+    assert ((arena, 0), 100, b"h0") in known  # now the most recently used
+    for commit in (((other_arena, 0), 100, b"h0"), ((arena, 0), 99, b"h0"), ((arena, 0), 100, b"h2")):
+        assert commit not in known  # another arena, length or header: another commit
+    known.add((arena, 256), 100, b"h2")  # over capacity: the least recently used goes
+    assert ((arena, 128), 100, b"h1") not in known
+    assert ((arena, 0), 100, b"h0") in known and ((arena, 256), 100, b"h2") in known
 
 
 def test_a_refused_reserve_takes_the_copying_path_and_a_dead_pool_drops_the_put(tmp_path, monkeypatch) -> None:

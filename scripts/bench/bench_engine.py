@@ -19,8 +19,10 @@ the rows with every round's time.
   `lm+shm:///PATH` with no CPU tier (`local_cpu=False`), so every retrieve reads the pool: store
   GB/s until the server acknowledged every chunk (reserve, copy out of the KV cache straight into
   the arena's blocks, checksum in place, commit) and retrieve GB/s of a prompt stored before
-  (lease, checksum in place, copy out of the arena straight into the KV cache, checked bit-exact)
-  vs memcpy; and the same engine over the same server's TCP port (`lm://`) for comparison.
+  (lease, copy out of the arena straight into the KV cache, checked bit-exact) vs memcpy: by the
+  engine that stored it (which hashed it at commit) and by another engine reading it for the
+  first time (its checksum computed in place first); and the same engine over the same
+  server's TCP port (`lm://`) for comparison.
 - Lookup latency for a 32k-token prompt that is fully cached, and one that misses at once.
 - The XXH3-64 checksum the disk tier computes on every write and read, as its ceiling.
 
@@ -404,6 +406,9 @@ def shared_tier_rows(s: Setup, rounds: int, memcpy: Memcpy, seeds) -> List[Row]:
     contenders: Dict[str, Callable[[], float]] = {}
     engines = []
     with pool_server(int(4.5 * n)) as urls:
+        # A second engine on the pool: every chunk it reads is new to it (its payload hashed).
+        reader = make_engine(s, cpu_gb=2.2 * n / GB, remote_url=urls[0], remote_serde="naive", local_cpu=False)
+        engines.append(reader)
         for name, url in zip(("pool", "tcp"), urls):
             engine = make_engine(s, cpu_gb=2.2 * n / GB, remote_url=url, remote_serde="naive", local_cpu=False)
             engines.append(engine)
@@ -424,6 +429,16 @@ def shared_tier_rows(s: Setup, rounds: int, memcpy: Memcpy, seeds) -> List[Row]:
             contenders[f"{name} store"] = store
             contenders[f"memcpy {name} 2"] = memcpy
             contenders[f"{name} retrieve"] = retrieve
+            if name == "pool":
+
+                def first_read(engine=engine, remote=remote) -> float:
+                    tokens = prompt(s, next(seeds))
+                    engine.store(tokens, **kv)
+                    assert remote.flush()
+                    return timed(lambda: reader.retrieve(tokens, **kv_out))
+
+                contenders["memcpy pool 3"] = memcpy
+                contenders["pool first read"] = first_read
         for _ in range(5):  # fault the whole arena in, untimed: rounds then reuse evicted blocks
             store(engines[0], engines[0].storage_manager.tiers[-1])
         times = interleaved(rounds, contenders)
@@ -441,6 +456,12 @@ def shared_tier_rows(s: Setup, rounds: int, memcpy: Memcpy, seeds) -> List[Row]:
             Row(f"{label} store until acknowledged, no CPU tier, {tag}", n, times[f"{name} store"], limit),
             Row(f"{label} retrieve, no CPU tier, {tag}", n, times[f"{name} retrieve"], limit),
         ]
+        if name == "pool":
+            first = f"memcpy ({label} first-read round)"
+            rows += [
+                Row(first, n, times["memcpy pool 3"]),
+                Row(f"{label} retrieve by an engine reading it first (hashed), {tag}", n, times["pool first read"], first),
+            ]
     return rows
 
 

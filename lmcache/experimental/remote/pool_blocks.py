@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import socket
 import threading
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence, Tuple
 
 from lmcache.experimental.remote.connector import RemoteUnavailableError
 from lmcache.experimental.remote.lm_connector import Exchange, Reply, Request
@@ -24,6 +24,10 @@ from lmcache.logging import init_logger
 from lmcache.server.protocol import MAX_RELEASE_LEASES, POOL_WORD, Op, ProtocolError, Status
 
 logger = init_logger(__name__)
+
+# Where a block lies: (the arena's id, its offset there). The id changes when the server does, so
+# a place names one block of one arena for as long as that server runs.
+BlockPlace = Tuple[bytes, int]
 
 
 class HeldConnection:
@@ -63,9 +67,10 @@ class HeldConnection:
 class ReservedBlocks:
     """The blocks one RESERVE exchange got: `blocks[i]` is None where the server refused."""
 
-    def __init__(self, held: HeldConnection, keys: Sequence[bytes], offsets: Sequence[Optional[int]],
-                 blocks: Sequence[Optional[memoryview]]) -> None:
+    def __init__(self, held: HeldConnection, arena_id: bytes, keys: Sequence[bytes],
+                 offsets: Sequence[Optional[int]], blocks: Sequence[Optional[memoryview]]) -> None:
         self._held = held
+        self._arena_id = arena_id
         self._keys = list(keys)
         self._offsets = list(offsets)
         self.blocks = list(blocks)
@@ -88,6 +93,11 @@ class ReservedBlocks:
         ok = {i: reply.status == Status.OK for i, reply in zip(todo, replies)}
         return [ok.get(i, False) for i in indexes]
 
+    def place(self, index: int) -> Optional[BlockPlace]:
+        """Where block `index` lies (None where the server refused it)."""
+        offset = self._offsets[index]
+        return None if offset is None else (self._arena_id, offset)
+
     def abandon(self, index: int) -> None:
         """Never publish block `index` (a no-op once it was committed)."""
         with self._held.lock:
@@ -105,11 +115,14 @@ class LeasedBlocks:
     """The blocks one LEASE exchange got: `blocks[i]` is None for a miss."""
 
     def __init__(self, held: HeldConnection, lease_ids: Sequence[Optional[int]],
-                 blocks: Sequence[Optional[memoryview]], on_done: Optional[Callable[[], None]] = None) -> None:
-        """`on_done` runs once, when the batch has given its connection back (or lost it)."""
+                 blocks: Sequence[Optional[memoryview]], places: Sequence[Optional[BlockPlace]],
+                 on_done: Optional[Callable[[], None]] = None) -> None:
+        """`places[i]`: where `blocks[i]` lies. `on_done` runs once, when the batch has given
+        its connection back (or lost it)."""
         self._held = held
         self._ids = list(lease_ids)
         self.blocks = list(blocks)
+        self.places = list(places)
         self._on_done = on_done
         self._live = {i for i, lease in enumerate(lease_ids) if lease is not None}
         if not self._live:

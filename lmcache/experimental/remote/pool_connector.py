@@ -54,7 +54,7 @@ from lmcache.experimental.remote.lm_connector import (
     key_bytes,
     open_session,
 )
-from lmcache.experimental.remote.pool_blocks import HeldConnection, LeasedBlocks, ReservedBlocks
+from lmcache.experimental.remote.pool_blocks import BlockPlace, HeldConnection, LeasedBlocks, ReservedBlocks
 from lmcache.experimental.remote.value_reader import BufferReader, ValueReader
 from lmcache.server.pool import MAX_LEASES, MAX_RESERVATIONS
 from lmcache.server.security import AUTH_REQUIRED
@@ -242,7 +242,7 @@ class PoolConnector(LMServerConnector):
             except BaseException:
                 held.finish(keep=False)  # whatever it reserved goes back with it
                 raise
-            return ReservedBlocks(held, keys, offsets, blocks)
+            return ReservedBlocks(held, sock.arena.id, keys, offsets, blocks)
 
         return self._on_connection(work, self._timeout, lambda: False, keep=True)
 
@@ -257,15 +257,17 @@ class PoolConnector(LMServerConnector):
             held = HeldConnection(sock, self.url, self._timeout, self._max_payload, self._pool.release)
             ids: list[Optional[int]] = [None] * len(keys)
             blocks: list[Optional[memoryview]] = [None] * len(keys)
+            places: list[Optional[BlockPlace]] = [None] * len(keys)
             try:
                 for i, reply in enumerate(Exchange(sock, self.url, None).run(requests, self._timeout, self._max_payload)):
                     if reply.status == Status.OK:
                         ids[i], offset, length = _LEASE_REPLY.unpack(bytes(reply.payload or b""))
                         blocks[i] = sock.arena.block(offset, length)
+                        places[i] = (sock.arena.id, offset)
             except BaseException:
                 held.finish(keep=False)  # its leases go with it
                 raise
-            return LeasedBlocks(held, ids, blocks, on_done)
+            return LeasedBlocks(held, ids, blocks, places, on_done)
 
         return self._on_connection(work, self._timeout, lambda: False, keep=True)
 

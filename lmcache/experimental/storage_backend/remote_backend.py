@@ -90,6 +90,7 @@ class RemoteStatsSnapshot:
     gets_hit: int = 0
     gets_miss: int = 0
     gets_in_place: int = 0  # hits handed over as the leased pool block itself (no copy)
+    gets_hashed_in_place: int = 0  # of those, checksummed here (first read of that commit by this process)
     gets_rejected: int = 0  # bytes failed the header/checksum/shape checks, or no memory to load them
     gets_failed: int = 0  # connection error or timeout
     lookups_failed: int = 0
@@ -328,6 +329,7 @@ class RemoteBackend(StorageBackendInterface):
             self._stats.record_rejected()
         self._counters.add("gets_hit", hits)
         self._counters.add("gets_in_place", hits)
+        self._counters.add("gets_hashed_in_place", outcome.hashed)
         self._counters.add("gets_rejected", outcome.rejected)
         self._counters.add("gets_miss", len(remote_slots) - hits - outcome.rejected)
         return results
