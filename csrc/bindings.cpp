@@ -6,9 +6,12 @@
 // store on a background thread does not stall the Python threads around it.
 #include <torch/extension.h>
 
+#include <optional>
 #include <string>
+#include <tuple>
 #include <vector>
 
+#include "checksum.h"
 #include "kv_layout.h"
 #include "kv_transfer.h"
 
@@ -217,13 +220,33 @@ Prepared prepare(const at::Tensor& obj, const std::vector<at::Tensor>& key_cache
   return out;
 }
 
+// Whether a store of `p` writes every byte of its object on the CPU in rows (and head rows) of
+// whole 64-bit words: then its kernel can sum the object as it writes it (checksum.h).
+bool sums_whole_object(const Prepared& p) {
+  if (p.empty || !p.device.is_cpu() || p.plan.to_cache) return false;
+  if (p.plan.object.moved_layers != p.plan.object.num_layers) return false;
+  if ((p.plan.object.hidden * p.plan.element_size) % 8 != 0) return false;
+  if ((p.plan.cache.head_size * p.plan.element_size) % 8 != 0) return false;
+  const int64_t* s = p.slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < p.plan.object.num_tokens; ++t) {
+    if (s[t] < 0) return false;
+  }
+  return true;
+}
+
 // Runs prepared transfers that share their caches: on the CPU in one parallel loop, on CUDA
-// one launch each.
-void run(const std::vector<Prepared>& prepared) {
+// one launch each. With `checksums`, each store whose object the CPU kernel writes whole gets its
+// payload checksum (checksum.h); the others get none.
+std::vector<std::optional<uint64_t>> run(const std::vector<Prepared>& prepared, bool checksums = false) {
   std::vector<CpuJob> cpu_jobs;
-  for (const Prepared& p : prepared) {
+  std::vector<size_t> summed;  // prepared index of each CPU job whose object is summed whole
+  bool all_whole = checksums;
+  for (size_t i = 0; i < prepared.size(); ++i) {
+    const Prepared& p = prepared[i];
     if (p.empty) continue;
     if (p.device.is_cpu()) {
+      if (checksums && sums_whole_object(p)) summed.push_back(i);
+      else all_whole = false;
       cpu_jobs.push_back(CpuJob{p.plan, p.object, p.slots.data_ptr<int64_t>()});
       continue;
     }
@@ -231,7 +254,21 @@ void run(const std::vector<Prepared>& prepared) {
     kv_transfer_cuda(p.plan, p.object, p.caches, p.slots);
 #endif
   }
-  if (!cpu_jobs.empty()) kv_transfer_cpu(cpu_jobs, prepared.front().caches);
+  std::vector<std::optional<uint64_t>> out(checksums ? prepared.size() : 0);
+  if (cpu_jobs.empty()) return out;
+  if (!all_whole || summed.size() != cpu_jobs.size()) {  // some store not whole: sum none
+    kv_transfer_cpu(cpu_jobs, prepared.front().caches);
+    return out;
+  }
+  std::vector<WordSums> sums;
+  kv_transfer_cpu(cpu_jobs, prepared.front().caches, &sums);
+  for (size_t j = 0; j < summed.size(); ++j) {
+    const Prepared& p = prepared[summed[j]];
+    const ObjectGeometry& o = p.plan.object;
+    const uint64_t nbytes = static_cast<uint64_t>(p.plan.num_kv * o.num_layers * o.num_tokens * o.hidden * p.plan.element_size);
+    out[summed[j]] = finish_sums(sums[j], nbytes);
+  }
+  return out;
 }
 
 void transfer(const at::Tensor& obj, const std::vector<at::Tensor>& key_caches,
@@ -250,11 +287,10 @@ void multi_layer_kv_transfer(const at::Tensor& obj, const std::vector<at::Tensor
            "obj", "key_caches", "value_caches");
 }
 
-void multi_layer_kv_transfer_batch(const std::vector<at::Tensor>& objs,
-                                   const std::vector<at::Tensor>& key_caches,
-                                   const std::vector<at::Tensor>& value_caches,
-                                   const std::vector<at::Tensor>& slot_mappings, int64_t layout,
-                                   int64_t block_size, int64_t num_heads, bool to_cache) {
+std::vector<std::optional<uint64_t>> multi_layer_kv_transfer_batch(
+    const std::vector<at::Tensor>& objs, const std::vector<at::Tensor>& key_caches,
+    const std::vector<at::Tensor>& value_caches, const std::vector<at::Tensor>& slot_mappings,
+    int64_t layout, int64_t block_size, int64_t num_heads, bool to_cache, bool checksums) {
   TORCH_CHECK(objs.size() == slot_mappings.size(), "objs has ", objs.size(),
               " objects but slot_mappings has ", slot_mappings.size());
   std::vector<Prepared> prepared;
@@ -266,7 +302,32 @@ void multi_layer_kv_transfer_batch(const std::vector<at::Tensor>& objs,
                                block_size, num_heads, to_cache, "objs" + idx, "key_caches",
                                "value_caches", "slot_mappings" + idx));
   }
-  if (!prepared.empty()) run(prepared);
+  TORCH_CHECK(!(checksums && to_cache), "checksums are computed by stores (to_cache=False) only");
+  if (prepared.empty()) return {};
+  return run(prepared, checksums);
+}
+
+// The payload checksum's sums of a buffer whose first byte is byte `first_byte` of its payload.
+std::tuple<uint64_t, uint64_t> checksum_sums(const py::buffer& buf, int64_t first_byte) {
+  TORCH_CHECK(first_byte >= 0 && first_byte % 8 == 0, "first_byte must be a multiple of 8 and >= 0, got ",
+              first_byte);
+  const py::buffer_info info = buf.request();
+  TORCH_CHECK(info.ndim <= 1 && (info.ndim == 0 || info.strides[0] == info.itemsize),
+              "checksum_sums needs a contiguous buffer");
+  const int64_t n = info.size * info.itemsize;
+  WordSums s;
+  {
+    py::gil_scoped_release unlocked;
+    s = sum_words(static_cast<const char*>(info.ptr), n, first_byte / 8);
+  }
+  return {s.mixed, s.plain};
+}
+
+uint64_t checksum_finish(uint64_t mixed, uint64_t plain, uint64_t nbytes) {
+  WordSums s;
+  s.mixed = mixed;
+  s.plain = plain;
+  return finish_sums(s, nbytes);
 }
 
 // Layer `layer` of several whole objects [num_kv, L, T_i, hidden] (a request's chunks) against
@@ -380,10 +441,20 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("multi_layer_kv_transfer_batch", &lmcache::multi_layer_kv_transfer_batch,
         "multi_layer_kv_transfer for several objects (a request's chunks) against the same "
         "caches, slot_mappings[i] for objs[i]: one parallel loop on the CPU. Every argument is "
-        "checked before anything is copied.",
+        "checked before anything is copied. checksums=True (stores): the payload checksum of "
+        "each object (chunk format 5, summed as the kernel writes it), None for an object not "
+        "written whole on the CPU (then for all); returns [] otherwise.",
         py::arg("objs"), py::arg("key_caches"), py::arg("value_caches"),
         py::arg("slot_mappings"), py::arg("layout"), py::arg("block_size"), py::arg("num_heads"),
-        py::arg("to_cache"), py::call_guard<py::gil_scoped_release>());
+        py::arg("to_cache"), py::arg("checksums") = false, py::call_guard<py::gil_scoped_release>());
+  m.def("checksum_sums", &lmcache::checksum_sums,
+        "(mixed, plain) sums of the payload checksum (csrc/checksum.h) over a contiguous buffer "
+        "that starts at byte first_byte (a multiple of 8) of its payload; sums of pieces add up "
+        "mod 2**64.",
+        py::arg("buf"), py::arg("first_byte") = 0);
+  m.def("checksum_finish", &lmcache::checksum_finish,
+        "The payload checksum (u64) of a payload of nbytes bytes from its summed (mixed, plain).",
+        py::arg("mixed"), py::arg("plain"), py::arg("nbytes"));
   m.def("layer_kv_transfer_batch", &lmcache::layer_kv_transfer_batch,
         "One layer of multi_layer_kv_transfer_batch: layer `layer` of every whole object "
         "objs[i] ([2, layers, tokens_i, hidden], [1, ...] for MLA with value_cache None) "

@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "checksum.h"
 #include "kv_layout.h"
 
 namespace lmcache {
@@ -32,8 +33,11 @@ struct CpuJob {
 
 // CPU kernels (csrc/cpu/kv_transfer_cpu.cpp): every job against the same caches, in ONE
 // parallel loop (waking the thread team once per request instead of once per chunk). The jobs
-// share the cache geometry and element size.
-void kv_transfer_cpu(const std::vector<CpuJob>& jobs, const CachePointers& caches);
+// share the cache geometry and element size. With `sums` (stores only, rows of a multiple of 8
+// bytes), (*sums)[j] gets the checksum sums (checksum.h) of the bytes written into job j's
+// object, each piece summed while it is in cache.
+void kv_transfer_cpu(const std::vector<CpuJob>& jobs, const CachePointers& caches,
+                     std::vector<WordSums>* sums = nullptr);
 
 // Instruction set the CPU transposes use: "avx512", "avx2" or "base" (see cpu/transpose.h).
 const char* cpu_isa_name();

@@ -13,6 +13,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <mutex>
 #include <vector>
 
 #include "kv_transfer.h"
@@ -89,9 +90,11 @@ void transpose_run(const TransferPlan& p, int kv, char* cache, char* obj, const 
     if (p.to_cache) {
       if (!cpu::transpose_into_block<U>(o, row, c, unit_stride, run.count, units))
         cpu::transpose<U>(o, row, c, unit_stride, run.count, units, cpu::Order::kDestBands);
+    } else if (long_rows) {  // plain stores: the rows are in cache for a summed store
+      cpu::transpose<U>(c, unit_stride, o, row, units, run.count, cpu::Order::kSourceBands);
+      cpu::note_written(o, o, run.count * row * static_cast<int64_t>(sizeof(U)));
     } else {
-      if (long_rows) cpu::transpose<U>(c, unit_stride, o, row, units, run.count, cpu::Order::kSourceBands);
-      else cpu::transpose_to_rows<U>(c, unit_stride, o, row, units, run.count);
+      cpu::transpose_to_rows<U>(c, unit_stride, o, row, units, run.count);
     }
   }
 }
@@ -137,36 +140,46 @@ void copy_run(const TransferPlan& p, int kv, char* cache, char* obj, const Run& 
   transpose_run<typename Bytes<ES>::T, ES>(p, kv, cache, obj, run);  // CPU_PACKED V, CPU_ATTN K
 }
 
-// One job's runs and where its items begin in the batch's item numbering.
+// One job's runs, where its items begin in the batch's item numbering, and its index in the call.
 struct JobRuns {
   const CpuJob* job;
   std::vector<Run> runs;
   int64_t first_item;
+  size_t index;
 };
 
 template <int ES>
-void transfer(const std::vector<JobRuns>& jobs, int64_t items, const CachePointers& caches) {
+void transfer(const std::vector<JobRuns>& jobs, int64_t items, const CachePointers& caches,
+              std::vector<WordSums>* sums) {
+  std::mutex sums_lock;
   // One item is at most a block of one layer's K or V (tens of KiB): a few per grain. K and V
   // alternate in item order, so every thread's contiguous share mixes them equally (their
   // costs differ, e.g. CPU_PACKED's V is a transpose).
   auto share = [&](int64_t begin, int64_t end) {
+    std::vector<LaneSums> local(sums != nullptr ? jobs.size() : 0);
     size_t j = 0;
     while (j + 1 < jobs.size() && jobs[j + 1].first_item <= begin) ++j;
     for (int64_t it = begin; it < end; ++it) {
       while (j + 1 < jobs.size() && jobs[j + 1].first_item <= it) ++j;
       const TransferPlan& p = jobs[j].job->plan;
       const int64_t num_runs = static_cast<int64_t>(jobs[j].runs.size());
-      const int64_t local = it - jobs[j].first_item;
-      const int kv = static_cast<int>(local % p.num_kv);
-      const int64_t rest = local / p.num_kv;  // moved layer * num_runs + run
+      const int64_t local_item = it - jobs[j].first_item;
+      const int kv = static_cast<int>(local_item % p.num_kv);
+      const int64_t rest = local_item / p.num_kv;  // moved layer * num_runs + run
       const int64_t moved = rest / num_runs;
       const Run& run = jobs[j].runs[rest - moved * num_runs];
       const int64_t plane = kv * p.object.moved_layers + moved;
-      char* obj = jobs[j].job->object +
-                  object_offset(p.object, kv, plane_layer(p.object, plane), 0, 0) * ES;
+      const int64_t plane_byte = object_offset(p.object, kv, plane_layer(p.object, plane), 0, 0) * ES;
+      char* obj = jobs[j].job->object + plane_byte;
+      // A store summing its objects: every write into them is summed.
+      cpu::SummedStores summed(jobs[j].job->object, sums != nullptr ? &local[j] : nullptr);
       copy_run<ES>(p, kv, caches[plane], obj, run);
     }
     cpu::stream_fence();
+    if (sums != nullptr) {
+      std::lock_guard<std::mutex> hold(sums_lock);
+      for (size_t k = 0; k < local.size(); ++k) (*sums)[jobs[k].index].add(local[k].total());
+    }
   };
   // A thread that asked for one OpenMP thread (LMCache's own, lmcache/background_threads.py)
   // copies inline: at::parallel_for's per-thread first-use setup is inlined into this library,
@@ -182,22 +195,25 @@ void transfer(const std::vector<JobRuns>& jobs, int64_t items, const CachePointe
 
 }  // namespace
 
-void kv_transfer_cpu(const std::vector<CpuJob>& jobs, const CachePointers& caches) {
+void kv_transfer_cpu(const std::vector<CpuJob>& jobs, const CachePointers& caches,
+                     std::vector<WordSums>* sums) {
   std::vector<JobRuns> planned;
   int64_t items = 0;
-  for (const CpuJob& job : jobs) {
+  for (size_t i = 0; i < jobs.size(); ++i) {
+    const CpuJob& job = jobs[i];
     std::vector<Run> runs = make_runs(job.slots, job.plan.object.num_tokens, job.plan.cache.block_size);
     if (runs.empty()) continue;
     const int64_t n = job.plan.num_kv * job.plan.object.moved_layers * static_cast<int64_t>(runs.size());
-    planned.push_back(JobRuns{&job, std::move(runs), items});
+    planned.push_back(JobRuns{&job, std::move(runs), items, i});
     items += n;
   }
+  if (sums != nullptr) sums->assign(jobs.size(), WordSums{});
   if (planned.empty()) return;
   switch (planned.front().job->plan.element_size) {
-    case 1: return transfer<1>(planned, items, caches);
-    case 2: return transfer<2>(planned, items, caches);
-    case 4: return transfer<4>(planned, items, caches);
-    case 8: return transfer<8>(planned, items, caches);
+    case 1: return transfer<1>(planned, items, caches, sums);
+    case 2: return transfer<2>(planned, items, caches, sums);
+    case 4: return transfer<4>(planned, items, caches, sums);
+    case 8: return transfer<8>(planned, items, caches, sums);
     default: break;  // the bindings only admit the sizes above
   }
 }

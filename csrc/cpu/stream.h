@@ -10,6 +10,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "checksum.h"
+
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
 #define LMC_X86 1
@@ -28,8 +30,32 @@ inline void copy_bytes(void* dst, const void* src, int64_t n) {
   if (i < n) std::memcpy(d + i, s + i, static_cast<size_t>(n - i));
 }
 
+// A store that sums what it writes (`SummedStores`, set on the thread for one item of a
+// store; `into` null: not summing): the bytes `stream_bytes` and `note_written` are given are
+// added to `into` as words of the payload that starts at `base` (checksum.h), while they are
+// still in L1.
+struct StoreSums {
+  const char* base = nullptr;
+  LaneSums* into = nullptr;
+};
+inline thread_local StoreSums t_store_sums;
+
+struct SummedStores {
+  SummedStores(const char* base, LaneSums* into) { t_store_sums = StoreSums{base, into}; }
+  ~SummedStores() { t_store_sums = StoreSums{}; }
+  SummedStores(const SummedStores&) = delete;
+  SummedStores& operator=(const SummedStores&) = delete;
+};
+
+// `n` bytes now at `dst` (in the object a summed store writes), summed if the thread sums.
+inline void note_written(const void* dst, const void* bytes, int64_t n) {
+  const StoreSums& t = t_store_sums;
+  if (t.into == nullptr) return;
+  add_sums(static_cast<const char*>(bytes), n, (static_cast<const char*>(dst) - t.base) / 8, *t.into);
+}
+
 // The same copy with non-temporal stores where `dst` is 16-byte aligned.
-inline void stream_bytes(void* dst, const void* src, int64_t n) {
+inline void copy_streamed(void* dst, const void* src, int64_t n) {
 #ifdef LMC_X86
   char* d = static_cast<char*>(dst);
   const char* s = static_cast<const char*>(src);
@@ -54,6 +80,12 @@ inline void stream_bytes(void* dst, const void* src, int64_t n) {
   }
 #endif
   copy_bytes(dst, src, n);
+}
+
+// `copy_streamed`, and inside `SummedStores` the bytes summed (from `src`, just read: in L1).
+inline void stream_bytes(void* dst, const void* src, int64_t n) {
+  copy_streamed(dst, src, n);
+  note_written(dst, src, n);
 }
 
 inline void stream_fence() {

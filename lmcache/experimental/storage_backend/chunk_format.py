@@ -14,8 +14,11 @@ Header layout (little-endian)::
     +------------------+--------------------+--------------------+--------+-------------------+
     then payload_len bytes
 
-`checksum` is XXH3-64 over the payload: it runs near memory bandwidth (BLAKE2b, version 1 of
-this format, held the disk tier to ~0.3 GB/s), and its job is catching corruption, not forgery.
+`checksum` (version 5) is the payload checksum of `csrc/checksum.h`: two sums over the payload's
+64-bit words (one keyed by each word's place) folded into 64 bits. Sums of pieces add up, so the
+copy kernel sums a chunk while it writes it, each piece still in cache, and a store needs no
+second pass over the payload (XXH3-64, versions 2-4, could only be fed in order; BLAKE2b, version
+1, held the disk tier to ~0.3 GB/s). Its job is catching corruption, not forgery.
 `header_checksum` (version 3) is XXH3-64 over every header byte before it, so a flipped header
 bit (a memory format, a shape, a length) is caught before anything is allocated from it; chunks
 of older versions are misses. The zeros (version 4) round the header up to a multiple of
@@ -34,6 +37,7 @@ from typing import BinaryIO, Callable, Iterator, Mapping, Optional, Protocol, Se
 import torch
 import xxhash
 
+from lmcache import c_ops
 from lmcache.experimental.memory_management import MemoryFormat, MemoryObj
 from lmcache.logging import init_logger
 from lmcache.utils import CacheEngineKey
@@ -41,7 +45,7 @@ from lmcache.utils import CacheEngineKey
 logger = init_logger(__name__)
 
 MAGIC = b"LMCK"
-VERSION = 4  # 4: aligned header length; 3: header checksum; 2: XXH3-64 payload checksum (1: BLAKE2b-64)
+VERSION = 5  # 5: summed payload checksum; 4: aligned header; 3: header checksum; 2: XXH3-64 payload (1: BLAKE2b-64)
 MAX_HEADER_BYTES = 4096
 MAX_NDIM = 8
 CHECKSUM_BYTES = 8
@@ -107,9 +111,19 @@ def dtype_name(dtype: Optional[torch.dtype]) -> str:
     return name
 
 
+_U64 = struct.Struct("<Q")
+_MASK64 = (1 << 64) - 1
+
+
+def checksum_bytes(digest: int) -> bytes:
+    """The header's 8 bytes of a payload checksum (`c_ops.checksum_finish`'s u64)."""
+    return _U64.pack(digest)
+
+
 def payload_checksum(payload: Buffer) -> bytes:
-    """XXH3-64 of the payload bytes."""
-    return xxhash.xxh3_64_digest(payload)
+    """The payload checksum of `payload`'s bytes (csrc/checksum.h)."""
+    view = memoryview(payload).cast("B")
+    return checksum_bytes(c_ops.checksum_finish(*c_ops.checksum_sums(view, 0), view.nbytes))
 
 
 # Bytes copied (or read) and then hashed at a time: a piece just written is still in L2 when the
@@ -124,9 +138,49 @@ def hashed_pieces(total: int, piece: int = HASH_PIECE) -> Iterator[Tuple[int, in
         yield start, min(total, start + piece)
 
 
-def payload_hasher() -> "xxhash.xxh3_64":
-    """A running XXH3-64: fed a payload's pieces in order, its digest is `payload_checksum`'s."""
-    return xxhash.xxh3_64()
+class PayloadHasher:
+    """A running payload checksum: fed a payload's pieces in order (of any sizes), its digest is
+    `payload_checksum`'s."""
+
+    def __init__(self) -> None:
+        self._mixed = self._plain = 0
+        self._nbytes = 0
+        self._carry = b""  # bytes of a word a piece ended inside
+
+    def update(self, piece: Buffer) -> None:
+        view = memoryview(piece).cast("B")
+        if self._carry:
+            take = min(8 - len(self._carry), view.nbytes)
+            self._carry += bytes(view[:take])
+            view = view[take:]
+            if len(self._carry) < 8:
+                return
+            self._add(self._carry, self._nbytes)
+            self._nbytes += 8
+            self._carry = b""
+        whole = view.nbytes - view.nbytes % 8
+        if whole:
+            self._add(view[:whole], self._nbytes)
+            self._nbytes += whole
+        self._carry = bytes(view[whole:])
+
+    def digest(self) -> bytes:
+        mixed, plain = self._mixed, self._plain
+        if self._carry:  # the payload's last, partial word
+            tail_mixed, tail_plain = c_ops.checksum_sums(self._carry, self._nbytes)
+            mixed, plain = (mixed + tail_mixed) & _MASK64, (plain + tail_plain) & _MASK64
+        return checksum_bytes(c_ops.checksum_finish(mixed, plain, self._nbytes + len(self._carry)))
+
+    def _add(self, words: Buffer, first_byte: int) -> None:
+        mixed, plain = c_ops.checksum_sums(words, first_byte)
+        self._mixed = (self._mixed + mixed) & _MASK64
+        self._plain = (self._plain + plain) & _MASK64
+
+
+def payload_hasher() -> PayloadHasher:
+    """A running payload checksum: fed a payload's pieces in order, its digest is
+    `payload_checksum`'s."""
+    return PayloadHasher()
 
 
 def _key_str(key: Union[CacheEngineKey, str]) -> str:
