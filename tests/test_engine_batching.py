@@ -22,9 +22,9 @@ class CountingConnector(VLLMPagedMemGPUConnectorV2):
         self.stores: List[int] = []
         self.retrieves: List[int] = []
 
-    def batched_from_gpu(self, memory_objs, starts, ends, **kwargs) -> None:
+    def batched_from_gpu(self, memory_objs, starts, ends, **kwargs):
         self.stores.append(len(memory_objs))
-        super().batched_from_gpu(memory_objs, starts, ends, **kwargs)
+        return super().batched_from_gpu(memory_objs, starts, ends, **kwargs)
 
     def batched_to_gpu(self, memory_objs, starts, ends, **kwargs) -> None:
         self.retrieves.append(len(memory_objs))

@@ -11,6 +11,7 @@ from lmcache.experimental.gpu_connector import (
 )
 from lmcache.experimental.kv_layout import KVLayout
 from lmcache.experimental.memory_management import HostMemoryAllocator, MemoryFormat
+from lmcache.experimental.storage_backend import chunk_format
 
 LAYOUTS = [KVLayout.FLASH, KVLayout.CPU_IPEX, KVLayout.CPU_PACKED, KVLayout.MLA]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn]
@@ -67,6 +68,26 @@ def test_v2_store_and_retrieve_match_the_oracle(layout, dtype, stacked, allocato
         got_t = [got] if isinstance(got, torch.Tensor) else list(got)
         want_t = [want] if isinstance(want, torch.Tensor) else list(want)
         assert all(same_bits(g, w) for g, w in zip(got_t, want_t))
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda layout: layout.name)
+def test_a_batched_store_returns_each_chunks_payload_checksum(layout, allocator):
+    """What the kernel summed while it wrote each object is that object's payload checksum, so a
+    tier can write it into the chunk's header without reading the payload again."""
+    geo = geometry(layout, torch.bfloat16)
+    caches = make_kvcaches(geo, seed=4)
+    conn = connector_for(geo)
+    slots = shuffled_slots(geo, 12)
+    bounds = [(0, 4), (4, 8), (8, 12)]
+    objs = [allocator.allocate(conn.get_shape(e - s), geo.dtype, MemoryFormat.KV_BLOB) for s, e in bounds]
+    sums = conn.batched_from_gpu(objs, [s for s, _ in bounds], [e for _, e in bounds], kvcaches=caches, slot_mapping=slots)
+    assert sums == [chunk_format.payload_checksum(chunk_format.memory_obj_payload(obj)) for obj in objs]
+    assert conn.batched_to_gpu(objs, [s for s, _ in bounds], [e for _, e in bounds], kvcaches=caches, slot_mapping=slots) is None
+    staged = VLLMPagedMemGPUConnectorV2(geo.hidden if layout != KVLayout.MLA else geo.head_size, geo.num_layers,
+                                        use_gpu=True, layout=layout, use_mla=layout == KVLayout.MLA,
+                                        num_kv_heads=geo.num_heads, chunk_size=4, dtype=geo.dtype, device="cpu")
+    assert staged.batched_from_gpu(objs, [s for s, _ in bounds], [e for _, e in bounds], kvcaches=caches,
+                                   slot_mapping=slots) is None  # staged chunk by chunk: not summed
 
 
 def test_v2_detects_layout_from_unambiguous_shapes(allocator):

@@ -25,6 +25,7 @@ from redis_fixture import LMServerProcess, pool  # noqa: F401
 from tier_helpers import ENGINE_GEO, keys_of, retrieve_and_check, small_engine, store_prompt, wait_for
 
 from lmcache.experimental.remote import create_connector
+from lmcache.experimental.storage_backend import chunk_format
 from lmcache.experimental.storage_backend.remote_backend import RemoteBackend
 
 
@@ -122,19 +123,25 @@ def test_pinned_lookups_hold_leases_up_to_a_bound_and_copy_beyond_it(pool, monke
 
 
 def test_a_process_hashes_a_commit_once_and_a_block_corrupted_before_that_is_a_miss(pool, monkeypatch) -> None:
-    """The writer hashed its chunks at commit and a reader at its first lease: neither hashes them
-    again. A bit of KV flipped in the arena before a reader's first lease, or a header bit flipped
-    at any time, is a miss at that chunk, its lease released."""
+    """The writer's kernel summed its chunks as it wrote them (no hash at commit) and a reader
+    hashes each at its first lease: neither hashes them again. A bit of KV flipped in the arena
+    before a reader's first lease, or a header bit flipped at any time, is a miss at that chunk,
+    its lease released."""
     writer, writer_tier, _ = _pool_engine(pool.pool_url, monkeypatch)
     readers = [_pool_engine(pool.pool_url, monkeypatch) for _ in range(2)]
     other = create_connector(pool.pool_url)
+    hashed = []
+    real_checksum = chunk_format.payload_checksum
+    monkeypatch.setattr(chunk_format, "payload_checksum", lambda payload: hashed.append(1) or real_checksum(payload))
     try:
         tokens, source, slots = store_prompt(writer, 32, seed=2)
         assert writer_tier.flush()
+        assert hashed == [] and writer_tier.remote_stats().puts_in_place == 4  # the kernel's sums
         retrieve_and_check(writer, tokens, source, slots, expected=32)
         reader, reader_tier, _ = readers[0]
         for _ in range(2):
-            retrieve_and_check(reader, tokens, source, slots, expected=32)
+            retrieve_and_check(reader, tokens, source, slots, expected=32)  # their headers hold the kernel's sums
+        assert len(hashed) == 4
         assert writer_tier.remote_stats().gets_hashed_in_place == 0
         assert reader_tier.remote_stats().gets_hashed_in_place == 4
 

@@ -147,9 +147,12 @@ class LMCacheEngine:
             nonlocal stored, dropped
             try:
                 if batch:
-                    self.gpu_connector.batched_from_gpu(
-                        [b[3] for b in batch], [b[0] for b in batch], [b[1] for b in batch], **kwargs
+                    objs = [b[3] for b in batch]
+                    checksums = self.gpu_connector.batched_from_gpu(
+                        objs, [b[0] for b in batch], [b[1] for b in batch], **kwargs
                     )
+                    if checksums is not None:
+                        self.storage_manager.seal_in_place(objs, checksums)
                 for start, end, key, obj in batch:
                     if self.storage_manager.put(key, obj) > 0:
                         stored += end - start

@@ -30,6 +30,7 @@ import torch
 import lmcache.c_ops as c_ops
 from lmcache.experimental.kv_layout import KVLayout, layout_dims, mla_latent_view, split_kv_caches
 from lmcache.experimental.memory_management import MemoryFormat, MemoryObj
+from lmcache.experimental.storage_backend import chunk_format
 
 
 class GPUConnectorInterface(ABC):
@@ -49,10 +50,12 @@ class GPUConnectorInterface(ABC):
 
     def batched_from_gpu(
         self, memory_objs: Sequence[MemoryObj], starts: Sequence[int], ends: Sequence[int], **kwargs: Any
-    ) -> None:
-        """`from_gpu` for a request's chunks; connectors that copy them in one call override it."""
+    ) -> Optional[List[Optional[bytes]]]:
+        """`from_gpu` for a request's chunks; connectors that copy them in one call override it
+        (and may return each object's payload checksum, computed as they wrote it; None: not)."""
         for obj, start, end in zip(memory_objs, starts, ends, strict=True):
             self.from_gpu(obj, start, end, **kwargs)
+        return None
 
     def batched_to_gpu(
         self, memory_objs: Sequence[MemoryObj], starts: Sequence[int], ends: Sequence[int], **kwargs: Any
@@ -331,23 +334,28 @@ class VLLMPagedMemGPUConnector(_KVBlobConnector):
 
     def _batch(
         self, memory_objs: Sequence[MemoryObj], starts: Sequence[int], ends: Sequence[int], kwargs: dict, to_cache: bool
-    ) -> None:
-        """Every chunk in one kernel call (one parallel loop on the CPU), unless staged."""
+    ) -> Optional[List[Optional[bytes]]]:
+        """Every chunk in one kernel call (one parallel loop on the CPU), unless staged. A store
+        on the CPU returns each object's payload checksum, summed by the kernel as it wrote the
+        object (None: not computed, e.g. staged through a device buffer)."""
         if len(memory_objs) != len(starts) or len(starts) != len(ends):
             raise ValueError(f"{len(memory_objs)} memory objects for {len(starts)} starts and {len(ends)} ends")
         if not memory_objs:
-            return
+            return None
         geo, keys, values = self._caches(kwargs)
         device = keys[0].device
         chunks = [self._chunk(o, s, e, kwargs, to_cache, device) for o, s, e in zip(memory_objs, starts, ends)]
         if self._stages():
             for obj, start, end in zip(memory_objs, starts, ends):
                 self._transfer(obj, start, end, kwargs, to_cache)
-            return
-        c_ops.multi_layer_kv_transfer_batch(
+            return None
+        digests = c_ops.multi_layer_kv_transfer_batch(
             [blob for blob, _ in chunks], keys, values, [slots for _, slots in chunks],
-            int(geo.layout), geo.block_size, geo.num_heads, to_cache,
+            int(geo.layout), geo.block_size, geo.num_heads, to_cache, not to_cache,
         )
+        if to_cache:
+            return None
+        return [None if d is None else chunk_format.checksum_bytes(d) for d in digests]
 
     def from_gpu(self, memory_obj: MemoryObj, start: int, end: int, **kwargs: Any) -> None:
         """Store tokens `[start, end)` of 'kvcaches' (slots from 'slot_mapping') into `memory_obj`."""
@@ -359,9 +367,10 @@ class VLLMPagedMemGPUConnector(_KVBlobConnector):
 
     def batched_from_gpu(
         self, memory_objs: Sequence[MemoryObj], starts: Sequence[int], ends: Sequence[int], **kwargs: Any
-    ) -> None:
-        """`from_gpu` of a request's chunks in one kernel call."""
-        self._batch(memory_objs, starts, ends, kwargs, to_cache=False)
+    ) -> Optional[List[Optional[bytes]]]:
+        """`from_gpu` of a request's chunks in one kernel call; each object's payload checksum
+        (`chunk_format`), summed as the kernel wrote it, where the kernel could (else None)."""
+        return self._batch(memory_objs, starts, ends, kwargs, to_cache=False)
 
     def batched_to_gpu(
         self, memory_objs: Sequence[MemoryObj], starts: Sequence[int], ends: Sequence[int], **kwargs: Any

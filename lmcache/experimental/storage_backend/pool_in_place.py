@@ -2,8 +2,9 @@
 pool's arena, so the copy kernel is the only thing that moves its bytes, once each way.
 
     store:    reserve (one exchange per store) -> the kernel writes the payload into the block,
-              behind room for the header -> the put thread hashes the payload in place, writes
-              the header in front of it and commits (one exchange per put batch)
+              behind room for the header, and sums it as it writes (`seal`: the checksum) -> the
+              put thread writes the header in front of it and commits (one exchange per put
+              batch); a payload the kernel did not sum is hashed in place first
     retrieve: lease (one exchange) -> the header and, unless this process knows the commit, the
               payload's XXH3 are checked in place (a mismatch is a miss) -> the kernel reads the
               payload out of the block -> the object's last reference releases the lease (one
@@ -52,14 +53,16 @@ MAX_HELD_BATCHES = 4
 MAX_KNOWN_COMMITS = 1 << 15
 
 
-@dataclass(frozen=True)
+@dataclass
 class _Reservation:
-    """Where a reserved object's chunk goes: block `index` of `blocks`, header first."""
+    """Where a reserved object's chunk goes: block `index` of `blocks`, header first; and its
+    payload checksum once the kernel that filled it gave it (`seal`)."""
 
     blocks: ReservedBlocks
     index: int
     key: str
     header_len: int
+    checksum: Optional[bytes] = None
 
 
 @dataclass(frozen=True)
@@ -131,9 +134,18 @@ class InPlaceChunks:
             objs.append(obj)
         return objs
 
+    def seal(self, objs: Sequence[MemoryObj], checksums: Sequence[Optional[bytes]]) -> None:
+        """Record the payload checksums the copy kernel computed for reserved objects it filled."""
+        with self._lock:
+            for obj, checksum in zip(objs, checksums):
+                res = self._reserved.get(obj)
+                if res is not None:
+                    res.checksum = checksum
+
     def commit(self, objs: Sequence[MemoryObj]) -> List[Optional[bool]]:
-        """Seal each filled reserved object (payload checksum and header written in place) and
-        commit it: True (stored), False (the pool refused), None (the connection broke: lost)."""
+        """Write each filled reserved object's header in place (its payload hashed now unless
+        sealed) and commit it: True (stored), False (the pool refused), None (the connection
+        broke: lost)."""
         with self._lock:
             held = [self._reserved[obj] for obj in objs]
         by_batch: Dict[int, List[int]] = {}
@@ -141,8 +153,8 @@ class InPlaceChunks:
         for n, (obj, res) in enumerate(zip(objs, held)):
             payload = chunk_format.memory_obj_payload(obj)
             meta = obj.metadata
-            header = chunk_format.encode_header(res.key, meta.shape, meta.dtype, meta.fmt, payload,
-                                                chunk_format.payload_checksum(payload))
+            checksum = res.checksum if res.checksum is not None else chunk_format.payload_checksum(payload)
+            header = chunk_format.encode_header(res.key, meta.shape, meta.dtype, meta.fmt, payload, checksum)
             block = res.blocks.blocks[res.index]
             assert block is not None and len(header) == res.header_len
             block[: res.header_len] = header

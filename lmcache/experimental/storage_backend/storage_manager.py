@@ -109,6 +109,12 @@ class StorageManager:
                 self._tier_failed(tier, "reserve", keys[0], err)
         return objs if objs is not None else [None] * len(keys)
 
+    def seal_in_place(self, objs: Sequence[MemoryObj], checksums: Sequence[Optional[bytes]]) -> None:
+        """Hand the sole tier the payload checksums the kernel computed for its reserved objects."""
+        tier = self._sole_lower_tier()
+        if tier is not None:
+            tier.seal_in_place(objs, checksums)
+
     def lease_in_place(self, keys: Sequence[CacheEngineKey], dtype: torch.dtype) -> Optional[List[Optional[MemoryObj]]]:
         """`get` of many chunks from a sole tier that hands out its own bytes (pinned chunks from
         their pins), caller owning one reference of each; None when there is no such tier."""
