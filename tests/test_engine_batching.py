@@ -22,9 +22,10 @@ class CountingConnector(VLLMPagedMemGPUConnectorV2):
         self.stores: List[int] = []
         self.retrieves: List[int] = []
 
-    def batched_from_gpu(self, memory_objs, starts, ends, **kwargs):
+    def batched_from_gpu(self, memory_objs, starts, ends, *, checksums=False, **kwargs):
         self.stores.append(len(memory_objs))
-        return super().batched_from_gpu(memory_objs, starts, ends, **kwargs)
+        self.checksums_asked = checksums
+        return super().batched_from_gpu(memory_objs, starts, ends, checksums=checksums, **kwargs)
 
     def batched_to_gpu(self, memory_objs, starts, ends, **kwargs) -> None:
         self.retrieves.append(len(memory_objs))
@@ -45,7 +46,7 @@ def test_one_connector_call_per_store_and_per_retrieve() -> None:
     tokens, src_slots, dst_slots = prompt(n), slots_for(geo, n, 1), slots_for(geo, n, 2)
     source, target = make_kvcaches(geo, 1), make_kvcaches(geo, 2)
     engine.store(tokens, kvcaches=source, slot_mapping=src_slots)
-    assert conn.stores == [4]
+    assert conn.stores == [4] and conn.checksums_asked is False  # a CPU tier does not use them
     assert bool(engine.retrieve(tokens, kvcaches=target, slot_mapping=dst_slots).all())
     assert conn.retrieves == [4]
     check_loaded(geo, source, src_slots, target, dst_slots, n)

@@ -80,13 +80,15 @@ def test_a_batched_store_returns_each_chunks_payload_checksum(layout, allocator)
     slots = shuffled_slots(geo, 12)
     bounds = [(0, 4), (4, 8), (8, 12)]
     objs = [allocator.allocate(conn.get_shape(e - s), geo.dtype, MemoryFormat.KV_BLOB) for s, e in bounds]
-    sums = conn.batched_from_gpu(objs, [s for s, _ in bounds], [e for _, e in bounds], kvcaches=caches, slot_mapping=slots)
+    starts, ends = [s for s, _ in bounds], [e for _, e in bounds]
+    assert conn.batched_from_gpu(objs, starts, ends, kvcaches=caches, slot_mapping=slots) is None  # not asked
+    sums = conn.batched_from_gpu(objs, starts, ends, checksums=True, kvcaches=caches, slot_mapping=slots)
     assert sums == [chunk_format.payload_checksum(chunk_format.memory_obj_payload(obj)) for obj in objs]
     assert conn.batched_to_gpu(objs, [s for s, _ in bounds], [e for _, e in bounds], kvcaches=caches, slot_mapping=slots) is None
     staged = VLLMPagedMemGPUConnectorV2(geo.hidden if layout != KVLayout.MLA else geo.head_size, geo.num_layers,
                                         use_gpu=True, layout=layout, use_mla=layout == KVLayout.MLA,
                                         num_kv_heads=geo.num_heads, chunk_size=4, dtype=geo.dtype, device="cpu")
-    assert staged.batched_from_gpu(objs, [s for s, _ in bounds], [e for _, e in bounds], kvcaches=caches,
+    assert staged.batched_from_gpu(objs, starts, ends, checksums=True, kvcaches=caches,
                                    slot_mapping=slots) is None  # staged chunk by chunk: not summed
 
 

@@ -149,7 +149,7 @@ class LMCacheEngine:
                 if batch:
                     objs = [b[3] for b in batch]
                     checksums = self.gpu_connector.batched_from_gpu(
-                        objs, [b[0] for b in batch], [b[1] for b in batch], **kwargs
+                        objs, [b[0] for b in batch], [b[1] for b in batch], checksums=in_place, **kwargs
                     )
                     if checksums is not None:
                         self.storage_manager.seal_in_place(objs, checksums)
@@ -174,6 +174,7 @@ class LMCacheEngine:
             [key for *_, key in todo], [self.gpu_connector.get_shape(end - start) for start, end, _ in todo],
             self.metadata.kv_dtype,
         )
+        in_place = any(obj is not None for obj in reserved)  # its headers take the kernel's checksums
         try:
             for i, (start, end, key) in enumerate(todo):
                 n = end - start

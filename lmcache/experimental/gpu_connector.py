@@ -49,10 +49,12 @@ class GPUConnectorInterface(ABC):
         """The memory object shape that holds `num_tokens` tokens."""
 
     def batched_from_gpu(
-        self, memory_objs: Sequence[MemoryObj], starts: Sequence[int], ends: Sequence[int], **kwargs: Any
+        self, memory_objs: Sequence[MemoryObj], starts: Sequence[int], ends: Sequence[int], *,
+        checksums: bool = False, **kwargs: Any
     ) -> Optional[List[Optional[bytes]]]:
         """`from_gpu` for a request's chunks; connectors that copy them in one call override it
-        (and may return each object's payload checksum, computed as they wrote it; None: not)."""
+        (and, asked for `checksums`, may return each object's payload checksum, computed as they
+        wrote it; None: not)."""
         for obj, start, end in zip(memory_objs, starts, ends, strict=True):
             self.from_gpu(obj, start, end, **kwargs)
         return None
@@ -333,11 +335,12 @@ class VLLMPagedMemGPUConnector(_KVBlobConnector):
         return False
 
     def _batch(
-        self, memory_objs: Sequence[MemoryObj], starts: Sequence[int], ends: Sequence[int], kwargs: dict, to_cache: bool
+        self, memory_objs: Sequence[MemoryObj], starts: Sequence[int], ends: Sequence[int], kwargs: dict, to_cache: bool,
+        checksums: bool = False,
     ) -> Optional[List[Optional[bytes]]]:
-        """Every chunk in one kernel call (one parallel loop on the CPU), unless staged. A store
-        on the CPU returns each object's payload checksum, summed by the kernel as it wrote the
-        object (None: not computed, e.g. staged through a device buffer)."""
+        """Every chunk in one kernel call (one parallel loop on the CPU), unless staged. With
+        `checksums`, a store on the CPU returns each object's payload checksum, summed by the
+        kernel as it wrote the object (None: not computed, e.g. staged through a device buffer)."""
         if len(memory_objs) != len(starts) or len(starts) != len(ends):
             raise ValueError(f"{len(memory_objs)} memory objects for {len(starts)} starts and {len(ends)} ends")
         if not memory_objs:
@@ -351,9 +354,9 @@ class VLLMPagedMemGPUConnector(_KVBlobConnector):
             return None
         digests = c_ops.multi_layer_kv_transfer_batch(
             [blob for blob, _ in chunks], keys, values, [slots for _, slots in chunks],
-            int(geo.layout), geo.block_size, geo.num_heads, to_cache, not to_cache,
+            int(geo.layout), geo.block_size, geo.num_heads, to_cache, checksums,
         )
-        if to_cache:
+        if not checksums:
             return None
         return [None if d is None else chunk_format.checksum_bytes(d) for d in digests]
 
@@ -366,11 +369,13 @@ class VLLMPagedMemGPUConnector(_KVBlobConnector):
         self._transfer(memory_obj, start, end, kwargs, to_cache=True)
 
     def batched_from_gpu(
-        self, memory_objs: Sequence[MemoryObj], starts: Sequence[int], ends: Sequence[int], **kwargs: Any
+        self, memory_objs: Sequence[MemoryObj], starts: Sequence[int], ends: Sequence[int], *,
+        checksums: bool = False, **kwargs: Any
     ) -> Optional[List[Optional[bytes]]]:
-        """`from_gpu` of a request's chunks in one kernel call; each object's payload checksum
-        (`chunk_format`), summed as the kernel wrote it, where the kernel could (else None)."""
-        return self._batch(memory_objs, starts, ends, kwargs, to_cache=False)
+        """`from_gpu` of a request's chunks in one kernel call; with `checksums`, each object's
+        payload checksum (`chunk_format`), summed as the kernel wrote it, where the kernel could
+        (else None). Asked only where a tier uses them: summing costs the store ~20%."""
+        return self._batch(memory_objs, starts, ends, kwargs, to_cache=False, checksums=checksums)
 
     def batched_to_gpu(
         self, memory_objs: Sequence[MemoryObj], starts: Sequence[int], ends: Sequence[int], **kwargs: Any
