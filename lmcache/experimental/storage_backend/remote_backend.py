@@ -215,6 +215,7 @@ class RemoteBackend(StorageBackendInterface):
         self._queue: "queue.Queue[_PutTask]" = queue.Queue(maxsize=opts.put_queue_size)
         self._lock = threading.Lock()
         self._pending: Dict[CacheEngineKey, MemoryObj] = {}
+        self._settled = threading.Condition(self._lock)  # notified when puts leave `_pending`
         self._stop = threading.Event()
         self._closed = False
         self._worker: Optional[threading.Thread] = None
@@ -358,9 +359,9 @@ class RemoteBackend(StorageBackendInterface):
                     if queued is not None:
                         committing.append(key)
         deadline = time.monotonic() + self._options.timeout_s
-        while committing and time.monotonic() < deadline:
-            time.sleep(0.002)
-            with self._lock:
+        with self._settled:
+            while committing and time.monotonic() < deadline:
+                self._settled.wait(deadline - time.monotonic())
                 committing = [key for key in committing if key in self._pending]
         return results, remote_slots
 
@@ -567,6 +568,7 @@ class RemoteBackend(StorageBackendInterface):
             for task in batch:
                 if self._pending.get(task.key) is task.obj:
                     del self._pending[task.key]
+            self._settled.notify_all()
         for task in batch:
             task.obj.ref_count_down()
 
@@ -639,8 +641,10 @@ class RemoteBackend(StorageBackendInterface):
                 first = None
             if first is not None:
                 self._send(self._batch_after(first))
-            else:
-                time.sleep(0.01)
+                continue
+            with self._settled:  # woken as puts finish; every 10 ms, look for queued batches again
+                if self._pending:
+                    self._settled.wait(min(0.01, max(0.0, deadline - time.monotonic())))
         return False
 
     def close(self) -> None:
