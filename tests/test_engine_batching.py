@@ -1,6 +1,7 @@
 """The engine copies a request's chunks in one connector call (one kernel call): store and a
 retrieve, bit-exact; a pool too small for the whole batch still stores (and loads) every chunk:
-the batch is copied early."""
+the batch is copied early. The kernel sums each chunk as it stores it only where a tier writes
+headers."""
 
 from typing import List
 
@@ -11,6 +12,7 @@ from kv_reference import make_kvcaches
 from lmcache.experimental.cache_engine import LMCacheEngine
 from lmcache.experimental.gpu_connector import VLLMPagedMemGPUConnectorV2
 from lmcache.experimental.memory_management import HostMemoryAllocator
+from lmcache.experimental.storage_backend import chunk_format
 from lmcache.experimental.token_database import ChunkedTokenDatabase
 
 
@@ -80,6 +82,28 @@ def test_a_retrieve_that_outgrows_the_pool_copies_early_and_reads_again(tmp_path
     assert bool(engine.retrieve(tokens, kvcaches=target, slot_mapping=dst_slots).all())
     assert sum(conn.retrieves) == 4 and len(conn.retrieves) == 2, conn.retrieves
     check_loaded(geo, source, src_slots, target, dst_slots, n)
+    engine.close()
+
+
+def test_with_a_disk_tier_the_kernel_sums_each_chunk_and_the_writer_hashes_none(tmp_path, monkeypatch) -> None:
+    """A tier that writes headers takes the checksum the kernel summed as it stored each chunk:
+    the disk writer does not hash the payload, and a new engine reads every chunk back checked."""
+    geo = geometry()
+    cfg = config(local_disk=str(tmp_path), max_local_disk_size=0.01)
+    n = 4 * CHUNK
+    tokens, src_slots, dst_slots = prompt(n, 6), slots_for(geo, n, 1), slots_for(geo, n, 2)
+    source, target = make_kvcaches(geo, 1), make_kvcaches(geo, 2)
+    hashers = []
+    real_hasher = chunk_format.payload_hasher
+    monkeypatch.setattr(chunk_format, "payload_hasher", lambda: hashers.append(1) or real_hasher())
+    writer, conn = _engine(geo, cfg, 8 * chunk_bytes(geo))
+    writer.store(tokens, kvcaches=source, slot_mapping=src_slots)
+    writer.close()  # waits for the disk writes
+    assert conn.checksums_asked is True and hashers == []
+    engine, _ = _engine(geo, cfg, 8 * chunk_bytes(geo))
+    assert bool(engine.retrieve(tokens, kvcaches=target, slot_mapping=dst_slots).all())
+    check_loaded(geo, source, src_slots, target, dst_slots, n)
+    assert len(hashers) == 4  # each read checks its chunk against the kernel's checksum
     engine.close()
 
 

@@ -149,10 +149,10 @@ class LMCacheEngine:
                 if batch:
                     objs = [b[3] for b in batch]
                     checksums = self.gpu_connector.batched_from_gpu(
-                        objs, [b[0] for b in batch], [b[1] for b in batch], checksums=in_place, **kwargs
+                        objs, [b[0] for b in batch], [b[1] for b in batch], checksums=sum_payloads, **kwargs
                     )
-                    if checksums is not None:
-                        self.storage_manager.seal_in_place(objs, checksums)
+                    for obj, checksum in zip(objs, checksums or ()):
+                        obj.payload_checksum = checksum
                 for start, end, key, obj in batch:
                     if self.storage_manager.put(key, obj) > 0:
                         stored += end - start
@@ -174,7 +174,8 @@ class LMCacheEngine:
             [key for *_, key in todo], [self.gpu_connector.get_shape(end - start) for start, end, _ in todo],
             self.metadata.kv_dtype,
         )
-        in_place = any(obj is not None for obj in reserved)  # its headers take the kernel's checksums
+        # The kernel sums what it writes where a tier writes headers (not for the CPU tier alone).
+        sum_payloads = self.storage_manager.writes_headers()
         try:
             for i, (start, end, key) in enumerate(todo):
                 n = end - start

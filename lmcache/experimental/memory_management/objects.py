@@ -74,6 +74,10 @@ class MemoryObj(ABC):
         self._allocator = allocator
         self._ref_lock = threading.Lock()
         self._freed = False
+        # The payload checksum of its bytes (`chunk_format`), where the store that filled it had
+        # the copy kernel sum them (an object is filled once: memory reused is a new object);
+        # None: whoever writes a header computes it.
+        self.payload_checksum: Optional[bytes] = None
 
     @property
     @abstractmethod

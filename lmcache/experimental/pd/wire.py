@@ -100,7 +100,8 @@ def push_frames(seq: int, req_id: str, key: CacheEngineKey, obj: MemoryObj) -> l
     """The frames pushing `obj` under `key` (the payload frame is a view, not a copy)."""
     meta = json.dumps({"v": WIRE_VERSION, "seq": seq, "req_id": req_id}).encode()
     payload = chunk_format.memory_obj_payload(obj)
-    header = chunk_format.encode_header(key, obj.metadata.shape, obj.metadata.dtype, obj.metadata.fmt, payload)
+    header = chunk_format.encode_header(key, obj.metadata.shape, obj.metadata.dtype, obj.metadata.fmt, payload,
+                                        obj.payload_checksum)
     return [meta, header, payload]
 
 

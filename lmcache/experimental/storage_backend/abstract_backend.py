@@ -48,10 +48,6 @@ class StorageBackendInterface(ABC):
         tier stores copies of host memory objects."""
         return None
 
-    def seal_in_place(self, objs: Sequence[MemoryObj], checksums: Sequence[Optional[bytes]]) -> None:
-        """The payload checksums (`chunk_format`) the copy kernel computed while it filled these
-        objects, for those of them `reserve_in_place` gave out: their puts need not hash them."""
-
     def lease_in_place(
         self, keys: Sequence[CacheEngineKey], dtype: torch.dtype, hold: bool = False
     ) -> Optional[List[Optional[MemoryObj]]]:

@@ -373,7 +373,7 @@ def encode_memory_obj_parts(key: Union[CacheEngineKey, str], obj: MemoryObj) -> 
     """`encode_memory_obj` as its header and a view of the object's payload, not copied."""
     payload = memory_obj_payload(obj)
     meta = obj.metadata
-    return encode_header(key, meta.shape, meta.dtype, meta.fmt, payload), payload
+    return encode_header(key, meta.shape, meta.dtype, meta.fmt, payload, obj.payload_checksum), payload
 
 
 def decode_into(

@@ -336,13 +336,16 @@ class LocalDiskBackend(StorageBackendInterface):
             unsummed = chunk_format.encode_header(key, meta.shape, meta.dtype, meta.fmt, payload, placeholder)
             with self._create(tmp) as f:
                 # The payload first, each piece hashed right after the write has read it (still in
-                # cache: hashing the whole payload first read it from memory twice), then the header.
+                # cache: hashing the whole payload first read it from memory twice), then the
+                # header; unless the kernel summed the payload as it stored it.
                 f.seek(len(unsummed))
-                hasher = chunk_format.payload_hasher()
+                hasher = chunk_format.payload_hasher() if obj.payload_checksum is None else None
                 for start, end in chunk_format.hashed_pieces(payload.nbytes):
                     f.write(payload[start:end])
-                    hasher.update(payload[start:end])
-                header = chunk_format.encode_header(key, meta.shape, meta.dtype, meta.fmt, payload, hasher.digest())
+                    if hasher is not None:
+                        hasher.update(payload[start:end])
+                checksum = obj.payload_checksum if hasher is None else hasher.digest()
+                header = chunk_format.encode_header(key, meta.shape, meta.dtype, meta.fmt, payload, checksum)
                 f.seek(0)
                 f.write(header)
             entry = DiskEntry(path, len(header) + payload.nbytes, tuple(meta.shape), meta.dtype, meta.fmt)

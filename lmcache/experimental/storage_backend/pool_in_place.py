@@ -2,7 +2,7 @@
 pool's arena, so the copy kernel is the only thing that moves its bytes, once each way.
 
     store:    reserve (one exchange per store) -> the kernel writes the payload into the block,
-              behind room for the header, and sums it as it writes (`seal`: the checksum) -> the
+              behind room for the header, and sums it as it writes (`payload_checksum`) -> the
               put thread writes the header in front of it and commits (one exchange per put
               batch); a payload the kernel did not sum is hashed in place first
     retrieve: lease (one exchange) -> the header and, unless this process knows the commit, the
@@ -53,16 +53,14 @@ MAX_HELD_BATCHES = 4
 MAX_KNOWN_COMMITS = 1 << 15
 
 
-@dataclass
+@dataclass(frozen=True)
 class _Reservation:
-    """Where a reserved object's chunk goes: block `index` of `blocks`, header first; and its
-    payload checksum once the kernel that filled it gave it (`seal`)."""
+    """Where a reserved object's chunk goes: block `index` of `blocks`, header first."""
 
     blocks: ReservedBlocks
     index: int
     key: str
     header_len: int
-    checksum: Optional[bytes] = None
 
 
 @dataclass(frozen=True)
@@ -134,14 +132,6 @@ class InPlaceChunks:
             objs.append(obj)
         return objs
 
-    def seal(self, objs: Sequence[MemoryObj], checksums: Sequence[Optional[bytes]]) -> None:
-        """Record the payload checksums the copy kernel computed for reserved objects it filled."""
-        with self._lock:
-            for obj, checksum in zip(objs, checksums):
-                res = self._reserved.get(obj)
-                if res is not None:
-                    res.checksum = checksum
-
     def commit(self, objs: Sequence[MemoryObj]) -> List[Optional[bool]]:
         """Write each filled reserved object's header in place (its payload hashed now unless
         sealed) and commit it: True (stored), False (the pool refused), None (the connection
@@ -153,8 +143,7 @@ class InPlaceChunks:
         for n, (obj, res) in enumerate(zip(objs, held)):
             payload = chunk_format.memory_obj_payload(obj)
             meta = obj.metadata
-            checksum = res.checksum if res.checksum is not None else chunk_format.payload_checksum(payload)
-            header = chunk_format.encode_header(res.key, meta.shape, meta.dtype, meta.fmt, payload, checksum)
+            header = chunk_format.encode_header(res.key, meta.shape, meta.dtype, meta.fmt, payload, obj.payload_checksum)
             block = res.blocks.blocks[res.index]
             assert block is not None and len(header) == res.header_len
             block[: res.header_len] = header

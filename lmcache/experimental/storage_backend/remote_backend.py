@@ -296,10 +296,6 @@ class RemoteBackend(StorageBackendInterface):
             self._counters.add("reserves_refused", refused)
         return objs
 
-    def seal_in_place(self, objs: Sequence[MemoryObj], checksums: Sequence[Optional[bytes]]) -> None:
-        if self._in_place is not None:
-            self._in_place.seal(objs, checksums)
-
     def lease_in_place(
         self, keys: Sequence[CacheEngineKey], dtype: torch.dtype, hold: bool = False
     ) -> Optional[List[Optional[MemoryObj]]]:

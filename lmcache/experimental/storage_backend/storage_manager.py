@@ -109,11 +109,10 @@ class StorageManager:
                 self._tier_failed(tier, "reserve", keys[0], err)
         return objs if objs is not None else [None] * len(keys)
 
-    def seal_in_place(self, objs: Sequence[MemoryObj], checksums: Sequence[Optional[bytes]]) -> None:
-        """Hand the sole tier the payload checksums the kernel computed for its reserved objects."""
-        tier = self._sole_lower_tier()
-        if tier is not None:
-            tier.seal_in_place(objs, checksums)
+    def writes_headers(self) -> bool:
+        """Whether a tier stores chunks with headers (disk, remote, the node pool), so a store
+        should have the kernel sum each payload as it writes it (`MemoryObj.payload_checksum`)."""
+        return any(tier is not self._cpu for tier in self._tiers)
 
     def lease_in_place(self, keys: Sequence[CacheEngineKey], dtype: torch.dtype) -> Optional[List[Optional[MemoryObj]]]:
         """`get` of many chunks from a sole tier that hands out its own bytes (pinned chunks from
