@@ -373,3 +373,21 @@ def test_mooncake_hit_target_is_its_hit_ttft_over_lm_s_in_the_same_run():
     r = ratios(summarize(recs, {}))
     [row] = [t for t in targets(r) if t["server"] == "lmcache-mooncake" and "lm://" in t["target"]]
     assert row["measured"] == pytest.approx(1.2) and row["met"] is True and row["rule"] == "<= 1.5"
+
+
+def test_a_sigterm_to_the_benchmark_runs_its_cleanup():
+    """The servers run in sessions of their own, so only the driver's `finally` blocks stop them:
+    a SIGTERM must reach those blocks instead of killing the driver at once."""
+    script = (
+        "import os, signal, sys, time\n"
+        f"sys.path.insert(0, {str(ROOT / 'scripts' / 'bench')!r})\n"
+        "from bench_serving_servers import stop_servers_on_sigterm\n"
+        "stop_servers_on_sigterm()\n"
+        "try:\n"
+        "    os.kill(os.getpid(), signal.SIGTERM)\n"
+        "    time.sleep(30)\n"
+        "finally:\n"
+        "    print('servers stopped', flush=True)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert proc.stdout.strip() == "servers stopped" and proc.returncode == 128 + 15, proc.stderr[-2000:]

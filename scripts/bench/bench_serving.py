@@ -55,7 +55,7 @@ from bench_serving_report import (  # noqa: E402
 from bench_serving_servers import (  # noqa: E402
     ALL_KINDS, PERSISTENT_KINDS, POOL_KIND, REMOTE_TIERS, SLOW_REMOTE_KINDS, VLLM_KIND, CpuMeter, ManagedProcess, ServerError,
     ServerSettings, describe, free_port, launch, mooncake_launches, remote_server_launch, server_launch, stop_all,
-    tier_of,
+    stop_servers_on_sigterm, tier_of,
 )
 from bench_serving_client import RequestFailed  # noqa: E402
 from bench_serving_workloads import (  # noqa: E402
@@ -420,6 +420,7 @@ def memcpy_gbps(nbytes: int = 256 << 20, rounds: int = 7) -> float:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
+    stop_servers_on_sigterm()
     given = list(sys.argv[1:] if argv is None else argv)
     if any(a == "--multi-instance" or a.startswith("--multi-instance=") for a in given):
         from bench_multi_instance import main as multi_instance_main  # late: it imports this module

@@ -26,7 +26,9 @@ so vLLM's own KV space is the same small size everywhere) and the development en
 `LMCACHE_*` variables are removed so the baseline runs without us and ours with exactly the tier asked.
 
 Processes are started in their own session and stopped by their own ids: SIGINT first (a clean
-shutdown flushes the disk tier), SIGTERM, then SIGKILL of the process group they lead.
+shutdown flushes the disk tier), SIGTERM, then SIGKILL of the process group they lead. In their
+own session no signal sent to the benchmark reaches them, so the drivers stop them in `finally`
+blocks, which a SIGTERM to the driver runs too (`stop_servers_on_sigterm`).
 
 `CpuMeter` tells how much CPU time *other* programs used while a server was measured (the machine
 is shared): the machine's busy time minus what our sessions and this process used.
@@ -50,6 +52,13 @@ from urllib.request import urlopen
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/: mooncake_store
 import mooncake_store  # noqa: E402
+
+def stop_servers_on_sigterm() -> None:
+    """A SIGTERM to the benchmark ends it as Ctrl-C does: it raises SystemExit in the main thread,
+    whose `finally` blocks stop the servers started (by default the process would die at once
+    and leave them running)."""
+    signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))
+
 
 VLLM_KIND = "vllm"
 # Our kinds with a v1 door mode on top of one tier (issue 12): kind -> (tier kind, settings).

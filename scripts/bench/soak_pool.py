@@ -55,7 +55,7 @@ from bench_multi_instance import server_info, start_instances, start_shared  # n
 from bench_serving import add_model_args, apply_quick, model_spec, run_header, shown  # noqa: E402
 from bench_serving_client import RequestFailed, stream_chat  # noqa: E402
 from bench_serving_servers import (  # noqa: E402
-    POOL_KIND, ManagedProcess, ServerSettings, describe, stop_all,
+    POOL_KIND, ManagedProcess, ServerSettings, describe, stop_all, stop_servers_on_sigterm,
 )
 from make_tiny_model import make_tiny_model  # noqa: E402
 from multi_round_qa import QASizes, warm_up, words  # noqa: E402
@@ -340,6 +340,7 @@ def summarize(args: argparse.Namespace, measured: dict) -> dict:
 
 
 def main(argv: list[str]) -> int:
+    stop_servers_on_sigterm()
     args = parse_args(argv)
     os.chdir(ROOT)
     spec = model_spec(args)
