@@ -4,7 +4,7 @@ A push is one ZeroMQ multipart message of three frames::
 
     [ meta: JSON {"v": 1, "seq": n, "req_id": "..."} (<= MAX_META_BYTES) ]
     [ header: a chunk_format header (key, shape, dtype, format, lengths, checksums) ]
-    [ payload: the chunk's bytes (XXH3-64 checked against the header) ]
+    [ payload: the chunk's bytes (checksum checked against the header) ]
 
 and its reply one frame, JSON `{"seq": n, "ok": true}` or `{"seq": n, "ok": false, "error": "..."}`.
 The header and payload frames are exactly what the disk and remote tiers store, so a push is

@@ -3,8 +3,8 @@
 Reading a chunk file from the page cache is a kernel copy; hashing each piece right after it on
 the same thread held the disk tier's read to ~0.77 of the plain file read (`bench_engine.py`).
 Handing each piece to this thread instead lets the next piece's copy run on one core while the
-last one is hashed on the other (xxhash releases the GIL), and the piece is still in the shared
-cache when it is hashed.
+last one is hashed on the other (`c_ops.checksum_sums` releases the GIL), and the piece is
+still in the shared cache when it is hashed.
 
 The queue is bounded by construction: a reader queues at most one item per piece of the payload
 in hand and waits for its digest before it reads another payload.
@@ -124,7 +124,7 @@ class HashThread:
 
 
 class PayloadHash:
-    """XXH3-64 of one payload (`chunk_format.payload_checksum`'s value), hashed on a `HashThread`.
+    """One payload's checksum (`chunk_format.payload_checksum`'s value), hashed on a `HashThread`.
 
     The caller must leave each piece unchanged until `digest` has returned, and must call
     `digest` before the memory under the pieces is reused - on error paths too."""

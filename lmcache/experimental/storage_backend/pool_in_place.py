@@ -6,7 +6,7 @@ pool's arena, so the copy kernel is the only thing that moves its bytes, once ea
               put thread writes the header in front of it and commits (one exchange per put
               batch); a payload the kernel did not sum is hashed in place first
     retrieve: lease (one exchange) -> the header and, unless this process knows the commit, the
-              payload's XXH3 are checked in place (a mismatch is a miss) -> the kernel reads the
+              payload checksum are checked in place (a mismatch is a miss) -> the kernel reads the
               payload out of the block -> the object's last reference releases the lease (one
               RELEASE when the last goes)
     pin:      a lookup's pins lease the same way and hold the leases until the load (at most
@@ -133,9 +133,9 @@ class InPlaceChunks:
         return objs
 
     def commit(self, objs: Sequence[MemoryObj]) -> List[Optional[bool]]:
-        """Write each filled reserved object's header in place (its payload hashed now unless
-        sealed) and commit it: True (stored), False (the pool refused), None (the connection
-        broke: lost)."""
+        """Write each filled reserved object's header in place (its payload hashed now unless the
+        kernel summed it: `payload_checksum`) and commit it: True (stored), False (the pool
+        refused), None (the connection broke: lost)."""
         with self._lock:
             held = [self._reserved[obj] for obj in objs]
         by_batch: Dict[int, List[int]] = {}

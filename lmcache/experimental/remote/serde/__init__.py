@@ -1,7 +1,7 @@
 """Serdes: memory object <-> the bytes a remote store keeps (config `remote_serde`).
 
 Every encoding is a `chunk_format` chunk (header with format version, key, shape, dtype, memory
-format, payload length and XXH3-64 checksum, then the payload), so whatever a remote store
+format, payload length and payload checksum, then the payload), so whatever a remote store
 hands back is checked before it is trusted:
 - `naive`: the object's own bytes; the header describes the object. Decoding is exact.
 - `cachegen`: the header describes a `BINARY` payload that is a cachegen stream (magic
