@@ -374,7 +374,7 @@ class VLLMPagedMemGPUConnector(_KVBlobConnector):
     ) -> Optional[List[Optional[bytes]]]:
         """`from_gpu` of a request's chunks in one kernel call; with `checksums`, each object's
         payload checksum (`chunk_format`), summed as the kernel wrote it, where the kernel could
-        (else None). Asked only where a tier uses them: summing costs the store ~20%."""
+        (else None). Asked only where a tier uses them: summing makes the copy slower."""
         return self._batch(memory_objs, starts, ends, kwargs, to_cache=False, checksums=checksums)
 
     def batched_to_gpu(
