@@ -84,7 +84,10 @@ def test_upstream_json_file_wins_and_its_errors_name_the_key(tmp_path) -> None:
 
 
 def test_connector_round_trip_parts_missing_oversize_delete(mooncake_master: MooncakeMaster) -> None:  # noqa: F811
-    conn = _connector(mooncake_master, lookup_timeout=10.0)
+    conn = _connector(mooncake_master)
+    # Set up as it is made (the engine's start-up), not at the first request, which would
+    # otherwise wait for the setup and, past the lookup timeout, miss: its segment is lent unasked.
+    assert wait_for(lambda: mooncake_master.gauge("master_total_capacity_bytes") == SMALL.global_segment_size, timeout=10)
     payload = np.random.default_rng(0).integers(0, 255, 3 << 20, dtype=np.uint8)
     items = [("a", Parts((b"head-a", memoryview(payload)))), ("b", b"plain value b")]
     assert conn.batched_put(items) == [True, True]

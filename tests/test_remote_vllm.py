@@ -155,6 +155,8 @@ def test_mooncake_v0_store_v1_layerwise_async_hits_and_a_master_killed_mid_run(t
 
     try:
         a = run_vllm_job({**job, "prompts": [PROMPT], "vllm_module": "lmcache_vllm.vllm"}, env={**env, **v0})
+        # A's six chunks are in the store before B starts (else a miss below is A's, not B's).
+        assert master.gauge("master_key_count") == 6, [ln for ln in a.log.splitlines() if "remote tier" in ln]
         b = run_vllm_job({**job, "prompts": [PROMPT] * 4, "gate_before": [1, 2, 3], "vllm_module": "lmcache_vllm.vllm",
                           "llm_kwargs": V1_LLM_KWARGS}, env={**env, **modes}, at_gate=at_gate)
     finally:
@@ -167,7 +169,7 @@ def test_mooncake_v0_store_v1_layerwise_async_hits_and_a_master_killed_mid_run(t
                for ln in parse_request_lines(b.log)]
     print(f"Mooncake master down {outage['back'] - outage['killed']:.1f} s; "
           f"{b.log.count('master_client.cpp')} failed Mooncake calls in B's log")
-    assert lines_b[0] == (1500, 1500, 0)  # A's chunks, written by the v0 door
+    assert lines_b[0] == (1500, 1500, 0), [ln for ln in b.log.splitlines() if "remote tier" in ln]  # A's chunks
     assert lines_b[1] == (0, 0, 1500)  # the master gone: computed; the tier drops its puts (below)
     assert lines_b[2:] == [(0, 0, 1500), (1500, 1500, 0)]  # back, empty: stored again, then a hit
     assert sorted(ASYNC_DONE_RE.findall(b.log)) == [("1500", "1500")] * 2  # both hits loaded in the background

@@ -10,9 +10,10 @@ the CPU pool registered (not done: no RDMA hardware here).
 
 Mooncake's calls can block for seconds when the master is gone (its client reconnects inside a
 call, ~4 s seen), and its `setup` retries for ~90 s holding the GIL. So:
-- `setup` runs on its own thread, and only after the master accepted a TCP connection; a caller
-  waits for it at most `lookup_timeout` and otherwise gets `RemoteUnavailableError` (the tier
-  goes down and probes later);
+- `setup` runs on its own thread, started when the connector is made (the engine's start-up, so
+  it is done before the first request), and only after the master accepted a TCP connection; a
+  caller waits for it at most `lookup_timeout` and otherwise gets `RemoteUnavailableError` (the
+  tier goes down and probes later);
 - every other call runs on a small pool of call threads and is waited for at most its timeout
   (`lookup_timeout` for exists, `timeout` for gets and puts); at most `pool_size` run at once.
   A put abandoned this way may still read its object after the tier freed it: the stored value
@@ -97,6 +98,9 @@ class MooncakeStoreConnector(RemoteConnector):
         self._refused = 0
         self._failed_gets = 0
         self._closed = False
+        # Set up now, while vLLM is still starting: a first request that found the setup still
+        # running (seconds on a busy machine) would take the tier for down and miss.
+        self._begin_setup()
 
     @property
     def url(self) -> str:
@@ -199,18 +203,22 @@ class MooncakeStoreConnector(RemoteConnector):
                 raise RemoteUnavailableError(f"{self.url}: connector closed")
             if self._store is not None:
                 return self._store
-            if self._setup is None or not self._setup.is_alive():
+        self._begin_setup().wait(wait)
+        with self._lock:
+            if self._store is not None:
+                return self._store
+            reason = self._setup_error if self._setup_done.is_set() else f"setup still running after {wait:.1f} s"
+        raise RemoteUnavailableError(f"{self.url}: Mooncake client not set up ({reason})")
+
+    def _begin_setup(self) -> threading.Event:
+        """Start a setup thread unless one runs or the client is set up; its done event."""
+        with self._lock:
+            if self._store is None and not self._closed and (self._setup is None or not self._setup.is_alive()):
                 self._setup_done.clear()
                 self._setup = threading.Thread(target=prepared(self._run_setup, "lmc-mooncake-set", background=False),
                                                name="lmcache-mooncake-setup", daemon=True)
                 self._setup.start()
-            done = self._setup_done
-        done.wait(wait)
-        with self._lock:
-            if self._store is not None:
-                return self._store
-            reason = self._setup_error if done.is_set() else f"setup still running after {wait:.1f} s"
-        raise RemoteUnavailableError(f"{self.url}: Mooncake client not set up ({reason})")
+            return self._setup_done
 
     def _run_setup(self) -> None:
         s = self._settings
@@ -232,7 +240,8 @@ class MooncakeStoreConnector(RemoteConnector):
                 self._setup_error = error or "closed"
             else:
                 self._store = store
-        if error:
+            keep = self._store is store
+        if not keep:  # failed, or closed meanwhile: nothing may hold its segment
             store.close()
         self._setup_done.set()
 
