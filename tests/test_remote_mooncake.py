@@ -5,6 +5,8 @@ master killed with SIGKILL and restarted."""
 from __future__ import annotations
 
 import json
+import signal
+import threading
 import time
 
 import numpy as np
@@ -19,6 +21,7 @@ from lmcache.experimental.config import LMCacheEngineConfig, parse_remote_url
 from lmcache.experimental.remote import create_connector
 from lmcache.experimental.remote.connector import Parts, RemoteUnavailableError
 from lmcache.experimental.remote.mooncake_settings import MooncakeSettings
+from lmcache.experimental.remote.serde.naive import NaiveSerde
 from lmcache.experimental.storage_backend import chunk_format
 
 # Small enough for a test machine: 64 MiB lent to the pool, 16 MiB to receive into.
@@ -129,7 +132,7 @@ def test_master_killed_is_a_miss_then_back_after_restart(tmp_path, lmcache_log) 
     cpu = remote_cpu()
     tier = _small_backend(master, cpu=cpu, options=FAST_REMOTE)
     try:
-        # The first use starts the client's setup; if it outlasts a lookup, the tier probes again.
+        # The client sets up as the tier is made; if that outlasts a lookup, the tier probes again.
         assert wait_for(lambda: tier.contains(key(9)) is False and tier.is_up, timeout=10)
         tier.submit_put_task(key(1), remote_chunk(cpu, seed=1))
         assert tier.flush(10.0) and tier.contains(key(1))
@@ -168,6 +171,64 @@ def test_value_whose_segment_left_is_a_miss_and_the_tier_stays_up(
         assert tier.get_blocking(key(2)) is None
         assert tier.is_up and "could not hand back" in lmcache_log.text
     finally:
+        tier.close()
+        storage.stop()
+
+
+def test_gets_read_straight_into_objects_partial_chunks_overlapping_batches_and_a_stall(
+    mooncake_master: MooncakeMaster, tmp_path  # noqa: F811
+) -> None:
+    """Gets are ranged reads into the object the serde allocates (a get session per batch): a
+    full and a partial chunk come back equal from two threads reading the same keys at once (one
+    batch ending its session must not end the other's); a read stalled past its timeout (the
+    storage process stopped mid-get) does not free the object Mooncake may still write into until
+    its call returns."""
+    storage = MooncakeStorage(mooncake_master, tmp_path / "storage.log", segment="64MB").start()
+    cpu = remote_cpu()
+    pure_client = MooncakeSettings(global_segment_size=0, local_buffer_size=16 << 20)
+    tier = remote_backend(mooncake_master.url, mooncake=pure_client, cpu=cpu)
+    impatient = create_connector(mooncake_master.url, mooncake=pure_client, timeout=1.0, lookup_timeout=10.0)
+    try:
+        full, partial = remote_chunk(cpu, seed=4), remote_chunk(cpu, seed=5, tokens=5)
+        tier.submit_put_task(key(4), full)
+        tier.submit_put_task(key(5), partial)
+        assert tier.flush(10.0) and tier.remote_stats().puts_acknowledged == 2
+        wrong: list = []
+
+        def read() -> None:
+            for _ in range(50):
+                got = tier.batched_get_blocking([key(4), key(6), key(5)])
+                wrong.append(got[1] is not None or not all(
+                    o is not None and torch.equal(o.tensor, want.tensor) for o, want in ((got[0], full), (got[2], partial))
+                ))
+                for obj in got:
+                    if obj is not None:
+                        obj.ref_count_down()
+
+        readers = [threading.Thread(target=read) for _ in range(2)]
+        for t in readers:
+            t.start()
+        for t in readers:
+            t.join()
+        assert wrong == [False] * 100 and tier.is_up
+
+        def used() -> int:
+            return cpu.memory_allocator.used_bytes
+
+        def stop_then_receive(i: int, reader) -> None:
+            storage.proc.send_signal(signal.SIGSTOP)  # the header is in; the payload read stalls
+            NaiveSerde().receive(key(4), reader, cpu.allocate)
+
+        before = used()
+        with pytest.raises(chunk_format.FillAbandoned):
+            impatient.batched_get_into([key(4).to_string()], stop_then_receive)
+        assert used() > before  # still Mooncake's to write into
+        storage.proc.send_signal(signal.SIGCONT)
+        assert wait_for(lambda: used() == before, timeout=70)  # freed once the read returned
+    finally:
+        if storage.proc is not None:
+            storage.proc.send_signal(signal.SIGCONT)
+        impatient.close()
         tier.close()
         storage.stop()
 

@@ -18,12 +18,16 @@ import socket
 from abc import ABC, abstractmethod
 
 from lmcache.experimental.remote.connector import Buffer, RemoteUnavailableError
+from lmcache.experimental.storage_backend.chunk_format import HASH_PIECE
 
 _DRAIN_BLOCK = 1 << 20
 
 
 class ValueReader(ABC):
     """The `size` bytes of one value, read front to back exactly once."""
+
+    # Bytes a receiver asks for per `readinto`: a piece just read is hashed while in cache.
+    fill_piece = HASH_PIECE
 
     def __init__(self, size: int) -> None:
         self.size = size

@@ -80,12 +80,25 @@ Buffer = Union[bytes, bytearray, memoryview]
 
 
 class ChunkReader(Protocol):
-    """A chunk arriving in order (`remote.value_reader.ValueReader`): bytes left, exact reads."""
+    """A chunk arriving in order (`remote.value_reader.ValueReader`): bytes left, exact reads,
+    and how many bytes one read should ask for (the payload is hashed after each such read)."""
 
     @property
     def remaining(self) -> int: ...
 
+    @property
+    def fill_piece(self) -> int: ...
+
     def readinto(self, view: memoryview) -> None: ...
+
+
+class FillAbandoned(Exception):
+    """A read into an object gave up while something may still write into it (a transfer that
+    outlived its timeout): the object must not be freed, so reused, before the writer stopped."""
+
+    def after(self, release: Callable[[], None]) -> None:
+        """Call `release` once nothing writes into the target any more."""
+        raise NotImplementedError
 
 
 @dataclass(frozen=True)
@@ -425,7 +438,7 @@ def receive_into(
         return None
     return _new_object(
         header.key, header.payload_len, allocate, torch.Size(header.shape), header.dtype, header.fmt,
-        header.checksum, lambda start, piece: reader.readinto(piece),
+        header.checksum, lambda start, piece: reader.readinto(piece), reader.fill_piece,
     )
 
 
@@ -459,6 +472,7 @@ def _new_object(
     fmt: MemoryFormat,
     checksum: Optional[bytes],
     fill: Callable[[int, memoryview], None],
+    piece_bytes: int = HASH_PIECE,
 ) -> Optional[MemoryObj]:
     """Allocate, `fill(start, piece)` the payload piece by piece (hashing each right after it,
     with `checksum`), and hand the object over only if the checksum matches."""
@@ -476,9 +490,12 @@ def _new_object(
             fill(0, target)
             return obj
         hasher = payload_hasher()
-        for start, end in hashed_pieces(nbytes):
+        for start, end in hashed_pieces(nbytes, piece_bytes):
             fill(start, target[start:end])
             hasher.update(target[start:end])
+    except FillAbandoned as err:
+        err.after(obj.ref_count_down)
+        raise
     except BaseException:
         obj.ref_count_down()
         raise
