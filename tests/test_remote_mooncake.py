@@ -97,7 +97,7 @@ def test_connector_round_trip_parts_missing_oversize_delete(mooncake_master: Moo
     assert conn.batched_exists(["a", "b", "nope"]) == [True, True, False]
     got = conn.batched_get(["a", "nope", "b"])
     assert got[0] == b"head-a" + payload.tobytes() and got[1] is None and got[2] == b"plain value b"
-    # Larger than the receive buffer: it could never be read back, so it is refused unsent.
+    # Larger than the local buffer (what whole-value readers get into): refused unsent.
     assert conn.batched_put([("big", bytes(17 << 20))]) == [False]
     assert conn.exists("big") is False
     assert conn.batched_put([("c", b"gone soon")]) == [True] and conn.delete("c") and not conn.exists("c")

@@ -439,7 +439,7 @@ class LMCacheEngineConfig:
     mooncake_protocol: str = "tcp"  # or rdma (then mooncake_device_name, e.g. mlx5_0)
     mooncake_device_name: str = ""
     mooncake_global_segment_size: int = 3355443200  # bytes this instance adds to the pool; 0 = a pure client
-    mooncake_local_buffer_size: int = 1 << 30  # bytes of the client's receive buffer; bounds one get
+    mooncake_local_buffer_size: int = 1 << 30  # bytes of the client's registered buffer; bounds one put
 
     def shown_fields(self) -> Dict[str, Any]:
         """Every field as logs, dumps and the status API may show it (`shown_value`)."""

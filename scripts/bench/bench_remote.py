@@ -329,7 +329,7 @@ def start_mooncake(workdir: str, total: int) -> Optional[Tuple[List[subprocess.P
         log = open(os.path.join(workdir, f"mooncake-{name}.log"), "ab")
         procs.append(subprocess.Popen(argv, stdout=log, stderr=log))
         _wait_port(port)
-    # The receive buffer holds one get batch (the tier's default, 1 GiB, would too).
+    # The local buffer bounds the largest value a put sends (the tier's default, 1 GiB, would do).
     settings = MooncakeSettings(global_segment_size=0, local_buffer_size=2 * total)
     connector = MooncakeStoreConnector(("127.0.0.1", master_port), settings, timeout=120)
     connector.ping()

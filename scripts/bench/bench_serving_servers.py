@@ -211,8 +211,8 @@ def tier_env(kind: str, settings: ServerSettings, remote_port: Optional[int]) ->
             LMCACHE_LOCAL_CPU="False",
             LMCACHE_REMOTE_URL=mooncake_store.url(remote_port),
             LMCACHE_REMOTE_SERDE="naive",
-            # A pure client: the storage process lends the pool its memory; the receive buffer
-            # bounds one get batch, so it gets the tier's size (every chunk of the run would fit).
+            # A pure client: the storage process lends the pool its memory; the local buffer
+            # bounds the largest chunk a put sends (the tier's size: every chunk fits).
             LMCACHE_MOONCAKE_GLOBAL_SEGMENT_SIZE="0",
             LMCACHE_MOONCAKE_LOCAL_BUFFER_SIZE=str(int(settings.remote_tier_gb * 1e9)),
         )

@@ -131,8 +131,8 @@ class MooncakeStoreConnector(RemoteConnector):
         pool_size: int = 4,
         max_value_bytes: Optional[int] = None,
     ) -> None:
-        """`max_value_bytes` caps a put (default and ceiling: `local_buffer_size`, since a
-        larger value could never be read back)."""
+        """`max_value_bytes` caps a put (default and ceiling: `local_buffer_size`, so that a
+        client reading whole values into that buffer, as Mooncake's own gets do, can read it)."""
         self._master = master
         self._settings = settings
         self._timeout = timeout
