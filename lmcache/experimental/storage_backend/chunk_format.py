@@ -30,6 +30,7 @@ returns None, which every caller treats as a miss.
 
 import math
 import struct
+from abc import ABCMeta, abstractmethod
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import BinaryIO, Callable, Iterator, Mapping, Optional, Protocol, Sequence, Tuple, Union
@@ -92,13 +93,13 @@ class ChunkReader(Protocol):
     def readinto(self, view: memoryview) -> None: ...
 
 
-class FillAbandoned(Exception):
+class FillAbandoned(Exception, metaclass=ABCMeta):
     """A read into an object gave up while something may still write into it (a transfer that
     outlived its timeout): the object must not be freed, so reused, before the writer stopped."""
 
+    @abstractmethod
     def after(self, release: Callable[[], None]) -> None:
         """Call `release` once nothing writes into the target any more."""
-        raise NotImplementedError
 
 
 @dataclass(frozen=True)
