@@ -156,7 +156,8 @@ def test_mooncake_v0_store_v1_layerwise_async_hits_and_a_master_killed_mid_run(t
     try:
         a = run_vllm_job({**job, "prompts": [PROMPT], "vllm_module": "lmcache_vllm.vllm"}, env={**env, **v0})
         # A's six chunks are in the store before B starts (else a miss below is A's, not B's).
-        assert master.gauge("master_key_count") == 6, [ln for ln in a.log.splitlines() if "remote tier" in ln]
+        assert wait_for(lambda: master.gauge("master_key_count") == 6, timeout=10), \
+            [ln for ln in a.log.splitlines() if "remote tier" in ln]
         b = run_vllm_job({**job, "prompts": [PROMPT] * 4, "gate_before": [1, 2, 3], "vllm_module": "lmcache_vllm.vllm",
                           "llm_kwargs": V1_LLM_KWARGS}, env={**env, **modes}, at_gate=at_gate)
     finally:
