@@ -252,6 +252,25 @@ def test_requests_that_must_not_store(settings, request_kwargs, reason, caplog):
     assert "not stored: " in caplog.text and reason in caplog.text
 
 
+def test_prompt_logprobs_never_look_up_or_load_but_store_and_say_why(caplog):
+    """vLLM 0.9.2 asks the connector even for a request that wants prompt logprobs; a hit would
+    leave those positions uncomputed (its output processor then fails and the engine dies)."""
+    side, channel, driver = make_side(hit=lambda tokens, salt: len(tokens))
+    request = make_request("a", PROMPT, prompt_logprobs=1)
+    req = only(driver.admit(request, 1000))
+    assert driver.returned["a"] == 0 and channel.lookups == [] and channel.unpinned == []
+    assert req.load_spec is None and req.save_spec == SaveSpec(0, 1000)
+    channel.counters["a"] = RequestCounters(stored_tokens=1000)
+    logging.getLogger("lmcache").addHandler(caplog.handler)
+    try:
+        side.request_finished(request, [])
+    finally:
+        logging.getLogger("lmcache").removeHandler(caplog.handler)
+    assert "lmcache_hit_tokens=0 loaded_tokens=0 stored_tokens=1000 (not loaded: prompt logprobs)" in caplog.text
+    # The same prompt without prompt logprobs looks up as usual.
+    assert only(driver.admit(make_request("b", PROMPT), 1000)).load_spec is not None
+
+
 def test_priority_at_the_limit_and_skip_save_false_still_store():
     side, channel, driver = make_side(priority_limit=1)
     request = make_request("a", PROMPT, priority=1, kv_transfer_params={"lmcache.skip_save": False, "other": 1})

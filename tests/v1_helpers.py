@@ -41,6 +41,7 @@ def make_request(
     lora_request=None,
     cache_salt: Optional[str] = None,
     priority: int = 0,
+    prompt_logprobs: Optional[int] = None,
 ) -> Request:
     extra = {"kv_transfer_params": kv_transfer_params} if kv_transfer_params is not None else None
     return Request(
@@ -49,7 +50,7 @@ def make_request(
         multi_modal_inputs=None,
         multi_modal_hashes=None,
         multi_modal_placeholders=None,
-        sampling_params=SamplingParams(max_tokens=64, extra_args=extra),
+        sampling_params=SamplingParams(max_tokens=64, extra_args=extra, prompt_logprobs=prompt_logprobs),
         pooling_params=None,
         eos_token_id=2,
         lora_request=lora_request,

@@ -22,6 +22,7 @@ Operations:
   `LMCacheConnectorV1` shell holds and hands over each step.
 - `attention_kv_caches(forward_context)`: each decoder attention layer's KV cache tensor.
 - `multimodal_placeholders(request)`: a v1 request's multimodal content hashes and positions.
+- `full_prompt_reason(request)`: why a v1 request must compute every prompt position (None if not).
 - `wrapper_patch_points()`: the vLLM methods the `lmcache_vllm` wrapper wraps.
 - `wrapper_kv_transfer_config()`: the KV transfer config the wrapper turns on for the user.
 - `kv_cache_block_ids(blocks)`: the block ids of a `KVCacheBlocks`, per KV cache group.
@@ -225,6 +226,33 @@ def multimodal_placeholders(request: Any) -> Optional[List[Tuple[Optional[str], 
     if len(hashes) != len(positions):
         hashes = [None] * len(positions)
     return [(h or None, int(p.offset), int(p.length)) for h, p in zip(hashes, positions)]
+
+
+def full_prompt_reason(request: Any) -> Optional[str]:
+    """Why a v1 request must compute every prompt position itself, so that no cached prefix may
+    replace any of it (None when one may). Prompt logprobs need the logits of every prompt token;
+    a pooling request over all tokens needs their hidden states. vLLM 0.32 decides this itself:
+    `Request.skip_reading_prefix_cache` (from `SamplingParams` / `PoolingParams`, which set it for
+    prompt logprobs and for the `token_embed` / `token_classify` tasks, or as the user asked), and
+    it zeroes a connector's hit for such a request after asking for it. vLLM 0.9.2 only skips its
+    own prefix cache for `prompt_logprobs` and asks the connector anyway; its v1 pooling runs
+    without a prefix cache, so every pooling request computes its prompt here too."""
+    sampling = getattr(request, "sampling_params", None)
+    pooling = getattr(request, "pooling_params", None)
+    prompt_logprobs = sampling is not None and sampling.prompt_logprobs is not None
+    if not is_legacy_vllm():
+        if not getattr(request, "skip_reading_prefix_cache", False):
+            return None
+        if prompt_logprobs:
+            return "prompt logprobs"
+        if pooling is not None:
+            return f"pooling task {pooling.task!r} reads every prompt token"
+        return "the request skips reading the prefix cache"
+    if prompt_logprobs:
+        return "prompt logprobs"
+    if pooling is not None:
+        return "pooling reads every prompt token"
+    return None
 
 
 def wrapper_kv_transfer_config() -> Any:

@@ -270,9 +270,12 @@ def retrieve_step(
     skips = [min(p.loaded, p.seq.query_len - 1) for p in plan.prefills]
     rebuilt = rebuild_model_input(model_input, plan.step, skips, block_size)
     for prefill, skip in zip(plan.prefills, skips):
-        if prefill.served and prefill.may_skip:
+        if prefill.served:
             seq = prefill.seq
-            logger.info("%s", format_v0_step_line(seq.query_len, seq.context_len, prefill.loaded, seq.query_len - skip))
+            reason = "" if prefill.may_skip else "prompt logprobs"
+            logger.info(
+                "%s", format_v0_step_line(seq.query_len, seq.context_len, prefill.loaded, seq.query_len - skip, reason)
+            )
     return rebuilt, plan
 
 

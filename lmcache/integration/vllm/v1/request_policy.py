@@ -7,7 +7,8 @@ Operations:
   shapes the request's KV (vLLM's own `cache_salt`, the LoRA adapter, multimodal input hashes and
   their positions), or the reason the request must bypass the cache.
 - `request_config(kv_transfer_params)`: the request's `lmcache.`-prefixed settings.
-- `request_policy(request, settings)`: the three above folded into one `RequestPolicy`.
+- `request_policy(request, settings)`: the three above, and whether the request must compute its
+  whole prompt (`vllm_compat.full_prompt_reason`), folded into one `RequestPolicy`.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Optional
 from lmcache.experimental.config import EXTRA_CONFIG_PREFIX, LMCacheEngineConfig, parse_bool
 from lmcache.integration.vllm.request_identity import RequestIdentity, cache_identity
 from lmcache.integration.vllm.utils import EXTRA_CONFIG_SOURCE, extra_config_of, force_skip_save
-from lmcache.integration.vllm.vllm_compat import multimodal_placeholders
+from lmcache.integration.vllm.vllm_compat import full_prompt_reason, multimodal_placeholders
 from lmcache.logging import init_logger
 
 if TYPE_CHECKING:
@@ -99,7 +100,11 @@ class RequestPolicy:
     cache_salt: str
     use_cache: bool  # False: neither look up, load nor store
     may_save: bool
-    reason: str  # why not (empty when both are allowed), for the per-request log line
+    reason: str  # why not stored (empty when it may be), for the per-request log line
+    # False when the request computes every prompt position (prompt logprobs, pooling over all
+    # tokens): no lookup and no load, though it may store what it computed.
+    may_load: bool = True
+    load_reason: str = ""  # why not loaded (empty when it may be), for the per-request log line
 
 
 def request_identity(request: "Request") -> RequestIdentity:
@@ -157,4 +162,8 @@ def request_policy(request: "Request", settings: DoorSettings) -> RequestPolicy:
         reason = f"{REQUEST_SKIP_SAVE_KEY} is set"
     elif settings.priority_limit is not None and request.priority > settings.priority_limit:
         reason = f"priority {request.priority} is above priority_limit {settings.priority_limit}"
-    return RequestPolicy(identity.cache_salt, use_cache=True, may_save=not reason, reason=reason)
+    full_prompt = full_prompt_reason(request)
+    return RequestPolicy(
+        identity.cache_salt, use_cache=True, may_save=not reason, reason=reason,
+        may_load=full_prompt is None, load_reason=full_prompt or "",
+    )

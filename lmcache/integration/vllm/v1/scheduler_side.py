@@ -119,7 +119,7 @@ class LMCacheSchedulerSide:
         if self._pd is not None:
             self._pd.admit(request)
             return 0, False  # a PD prefiller computes every prompt and pushes it; it never loads
-        if not policy.use_cache:
+        if not policy.use_cache or not policy.may_load:
             return 0, False
         if self._blend is not None:
             blended = self._blend.match(req_id, prompt, policy.cache_salt, policy.may_save, self._channel)
@@ -280,8 +280,8 @@ class LMCacheSchedulerSide:
                 logger.error("request %s: cannot read the worker's LMCache counters: %s", req_id, err)
                 counters = RequestCounters()
             policy = self._policies.get(req_id)
-            reason = "" if policy is None else policy.reason
-            logger.info("%s", format_request_line(req_id, stats, counters, reason))
+            reasons = ("", "") if policy is None else (policy.reason, policy.load_reason)
+            logger.info("%s", format_request_line(req_id, stats, counters, *reasons))
             record_vllm_hit_tokens(self.settings.model_name, stats.vllm_cached_tokens)
         params = self._pd.finished(request) if self._pd is not None else None
         self._forget(req_id)
