@@ -53,11 +53,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 # The files that take longest in `make test` (seconds of test time measured on 2 cores, 2026-11-27):
 # test_v1_e2e 275, test_remote_vllm 270, test_bench_serving 126, test_families 106, test_v0_e2e 104,
-# test_pd_e2e 104, test_blend_vllm 84; vLLM 0.32: test_latest_e2e, test_latest_families first.
+# test_pd_e2e 104, test_blend_vllm 84; test_request_kinds ~140 (2026-11-28, alone); vLLM 0.32:
+# test_latest_e2e, test_latest_request_kinds (~110), test_latest_families first.
 _LONGEST_FIRST = {
     name: rank
     for rank, name in enumerate(
-        ("test_v1_e2e.py", "test_remote_vllm.py", "test_latest_e2e.py", "test_latest_families.py",
+        ("test_v1_e2e.py", "test_remote_vllm.py", "test_request_kinds.py", "test_latest_e2e.py",
+         "test_latest_request_kinds.py", "test_latest_families.py",
          "test_bench_serving.py", "test_families.py", "test_v0_e2e.py", "test_pd_e2e.py", "test_blend_vllm.py")
     )
 }

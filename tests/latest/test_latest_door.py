@@ -13,11 +13,12 @@ from conftest import ROOT
 from v1_helpers import RecordingChannel, make_settings
 from vllm import SamplingParams
 from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
+from vllm.pooling_params import PoolingParams
 from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from vllm.v1.request import Request
 
 from lmcache.integration.vllm import vllm_compat
-from lmcache.integration.vllm.v1.request_policy import request_identity
+from lmcache.integration.vllm.v1.request_policy import request_identity, request_policy
 from lmcache.integration.vllm.v1.scheduler_side import LMCacheSchedulerSide
 
 BLOCK = 16
@@ -90,6 +91,26 @@ def test_multimodal_features_are_in_the_key():
     salts = {plain.cache_salt, first.cache_salt, second.cache_salt}
     assert len(salts) == 3 and first.cache_salt == again.cache_salt
     assert vllm_compat.multimodal_placeholders(make_request("e", PROMPT, [_image("h")])) == [("h", 4, 16)]
+
+
+def test_requests_vllm_marks_to_skip_the_prefix_cache_never_load():
+    """vLLM 0.32 zeroes a connector's hit for `skip_reading_prefix_cache` requests after asking for
+    it; the door does not look up for them at all (no pins, no hit counted) and says why."""
+    settings = make_settings()
+    cases = {
+        "prompt logprobs": SamplingParams(max_tokens=1, prompt_logprobs=1),
+        "pooling task 'token_embed' reads every prompt token": PoolingParams(task="token_embed", skip_reading_prefix_cache=True),
+        "the request skips reading the prefix cache": SamplingParams(max_tokens=1, skip_reading_prefix_cache=True),
+    }
+    for reason, params in cases.items():
+        pooling = isinstance(params, PoolingParams)
+        request = Request("r", PROMPT, None if pooling else params, params if pooling else None)
+        assert request.skip_reading_prefix_cache
+        policy = request_policy(request, settings)
+        assert (policy.may_load, policy.load_reason, policy.may_save) == (False, reason, True)
+    last_token = Request("p", PROMPT, None, PoolingParams(task="embed", skip_reading_prefix_cache=False))
+    assert request_policy(last_token, settings).may_load
+    assert request_policy(make_request("s", PROMPT), settings).may_load
 
 
 def test_cpu_platform_is_vllms_own_choice():

@@ -1,13 +1,13 @@
 """vLLM 0.32 (the current line, .venv-latest) end to end on the tiny float32 model: vLLM's own
-`LMCacheConnectorV1` loading our `LMCacheConnectorV1Impl`, the wrapper's `LLM`, and
-`lmcache_vllm serve`.
+`LMCacheConnectorV1` loading our `LMCacheConnectorV1Impl` and the wrapper's `LLM`
+(`lmcache_vllm serve` over HTTP: test_latest_request_kinds.py).
 
 Every run is compared with one cache-off run (same chunked-prefill settings): greedy tokens equal,
 logprobs equal up to float rounding. Hit, load and store counts come from the door's per-request
 log line. vLLM 0.32 keeps the CPU cache as CPU_ATTN blocks of 128 tokens and prefills in chunks of
 `max_num_batched_tokens`; P_LONG is longer than one such chunk. Engine starts cost most of the
-time, so there are four: cache off, vLLM's connector with its prefix cache off, the wrapper with
-it on, and the server. The layer-wise test and the wrapper's (background loads) run on the node
+time, so there are three: cache off, vLLM's connector with its prefix cache off, and the wrapper
+with it on. The layer-wise test and the wrapper's (background loads) run on the node
 pool (`lm+shm://`, a server started in the test) as their only tier, vLLM's connector's on
 Mooncake Store (a master and a storage process started in the test) as its only tier.
 """
@@ -16,11 +16,8 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
-import sys
 
 import pytest
-from conftest import ROOT, VLLM_TEST_ENV
 from mooncake_fixture import MooncakeMaster, MooncakeStorage
 from redis_fixture import LMServerProcess
 from test_v1_e2e import (
@@ -118,23 +115,6 @@ def test_wrapper_llm_with_vllm_prefix_cache_loads_the_rest_from_the_pool_in_the_
     done = re.findall(r"background load done, (\d+) leading tokens ready of (\d+) promised", result.log)
     assert sorted(done) == [("1424", "1424"), ("1424", "1424"), ("1500", "1500")]
     assert_no_pins_left(result)
-
-
-def test_wrapper_serve_hits_over_http():
-    """`lmcache_vllm serve` on vLLM 0.32 (scripts/serve_demo.py): the repeat is served from LMCache
-    with the same text, and Ctrl-C stops the server cleanly."""
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "serve_demo.py"), "--prompt-tokens", "1000",
-         "--log", str(ROOT / ".cache" / "serve_demo_latest.log")],
-        capture_output=True, text=True, timeout=900, cwd=str(ROOT),
-        env={**os.environ, **VLLM_TEST_ENV, "LMCACHE_CHUNK_SIZE": "256"},
-    )
-    out = proc.stdout
-    assert proc.returncode == 0, out + proc.stderr[-3000:]
-    assert re.search(r"first \(cold\) .* LMCache hit tokens 0/1000", out), out
-    assert re.search(r"second \(repeat\) .* LMCache hit tokens 1000/1000", out), out
-    assert "same completion text both times: True" in out
-    assert "server stopped cleanly (exit code 0)" in out
 
 
 def test_layerwise_loads_and_stores_per_layer_in_the_pool(tiny_model, baseline, pool):
