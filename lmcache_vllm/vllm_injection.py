@@ -66,7 +66,7 @@ logger = init_logger(__name__)
 # it is the wrapper's own switch, not an engine setting.
 INJECT_ENV = "_LMCACHE_VLLM_INJECT"
 V1_CONNECTOR = "LMCacheConnectorV1"
-# The v0 server client's attribute holding its startup socket between tries (`wrap_startup_socket`).
+# The v0 server client's attribute holding its startup socket between tries (`startup_socket`).
 _STARTUP_SOCKET = "_lmcache_startup_socket"
 
 
