@@ -57,7 +57,15 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 
 import wrapt
 
-from lmcache.integration.vllm.vllm_compat import KV_SPEC_GUARD_POINTS, WRAPPER_PATCH_POINTS, PatchPoint
+from lmcache.integration.vllm.vllm_compat import (
+    KV_SPEC_GUARD_POINTS,
+    WRAPPER_PATCH_POINTS,
+    PatchPoint,
+    connector_impl_of,
+    finish_short_remote_load,
+    kv_cache_block_ids,
+    wrapper_kv_transfer_config,
+)
 from lmcache.logging import init_logger
 
 logger = init_logger(__name__)
@@ -133,8 +141,6 @@ def inspect_model_in_process(wrapped: Callable[..., Any], instance: Any, args: A
 def use_v1_connector(engine_args: Any) -> None:
     """Give `engine_args` our v1 connector unless the user set a KV transfer config."""
     if engine_args.kv_transfer_config is None:
-        from lmcache.integration.vllm.vllm_compat import wrapper_kv_transfer_config
-
         engine_args.kv_transfer_config = wrapper_kv_transfer_config()
         logger.info("lmcache_vllm: v1 engine selected, using KV connector %s", V1_CONNECTOR)
     else:
@@ -159,7 +165,6 @@ def create_engine_config(wrapped: Callable[..., Any], instance: Any, args: Any, 
 
 def _our_impl(shell: Any) -> Any:
     """The `LMCacheConnectorV1Impl` inside vLLM's shell, or None (another connector)."""
-    from lmcache.integration.vllm.vllm_compat import connector_impl_of
     from lmcache.integration.vllm.vllm_v1_adapter import LMCacheConnectorV1Impl
 
     impl = connector_impl_of(shell)
@@ -180,8 +185,6 @@ def async_match(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: A
 
 def async_alloc(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
     """The shell's allocation callback, handing our side the allocated blocks too."""
-    from lmcache.integration.vllm.vllm_compat import kv_cache_block_ids
-
     impl = _our_impl(instance)
     if impl is None:
         return wrapped(*args, **kwargs)
@@ -194,7 +197,6 @@ def async_alloc(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: A
 
 def remote_kv_ready(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
     """vLLM 0.9.2's scheduler taking a finished background load at the tokens that arrived."""
-    from lmcache.integration.vllm.vllm_compat import finish_short_remote_load
 
     def ready(request: Any) -> Any:
         impl = _our_impl(instance.connector) if instance.connector is not None else None
