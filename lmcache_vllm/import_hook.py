@@ -4,8 +4,8 @@ A finder on `sys.meta_path` answers only for names under `lmcache_vllm.vllm`. It
 back the module the real name imports to (so `isinstance` checks and monkeypatches see one
 object), and runs `prepare()` before the first such import: check the vLLM version, turn
 OpenTelemetry off unless the user configured it (`vllm_injection.quiet_telemetry_by_default`),
-mark the environment so vLLM's spawned processes inject too (see `vllm_injection.INJECT_ENV`),
-and apply the injection in this process. `get_code` serves `python -m lmcache_vllm.vllm.entrypoints...`.
+and apply the injection in this process, marking the environment so vLLM's spawned processes
+inject too (see `vllm_injection.INJECT_ENV`). `get_code` serves `python -m lmcache_vllm.vllm.entrypoints...`.
 
 Installing the finder imports nothing heavy; vLLM is imported only when a proxied name is.
 """
@@ -36,11 +36,10 @@ def is_proxy_name(fullname: str) -> bool:
 def prepare() -> None:
     """Everything that must happen before a proxied vLLM module is used (idempotent)."""
     from lmcache_vllm.compat import check_vllm_supported
-    from lmcache_vllm.vllm_injection import apply_injection, mark_environment, quiet_telemetry_by_default
+    from lmcache_vllm.vllm_injection import apply_injection, quiet_telemetry_by_default
 
     check_vllm_supported()
     quiet_telemetry_by_default()  # before vLLM (and so transformers) is imported
-    mark_environment()
     apply_injection()
 
 

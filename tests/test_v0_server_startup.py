@@ -3,8 +3,8 @@
 vLLM's own client (`MQLLMEngineClient.setup`) and engine (`MQLLMEngine.run_startup_loop`) talk
 over a real ZeroMQ IPC socket; the engine answers the first "ready?" only after the client's
 timeout has passed, as when the engine process finishes starting just as the client gives up
-on its first question. vLLM alone then waits forever; with `wrap_startup_socket` the retry
-receives the answer. The timeout is shortened from vLLM's 10 s to keep the test short.
+on its first question. vLLM alone then waits forever; with the wrapper's injection
+(`vllm_injection.startup_socket`) the retry receives the answer. The timeout is shortened from vLLM's 10 s to keep the test short.
 """
 
 from __future__ import annotations
@@ -15,11 +15,13 @@ import time
 from typing import Any
 
 import pytest
+import wrapt
 import zmq
 import zmq.asyncio
 from vllm.engine.multiprocessing import IPC_DATA_EXT, client, engine
+from wrapper_patches import injected
 
-from lmcache_vllm.vllm_injection import is_wrapped, wrap_startup_socket
+from lmcache_vllm.vllm_injection import is_ours
 
 TIMEOUT_MS = 300
 TRIES = 4
@@ -86,21 +88,19 @@ def test_vllm_alone_never_hears_an_answer_given_to_a_closed_socket(short_rpc_tim
     assert not thread.is_alive()  # the engine answered once and stopped listening
 
 
-def test_the_wrapper_keeps_the_socket_so_the_retry_hears_the_first_answer(short_rpc_timeout, ipc_path, monkeypatch):
-    wrapped = wrap_startup_socket(client.MQLLMEngineClient.get_data_socket)
-    monkeypatch.setattr(client.MQLLMEngineClient, "get_data_socket", wrapped)
-    assert is_wrapped(wrapped)
-    thread = start_engine_side(ipc_path)
-    assert asyncio.run(tries_until_ready(ipc_path)) == 2
+def test_the_wrapper_keeps_the_socket_so_the_retry_hears_the_first_answer(short_rpc_timeout, ipc_path):
+    with injected():
+        assert wrapt.is_wrapped_by(vars(client.MQLLMEngineClient)["get_data_socket"], predicate=is_ours)
+        thread = start_engine_side(ipc_path)
+        assert asyncio.run(tries_until_ready(ipc_path)) == 2
     thread.join(timeout=5)
 
 
 def test_the_wrapper_answers_on_the_first_try_when_the_engine_is_quick(short_rpc_timeout, ipc_path, monkeypatch):
-    monkeypatch.setattr(client.MQLLMEngineClient, "get_data_socket",
-                        wrap_startup_socket(client.MQLLMEngineClient.get_data_socket))
     monkeypatch.setattr(SlowToAnswer, "is_tracing_enabled", lambda self: False)
     thread = start_engine_side(ipc_path)
-    assert asyncio.run(tries_until_ready(ipc_path)) == 1
+    with injected():
+        assert asyncio.run(tries_until_ready(ipc_path)) == 1
     thread.join(timeout=5)
 
 
@@ -113,9 +113,11 @@ def test_the_startup_socket_is_closed_once_setup_is_done(short_rpc_timeout, ipc_
         opened.append(cm)
         return cm
 
-    monkeypatch.setattr(client.MQLLMEngineClient, "get_data_socket", wrap_startup_socket(recording))
+    monkeypatch.setattr(client.MQLLMEngineClient, "get_data_socket", recording)
     thread = start_engine_side(ipc_path)
-    assert asyncio.run(tries_until_ready(ipc_path)) == 2
+    with injected():
+        assert asyncio.run(tries_until_ready(ipc_path)) == 2
     thread.join(timeout=5)
+    assert vars(client.MQLLMEngineClient)["get_data_socket"] is recording  # the injection came off
     assert len(opened) == 1  # one socket for both tries
     assert opened[0].gen.gi_frame is None  # vLLM's context manager ran to its end: socket closed

@@ -1,7 +1,7 @@
 """The wrapper's import hook, injection, general plugin and vLLM version check.
 
-What needs vLLM runs in one fresh interpreter (`PROBE`): the injection patches vLLM classes for
-the whole process, and vLLM reads its engine choice from the environment.
+What needs vLLM's engine choice runs in one fresh interpreter (`PROBE`): vLLM reads it from the
+environment. The patches themselves come off again in-process (`wrapper_patches`).
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from importlib import metadata
 
 import pytest
 from conftest import ROOT, VLLM_TEST_ENV
+from wrapper_patches import ORDERS, check_import_order, check_injection_comes_off, check_missing_patch_point_is_named
 
 from lmcache_vllm import compat
 
@@ -27,11 +28,16 @@ from vllm.engine.arg_utils import EngineArgs
 
 from vllm.worker.cpu_model_runner import CPUModelRunnerBase
 from vllm.worker.cpu_pooling_model_runner import CPUPoolingModelRunner
+from vllm.model_executor.models import registry
+import wrapt
+from lmcache_vllm.vllm_injection import is_ours
+
+def ours(owner, name):
+    return wrapt.is_wrapped_by(vars(owner).get(name), predicate=is_ours)
 
 def wrapped():
-    return [bool(getattr(f, "__lmcache_wrapped__", False)) for f in
-            (ModelRunner.execute_model, CPUModelRunner.execute_model, EngineArgs._set_default_args_v1,
-             ModelRunner.load_model, CPUModelRunner.load_model)]
+    return [ours(*f) for f in ((ModelRunner, "execute_model"), (CPUModelRunner, "execute_model"),
+            (EngineArgs, "_set_default_args_v1"), (ModelRunner, "load_model"), (CPUModelRunner, "load_model"))]
 
 # vLLM's own discovery finds our general plugin; without the wrapper's mark it does nothing.
 plugins = load_plugins_by_group("vllm.general_plugins")
@@ -41,17 +47,15 @@ out["unmarked"] = wrapped()
 os.environ["_LMCACHE_VLLM_INJECT"] = "1"
 plugins["lmcache_vllm"]()
 out["marked"] = wrapped()
-first = CPUModelRunner.execute_model
+first = vars(CPUModelRunner)["execute_model"]
 plugins["lmcache_vllm"]()
-out["idempotent"] = CPUModelRunner.execute_model is first
+out["idempotent"] = vars(CPUModelRunner)["execute_model"] is first
 del os.environ["_LMCACHE_VLLM_INJECT"]
 # load_model is wrapped on the two runners only, not on the base class their siblings share.
-out["siblings_untouched"] = [not getattr(f, "__lmcache_wrapped__", False)
-                             for f in (CPUModelRunnerBase.load_model, CPUPoolingModelRunner.load_model)]
+out["siblings_untouched"] = [not ours(CPUModelRunnerBase, "load_model"), "load_model" not in vars(CPUPoolingModelRunner)]
 out["otel_before"] = os.environ.get("OTEL_SDK_DISABLED")
 # Marked, vLLM's model-class inspection runs in this process on the CPU platform (no CUDA to keep
 # uninitialised), instead of a fresh interpreter that took 17-22 s of every start on 2 cores.
-from vllm.model_executor.models import registry
 out["inspection_in_process"] = registry._run_in_subprocess(os.getpid) == os.getpid()
 
 import vllm, vllm.entrypoints.openai.api_server as real_api
@@ -108,6 +112,19 @@ def test_general_plugin_acts_only_when_the_wrapper_marked_the_environment(probe)
     assert probe["siblings_untouched"] == [True, True]
     assert probe["inspection_in_process"]
     assert probe["idempotent"]
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_every_patch_is_applied_once_whatever_is_imported_first(order):
+    check_import_order(order)
+
+
+def test_the_injection_comes_off_again(monkeypatch):
+    check_injection_comes_off(monkeypatch)
+
+
+def test_a_patch_point_vllm_lacks_is_an_import_error_naming_it(monkeypatch):
+    check_missing_patch_point_is_named(monkeypatch)
 
 
 @pytest.mark.vllm

@@ -125,12 +125,12 @@ def test_cpu_platform_is_vllms_own_choice():
 
 
 def test_wrapper_hooks_the_engine_config_and_asks_for_recompute():
-    points = {(getattr(p.owner, "__name__", ""), p.name, p.role) for p in vllm_compat.wrapper_patch_points()}
+    points = {(p.path, p.role) for p in vllm_compat.WRAPPER_PATCH_POINTS if p.applies()}
     assert points == {
-        ("EngineArgs", "create_engine_config", "v1_engine_config"),
-        ("vllm.model_executor.models.registry", "_run_in_subprocess", "model_inspection"),
-        ("LMCacheConnectorV1", "get_num_new_matched_tokens", "v1_async_match"),
-        ("LMCacheConnectorV1", "update_state_after_alloc", "v1_async_alloc"),
+        ("EngineArgs.create_engine_config", "v1_engine_config"),
+        ("_run_in_subprocess", "model_inspection"),
+        ("LMCacheConnectorV1.get_num_new_matched_tokens", "v1_async_match"),
+        ("LMCacheConnectorV1.update_state_after_alloc", "v1_async_alloc"),
     }
     config = vllm_compat.wrapper_kv_transfer_config()
     assert (config.kv_connector, config.kv_role, config.kv_load_failure_policy) == (

@@ -10,14 +10,14 @@ the way out; `check_kv_cache_specs` stops it first and names both.
 Operations:
 - `runs_lmcache(vllm_config)`: whether this engine's KV transfer config runs LMCache's connector.
 - `check_kv_cache_specs(vllm_config, kv_cache_specs)`: raise when a layer is not paged attention KV.
-- `guard_kv_cache_specs(original)`: vLLM's engine-core function at
-  `vllm_compat.kv_spec_guard_point()`, checking first (installed by `lmcache_vllm.plugin`).
+
+`lmcache_vllm.plugin` wraps vLLM's engine-core function at `vllm_compat.KV_SPEC_GUARD_POINTS` to
+call `check_kv_cache_specs` first (`vllm_injection.check_kv_specs_first`).
 """
 
 from __future__ import annotations
 
-import functools
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 from lmcache.integration.vllm.mp_keys import MP_CONNECTOR
 from lmcache.integration.vllm.utils import extra_config_of
@@ -62,14 +62,3 @@ def check_kv_cache_specs(vllm_config: "VllmConfig", kv_cache_specs: Any) -> None
         f"state it never restored. Serve this model without the {vllm_config.kv_transfer_config.kv_connector} "
         "KV connector (plain `vllm`, no kv_transfer_config); vLLM's own prefix cache still works without it."
     )
-
-
-def guard_kv_cache_specs(original: Callable[..., Any]) -> Callable[..., Any]:
-    """vLLM's `get_kv_cache_config(s)(vllm_config, kv_cache_specs, ...)`, after `check_kv_cache_specs`."""
-
-    @functools.wraps(original)
-    def get_kv_cache_configs(vllm_config: Any, kv_cache_specs: Any, *args: Any, **kwargs: Any) -> Any:
-        check_kv_cache_specs(vllm_config, kv_cache_specs)
-        return original(vllm_config, kv_cache_specs, *args, **kwargs)
-
-    return get_kv_cache_configs

@@ -23,13 +23,13 @@ Operations:
 - `attention_kv_caches(forward_context)`: each decoder attention layer's KV cache tensor.
 - `multimodal_placeholders(request)`: a v1 request's multimodal content hashes and positions.
 - `full_prompt_reason(request)`: why a v1 request must compute every prompt position (None if not).
-- `wrapper_patch_points()`: the vLLM methods the `lmcache_vllm` wrapper wraps.
+- `WRAPPER_PATCH_POINTS` / `KV_SPEC_GUARD_POINTS`: the vLLM functions LMCache wraps (`PatchPoint`:
+  module, name, role, the vLLM lines it applies to).
 - `wrapper_kv_transfer_config()`: the KV transfer config the wrapper turns on for the user.
 - `kv_cache_block_ids(blocks)`: the block ids of a `KVCacheBlocks`, per KV cache group.
 - `finish_short_remote_load(scheduler, request, loaded)`: vLLM 0.9.2's "remote KV arrived" step
   for a background load that left fewer tokens than the blocks vLLM allocated.
-- `kv_spec_guard_point()` / `layers_without_paged_kv(kv_cache_specs)`: where vLLM's engine core
-  turns the workers' KV cache specs into cache configs, and the layers whose spec is not a paged
+- `layers_without_paged_kv(kv_cache_specs)`: the layers whose KV cache spec is not a paged
   attention KV cache LMCache can save (Mamba / linear-attention state, unknown kinds).
 - `route_mp_connector(module, class_name)`: make vLLM 0.32's `LMCacheMPConnector` name build our
   class (vLLM's own module for it cannot be imported without upstream's multiprocess package).
@@ -304,25 +304,81 @@ def finish_short_remote_load(scheduler: Any, request: Any, loaded: int) -> bool:
 PAGED_KV_SPECS = ("FullAttentionSpec", "SlidingWindowSpec", "MLAAttentionSpec")
 
 
-_ENGINE_CORE_MODULE = "vllm.v1.engine.core"
+@dataclass(frozen=True)
+class PatchPoint:
+    """One vLLM function LMCache wraps, named rather than imported: it is wrapped when vLLM imports
+    its module, on the vLLM lines listed (each line's module may lack the other's names)."""
+
+    module: str  # the vLLM module that defines it
+    path: str  # "Class.method", or a module-level function's name
+    # What the wrapper puts around it: "v0_execute_model" (LMCache around a v0 step),
+    # "v0_load_model" (start the engine once the model is loaded), "model_inspection" (vLLM's
+    # model-class inspection, in-process on the CPU platform), "v1_default_args" (turn on the v1
+    # connector when vLLM picks the v1 engine) or "v1_engine_config" (turn it on before the
+    # engine config is built, vLLM 0.32), "v1_async_match" / "v1_async_alloc" (vLLM's
+    # LMCacheConnectorV1 shell: the lookup's async flag, the allocated blocks), "v1_async_ready"
+    # (vLLM 0.9.2's scheduler taking a finished background load), "v0_startup_socket" (vLLM
+    # 0.9.2's v0 server client waiting for its engine process on one socket) or "kv_spec_guard"
+    # (the engine core checking the KV cache specs first).
+    role: str
+    lines: Tuple[str, ...]  # the vLLM releases it was read from (`CHECKED_*VLLM_VERSION`)
+
+    def applies(self) -> bool:
+        """Whether the running vLLM is one of `lines` (imports `vllm.version`)."""
+        return running_vllm_line() in self.lines
+
+    def __str__(self) -> str:
+        return f"{self.module}.{self.path}"
 
 
-def kv_spec_guard_point() -> Optional["PatchPoint"]:
-    """The engine-core function that first sees every worker's KV cache specs, before vLLM unifies
-    them (and, for a hybrid model with a non-HMA connector, fails with "Failed to promote local KV
-    cache specs to one unified type"); the connector itself is built only after it. None when
-    this process has not imported vLLM's engine core: importing it costs seconds, and a process
-    that builds an engine core imports it first (vLLM 0.32 with `vllm.LLM` itself; the engine-core
-    process before it loads plugins).
-    vLLM 0.9.2: `vllm.v1.engine.core.get_kv_cache_config(vllm_config, specs of one worker, memory)`;
-    vLLM 0.32: `vllm.v1.engine.core.get_kv_cache_configs(vllm_config, [specs per worker], memory)`
-    (both called by `EngineCore._initialize_kv_caches`, bound by name in `core`)."""
-    import sys
+LEGACY_LINE = (CHECKED_VLLM_VERSION,)
+LATEST_LINE = (CHECKED_LATEST_VLLM_VERSION,)
+BOTH_LINES = LEGACY_LINE + LATEST_LINE
 
-    core = sys.modules.get(_ENGINE_CORE_MODULE)
-    if core is None:
-        return None
-    return PatchPoint(core, "get_kv_cache_config" if is_legacy_vllm() else "get_kv_cache_configs", "kv_spec_guard")
+
+def running_vllm_line() -> str:
+    """The checked release of the running vLLM's line: `CHECKED_VLLM_VERSION` or the latest."""
+    return CHECKED_VLLM_VERSION if is_legacy_vllm() else CHECKED_LATEST_VLLM_VERSION
+
+
+_V0_RUNNERS = (("vllm.worker.model_runner", "ModelRunner"), ("vllm.worker.cpu_model_runner", "CPUModelRunner"))
+_SHELL = "vllm.distributed.kv_transfer.kv_connector.v1.lmcache_connector"
+
+# The methods `lmcache_vllm.vllm_injection` wraps. vLLM 0.9.2: the v0 GPU and CPU model runners'
+# `execute_model` and `load_model`; `EngineArgs._set_default_args_v1`, which vLLM calls exactly when
+# it chose the v1 engine (private: there is no public hook at that moment); the scheduler's
+# `_update_waiting_for_remote_kv` (private), see `finish_short_remote_load`; the v0 server's
+# startup handshake socket, `MQLLMEngineClient.get_data_socket` (private). vLLM 0.32 (v1 only):
+# `EngineArgs.create_engine_config`, before it reads the KV transfer config. Both:
+# `registry._run_in_subprocess`, which runs the model-class inspection in a fresh interpreter
+# (private), and vLLM's `LMCacheConnectorV1` shell's `get_num_new_matched_tokens` (always answers
+# "not async") and `update_state_after_alloc` (drops the blocks), for `enable_async_loading`.
+WRAPPER_PATCH_POINTS = (
+    PatchPoint("vllm.engine.arg_utils", "EngineArgs._set_default_args_v1", "v1_default_args", LEGACY_LINE),
+    PatchPoint("vllm.engine.arg_utils", "EngineArgs.create_engine_config", "v1_engine_config", LATEST_LINE),
+    PatchPoint("vllm.model_executor.models.registry", "_run_in_subprocess", "model_inspection", BOTH_LINES),
+    PatchPoint(_SHELL, "LMCacheConnectorV1.get_num_new_matched_tokens", "v1_async_match", BOTH_LINES),
+    PatchPoint(_SHELL, "LMCacheConnectorV1.update_state_after_alloc", "v1_async_alloc", BOTH_LINES),
+    PatchPoint("vllm.v1.core.sched.scheduler", "Scheduler._update_waiting_for_remote_kv", "v1_async_ready", LEGACY_LINE),
+    PatchPoint("vllm.engine.multiprocessing.client", "MQLLMEngineClient.get_data_socket", "v0_startup_socket", LEGACY_LINE),
+    *(
+        PatchPoint(module, f"{runner}.{method}", role, LEGACY_LINE)
+        for module, runner in _V0_RUNNERS
+        for method, role in (("execute_model", "v0_execute_model"), ("load_model", "v0_load_model"))
+    ),
+)
+
+
+# vLLM's engine-core function that first sees every worker's KV cache specs, before vLLM unifies
+# them (and, for a hybrid model with a non-HMA connector, fails with "Failed to promote local KV
+# cache specs to one unified type"); the connector itself is built only after it. Both are bound by
+# name in `vllm.v1.engine.core` and called by `EngineCore._initialize_kv_caches`.
+# vLLM 0.9.2: `get_kv_cache_config(vllm_config, specs of one worker, memory)`;
+# vLLM 0.32: `get_kv_cache_configs(vllm_config, [specs per worker], memory)`.
+KV_SPEC_GUARD_POINTS = (
+    PatchPoint("vllm.v1.engine.core", "get_kv_cache_config", "kv_spec_guard", LEGACY_LINE),
+    PatchPoint("vllm.v1.engine.core", "get_kv_cache_configs", "kv_spec_guard", LATEST_LINE),
+)
 
 
 def layers_without_paged_kv(kv_cache_specs: Any) -> List[Tuple[str, str]]:
@@ -398,59 +454,6 @@ def v0_state_beyond_kv(model_config: Any) -> Optional[str]:
     if getattr(model_config, "is_hybrid", False) or getattr(model_config, "has_inner_state", False):
         return "Mamba / recurrent state beside its attention layers"
     return None
-
-
-@dataclass(frozen=True)
-class PatchPoint:
-    """One vLLM method the wrapper wraps."""
-
-    owner: Any  # a class, or a module for a module-level function
-    name: str
-    # What the wrapper puts around it: "v0_execute_model" (LMCache around a v0 step),
-    # "v0_load_model" (start the engine once the model is loaded), "model_inspection" (vLLM's
-    # model-class inspection, in-process on the CPU platform), "v1_default_args" (turn on the v1
-    # connector when vLLM picks the v1 engine) or "v1_engine_config" (turn it on before the
-    # engine config is built, vLLM 0.32), "v1_async_match" / "v1_async_alloc" (vLLM's
-    # LMCacheConnectorV1 shell: the lookup's async flag, the allocated blocks), "v1_async_ready"
-    # (vLLM 0.9.2's scheduler taking a finished background load) or "v0_startup_socket" (vLLM
-    # 0.9.2's v0 server client waiting for its engine process on one socket).
-    role: str
-
-
-def wrapper_patch_points() -> List[PatchPoint]:
-    """The methods `lmcache_vllm.vllm_injection` wraps. vLLM 0.9.2: the v0 GPU and CPU model
-    runners' `execute_model` and `load_model`; `EngineArgs._set_default_args_v1`, which vLLM
-    calls exactly when it chose the v1 engine (private: there is no public hook at that moment).
-    vLLM 0.32 (v1 only): `EngineArgs.create_engine_config`, before it reads the KV transfer
-    config. Both: `vllm.model_executor.models.registry._run_in_subprocess`, which runs the
-    model-class inspection in a fresh interpreter (private). Both: vLLM's `LMCacheConnectorV1`
-    shell's `get_num_new_matched_tokens` (always answers "not async") and
-    `update_state_after_alloc` (drops the blocks), for `enable_async_loading`; vLLM 0.9.2:
-    `Scheduler._update_waiting_for_remote_kv` (private), see `finish_short_remote_load`, and
-    `MQLLMEngineClient.get_data_socket` (private), the v0 server's startup handshake socket."""
-    from vllm.distributed.kv_transfer.kv_connector.v1.lmcache_connector import LMCacheConnectorV1
-    from vllm.engine.arg_utils import EngineArgs
-    from vllm.model_executor.models import registry
-
-    inspection = PatchPoint(registry, "_run_in_subprocess", "model_inspection")
-    shell = [
-        PatchPoint(LMCacheConnectorV1, "get_num_new_matched_tokens", "v1_async_match"),
-        PatchPoint(LMCacheConnectorV1, "update_state_after_alloc", "v1_async_alloc"),
-    ]
-    if not is_legacy_vllm():
-        return [PatchPoint(EngineArgs, "create_engine_config", "v1_engine_config"), inspection, *shell]
-    from vllm.engine.multiprocessing.client import MQLLMEngineClient
-    from vllm.v1.core.sched.scheduler import Scheduler
-    from vllm.worker.cpu_model_runner import CPUModelRunner
-    from vllm.worker.model_runner import ModelRunner
-
-    points = [PatchPoint(EngineArgs, "_set_default_args_v1", "v1_default_args"), inspection, *shell]
-    points.append(PatchPoint(Scheduler, "_update_waiting_for_remote_kv", "v1_async_ready"))
-    points.append(PatchPoint(MQLLMEngineClient, "get_data_socket", "v0_startup_socket"))
-    for runner in (ModelRunner, CPUModelRunner):
-        points.append(PatchPoint(runner, "execute_model", "v0_execute_model"))
-        points.append(PatchPoint(runner, "load_model", "v0_load_model"))
-    return points
 
 
 # ----- CacheBlend: the model it runs layer by layer ----------------------------------------------
