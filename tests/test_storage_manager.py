@@ -44,7 +44,7 @@ class BrokenTier(StorageBackendInterface):
     def remove(self, key) -> bool:
         raise ConnectionError("down")
 
-    def close(self) -> None:
+    def close(self, timeout_s=None) -> None:
         raise ConnectionError("down")
 
 

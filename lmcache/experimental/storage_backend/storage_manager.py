@@ -11,6 +11,7 @@ chunk is served from memory even if every tier has lost it since.
 """
 
 import threading
+import time
 from typing import Callable, Dict, Iterable, List, Optional, Sequence, Set
 
 import torch
@@ -18,12 +19,17 @@ import torch
 from lmcache.experimental.memory_management import MemoryFormat, MemoryObj
 from lmcache.experimental.pins import PinRegistry
 from lmcache.experimental.stats import EngineStats
-from lmcache.experimental.storage_backend.abstract_backend import StorageBackendInterface
+from lmcache.experimental.storage_backend.abstract_backend import ClosedWrites, StorageBackendInterface
 from lmcache.experimental.storage_backend.local_cpu_backend import LocalCPUBackend
 from lmcache.logging import init_logger
 from lmcache.utils import CacheEngineKey
 
 logger = init_logger(__name__)
+
+# How long closing waits for every tier's queued writes together. vLLM's v1 engine kills its
+# engine-core process 5 s after asking it to stop: a close still waiting then would be killed
+# before it could say what it did not write.
+CLOSE_TIMEOUT_S = 4.0
 
 
 class StorageManager:
@@ -308,18 +314,29 @@ class StorageManager:
                 self._tier_failed(tier, "remove", key, err)
         return removed
 
-    def close(self) -> None:
-        """Flush every tier's pending writes (slowest first), then release pins and the CPU tier."""
+    def close(self, timeout_s: float = CLOSE_TIMEOUT_S) -> None:
+        """Flush every tier's pending writes (slowest first) within `timeout_s` together, giving up
+        what is left then, log one line with the counts, then release pins and the CPU tier."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
         self.pins.close()
+        start = time.monotonic()
+        written, unwritten = 0, []
         for tier in reversed(self._tiers):
             if tier is self._cpu:
                 continue
             try:
-                tier.close()
+                closed = tier.close(max(0.0, start + timeout_s - time.monotonic()))
             except Exception as err:
                 logger.warning("closing tier %s failed: %r", tier.tier_name, err)
+                closed = ClosedWrites(why=f"close failed: {err!r}")
+            written += closed.written
+            if closed.unwritten:
+                unwritten.append(f"{closed.unwritten} to {tier.tier_name} ({closed.why})")
         self._cpu.close()
+        if len(self._tiers) > (self._cpu in self._tiers):
+            lost = f"; not written: {', '.join(unwritten)}" if unwritten else "; none left unwritten"
+            (logger.warning if unwritten else logger.info)(
+                "LMCache tiers closing: flushed %d queued puts in %.2f s%s", written, time.monotonic() - start, lost)
