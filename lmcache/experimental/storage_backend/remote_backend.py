@@ -654,8 +654,15 @@ class RemoteBackend(StorageBackendInterface):
         before = self._counters.snapshot()
         if self._worker is not None:
             hurry(self._worker)  # a batch it holds must not wait for idle CPU
-        drained = self.flush(max(0.0, deadline - time.monotonic()))
+        # On a thread of its own: a batch sent to a stalled server waits for the connector's
+        # timeout (10 s), which must not stretch the deadline. Past it the send is given up.
+        flusher = threading.Thread(target=prepared(self.flush, "lmc-remote-flush", background=False),
+                                   args=(max(0.0, deadline - time.monotonic()),), name="lmcache-remote-flush",
+                                   daemon=True)
+        flusher.start()
+        flusher.join(max(0.0, deadline - time.monotonic()))
         with self._lock:
+            drained = not self._pending
             self._closed = True
             pool = self._prefetch_pool
         self._stop.set()

@@ -315,28 +315,36 @@ class StorageManager:
         return removed
 
     def close(self, timeout_s: float = CLOSE_TIMEOUT_S) -> None:
-        """Flush every tier's pending writes (slowest first) within `timeout_s` together, giving up
-        what is left then, log one line with the counts, then release pins and the CPU tier."""
+        """Flush the tiers' pending writes, all at once and each within `timeout_s` (a stalled
+        remote tier must not cost the disk tier its writes), log one line with the counts, then
+        release pins and the CPU tier."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
         self.pins.close()
         start = time.monotonic()
-        written, unwritten = 0, []
-        for tier in reversed(self._tiers):
-            if tier is self._cpu:
-                continue
+        lower = [tier for tier in self._tiers if tier is not self._cpu]
+        results: Dict[str, ClosedWrites] = {}
+
+        def close_tier(tier: StorageBackendInterface) -> None:
             try:
-                closed = tier.close(max(0.0, start + timeout_s - time.monotonic()))
+                results[tier.tier_name] = tier.close(timeout_s)
             except Exception as err:
                 logger.warning("closing tier %s failed: %r", tier.tier_name, err)
-                closed = ClosedWrites(why=f"close failed: {err!r}")
-            written += closed.written
-            if closed.unwritten:
-                unwritten.append(f"{closed.unwritten} to {tier.tier_name} ({closed.why})")
+                results[tier.tier_name] = ClosedWrites(why=f"close failed: {err!r}")
+
+        # Plain threads: at interpreter exit a ThreadPoolExecutor refuses work.
+        closing = [threading.Thread(target=close_tier, args=(tier,), name=f"lmcache-close-{tier.tier_name}")
+                   for tier in lower]
+        for thread in closing:
+            thread.start()
+        for thread in closing:
+            thread.join()  # each close keeps to `timeout_s`
         self._cpu.close()
-        if len(self._tiers) > (self._cpu in self._tiers):
-            lost = f"; not written: {', '.join(unwritten)}" if unwritten else "; none left unwritten"
+        if lower:
+            written = sum(r.written for r in results.values())
+            unwritten = [f"{r.unwritten} to {name} ({r.why})" for name, r in results.items() if r.unwritten]
             (logger.warning if unwritten else logger.info)(
-                "LMCache tiers closing: flushed %d queued puts in %.2f s%s", written, time.monotonic() - start, lost)
+                "LMCache tiers closed: flushed %d queued puts in %.2f s; %s", written, time.monotonic() - start,
+                f"not written: {', '.join(unwritten)}" if unwritten else "none left unwritten")
