@@ -16,7 +16,7 @@ from lmcache.utils import CacheEngineKey
 
 
 # How long a tier's close waits for its queued writes when its caller gives no bound.
-CLOSE_TIMEOUT_S = 30.0
+TIER_CLOSE_TIMEOUT_S = 30.0
 
 
 @dataclass(frozen=True)

@@ -39,7 +39,7 @@ from lmcache.background_threads import hurry, prepare_thread, thread_initializer
 from lmcache.experimental.memory_management import MemoryFormat, MemoryObj
 from lmcache.experimental.stats import TierStats
 from lmcache.experimental.storage_backend import chunk_format, hash_thread
-from lmcache.experimental.storage_backend.abstract_backend import CLOSE_TIMEOUT_S, ClosedWrites, StorageBackendInterface
+from lmcache.experimental.storage_backend.abstract_backend import TIER_CLOSE_TIMEOUT_S, ClosedWrites, StorageBackendInterface
 from lmcache.experimental.storage_backend.local_cpu_backend import LocalCPUBackend
 from lmcache.logging import init_logger
 from lmcache.utils import CacheEngineKey
@@ -557,9 +557,9 @@ class LocalDiskBackend(StorageBackendInterface):
 
     def close(self, timeout_s: Optional[float] = None) -> ClosedWrites:
         """Refuse new writes, wait for the queued ones at most `timeout_s` (default
-        `CLOSE_TIMEOUT_S`) and give up the rest (each writer skips them; a file being written is
+        `TIER_CLOSE_TIMEOUT_S`) and give up the rest (each writer skips them; a file being written is
         discarded), wait for prefetches."""
-        deadline = time.monotonic() + (CLOSE_TIMEOUT_S if timeout_s is None else timeout_s)
+        deadline = time.monotonic() + (TIER_CLOSE_TIMEOUT_S if timeout_s is None else timeout_s)
         with self._lock:
             self._closed = True
             queued, failed_before = len(self._put_tasks), self._failed_writes
