@@ -7,6 +7,8 @@ remote tier, or `retrieve` it with an empty CPU tier and report how it compares.
 
 Prints one JSON line: for `store` the remote tier's put counters, for `retrieve` the lookup
 length, the retrieved token count, whether the loaded KV is bit-exact and the largest error.
+`store` then exits as a vLLM worker does, leaving its puts queued to the engine's exit close
+(`worker_engine.close_at_exit`), and prints the counters after it.
 Both processes rebuild the same source KV from fixed seeds, so nothing but the remote store
 connects them.
 """
@@ -14,6 +16,7 @@ connects them.
 from __future__ import annotations
 
 import json
+import multiprocessing.util
 import sys
 from dataclasses import asdict
 
@@ -21,13 +24,15 @@ import torch
 
 from kv_reference import Geometry, gather, make_kvcaches
 from lmcache.config import LMCacheEngineMetadata
-from lmcache.experimental.cache_engine import LMCacheEngine
+from lmcache.experimental.cache_engine import LMCacheEngine, LMCacheEngineBuilder
 from lmcache.experimental.config import LMCacheEngineConfig
 from lmcache.experimental.gpu_connector import VLLMPagedMemGPUConnectorV2
 from lmcache.experimental.kv_layout import KVLayout
 from lmcache.experimental.memory_management import HostMemoryAllocator
 from lmcache.experimental.storage_backend.remote_backend import RemoteBackend
 from lmcache.experimental.token_database import ChunkedTokenDatabase
+from lmcache.integration.vllm.utils import ENGINE_NAME
+from lmcache.integration.vllm.worker_engine import ENGINE_EXIT_PRIORITY, close_at_exit
 
 CHUNK = 16
 TOKENS = 56  # three full chunks and a partial one
@@ -45,7 +50,8 @@ def _engine(url: str, serde: str, fields: dict) -> LMCacheEngine:
         GEO.hidden, GEO.num_layers, layout=GEO.layout, num_kv_heads=GEO.num_heads, use_mla=False
     )
     allocator = HostMemoryAllocator(int(config.max_local_cpu_size * 1024**3))
-    return LMCacheEngine(config, meta, allocator, ChunkedTokenDatabase(config, meta), connector)
+    return LMCacheEngineBuilder.get_or_create(ENGINE_NAME, config, meta, connector, memory_allocator=allocator,
+                                              token_database=ChunkedTokenDatabase(config, meta))
 
 
 def _remote(engine: LMCacheEngine) -> RemoteBackend:
@@ -60,9 +66,10 @@ def main() -> None:
     engine = _engine(job["url"], job["serde"], job.get("config", {}))
     remote = _remote(engine)
     if job["role"] == "store":
+        close_at_exit("store job")
+        multiprocessing.util.Finalize(None, lambda: print(json.dumps(asdict(remote.remote_stats())), flush=True),
+                                      exitpriority=ENGINE_EXIT_PRIORITY - 1)
         engine.store(tokens, kvcaches=source, slot_mapping=src_slots)
-        engine.close()
-        print(json.dumps(asdict(remote.remote_stats())))
         return
     hit = engine.lookup(tokens)
     target = make_kvcaches(GEO, seed=2)

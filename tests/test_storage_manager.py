@@ -1,12 +1,17 @@
 """Storage manager: ordered tiers, write-to-all, fastest read with promotion, search_range,
-failing tiers as misses, flush on close; and the factory that builds tiers from the config."""
+failing tiers as misses, flush on close (bounded, counted); and the factory that builds tiers from
+the config."""
 
 import os
-from typing import Optional
+import socket
+import time
+from typing import Iterator, Optional
 
 import pytest
 import torch
 from helpers import key
+from redis_fixture import lmcache_log  # noqa: F401
+from tier_helpers import remote_backend
 
 from lmcache.config import LMCacheEngineMetadata
 from lmcache.experimental.config import LMCacheEngineConfig
@@ -19,6 +24,8 @@ from lmcache.experimental.storage_backend import (
     StorageManager,
     create_storage_manager,
 )
+from lmcache.experimental.storage_backend.remote_backend import RemoteBackend, RemoteBackendOptions
+from lmcache.server import LMCacheServer, ServerConfig
 
 SHAPE = torch.Size([2, 1, 4, 64])  # 2 KiB of float32
 
@@ -44,7 +51,7 @@ class BrokenTier(StorageBackendInterface):
     def remove(self, key) -> bool:
         raise ConnectionError("down")
 
-    def close(self) -> None:
+    def close(self, timeout_s=None) -> None:
         raise ConnectionError("down")
 
 
@@ -119,6 +126,57 @@ def test_close_flushes_pending_writes(tmp_path):
         put(manager, i)
     manager.close()
     assert sorted(LocalDiskBackend(str(tmp_path), 1 << 20, cpu).keys(), key=lambda k: k.chunk_hash) == [key(i) for i in range(5)]
+
+
+@pytest.fixture
+def lm_url() -> Iterator[str]:
+    srv = LMCacheServer(ServerConfig(port=0, max_size_bytes=64 << 20))
+    srv.start_in_thread()
+    host, port = srv.address
+    yield f"lm://{host}:{port}"
+    srv.shutdown()
+
+
+def with_remote(tmp_path, url: str, options: RemoteBackendOptions):
+    """CPU, disk and remote tiers, as an engine with `remote_url` and `local_disk` has them."""
+    stats = EngineStats()
+    cpu = LocalCPUBackend(HostMemoryAllocator(16 * 2048), stats=stats.tier("Hot"))
+    disk = LocalDiskBackend(str(tmp_path), 1 << 20, cpu, stats.tier("LocalDiskBackend"))
+    return StorageManager(cpu, [cpu, disk, remote_backend(url, cpu=cpu, options=options)], stats), cpu
+
+
+def test_close_right_after_puts_lands_them_in_every_tier_though_the_put_thread_never_runs(
+        tmp_path, lm_url, monkeypatch, lmcache_log):  # noqa: F811
+    # The remote put thread at idle priority beside a busy engine: closing must not wait for it.
+    monkeypatch.setattr(RemoteBackend, "_ensure_worker", lambda self: None)
+    manager, cpu = with_remote(tmp_path, lm_url, RemoteBackendOptions())
+    for i in range(5):
+        put(manager, i)
+    manager.close()
+    assert len(LocalDiskBackend(str(tmp_path), 1 << 20, cpu)) == 5
+    reader = remote_backend(lm_url)
+    assert reader.batched_contains([key(i) for i in range(5)]) == [True] * 5
+    reader.close()
+    assert "none left unwritten" in lmcache_log.text
+
+
+def test_close_with_a_stalled_remote_keeps_its_deadline_and_the_disk_its_writes(tmp_path, lmcache_log):  # noqa: F811
+    listener = socket.socket()  # accepts through the backlog, never answers
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(16)
+    patient = RemoteBackendOptions(lookup_timeout_s=30.0, timeout_s=30.0)  # a put would wait 30 s
+    try:
+        manager, cpu = with_remote(tmp_path, f"lm://127.0.0.1:{listener.getsockname()[1]}", patient)
+        for i in range(3):
+            put(manager, i)
+        start = time.monotonic()
+        manager.close(timeout_s=1.0)
+        took = time.monotonic() - start
+    finally:
+        listener.close()
+    assert took < 3.0
+    assert len(LocalDiskBackend(str(tmp_path), 1 << 20, cpu)) == 3
+    assert "not written: 3 to RemoteBackend (deadline)" in lmcache_log.text
 
 
 def test_tier_names_must_be_unique(tmp_path):

@@ -50,7 +50,7 @@ from lmcache.experimental.pd.wire import (
     reply_frame,
 )
 from lmcache.experimental.stats import TierStats
-from lmcache.experimental.storage_backend.abstract_backend import StorageBackendInterface
+from lmcache.experimental.storage_backend.abstract_backend import ClosedWrites, StorageBackendInterface
 from lmcache.experimental.storage_backend.chunk_format import ChunkHeader, copy_into_new
 from lmcache.experimental.storage_backend.local_cpu_backend import LocalCPUBackend
 from lmcache.logging import init_logger
@@ -225,7 +225,8 @@ class PDReceiveBuffer(StorageBackendInterface):
         held.obj.ref_count_down()
         return True
 
-    def close(self) -> None:
+    def close(self, timeout_s: Optional[float] = None) -> ClosedWrites:
+        """Stop answering pushes and release what is held (nothing here is written anywhere)."""
         if self._server is not None:
             self._server.close()
             self._server = None
@@ -233,6 +234,7 @@ class PDReceiveBuffer(StorageBackendInterface):
             held, self._held = list(self._held.values()), OrderedDict()
         for entry in held:
             entry.obj.ref_count_down()
+        return ClosedWrites()
 
 
 class PushServer:

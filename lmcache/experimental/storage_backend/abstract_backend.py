@@ -6,12 +6,26 @@ keeps an object takes its own reference; `get_blocking` hands the caller one ref
 """
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from typing import List, Optional, Sequence
 
 import torch
 
 from lmcache.experimental.memory_management import MemoryObj
 from lmcache.utils import CacheEngineKey
+
+
+# How long a tier's close waits for its queued writes when its caller gives no bound.
+TIER_CLOSE_TIMEOUT_S = 30.0
+
+
+@dataclass(frozen=True)
+class ClosedWrites:
+    """What a tier's close did with the writes still queued when it began."""
+
+    written: int = 0  # landed (or found stored already) during the close
+    unwritten: int = 0  # given up: refused, lost, or still queued at the deadline
+    why: str = ""  # why the unwritten were given up ("tier down", "deadline", ...); "" when none were
 
 
 class StorageBackendInterface(ABC):
@@ -82,5 +96,6 @@ class StorageBackendInterface(ABC):
         """Drop `key` from this tier; True when something was removed."""
 
     @abstractmethod
-    def close(self) -> None:
-        """Finish pending writes and release the tier's resources."""
+    def close(self, timeout_s: Optional[float] = None) -> ClosedWrites:
+        """Finish pending writes, waiting at most `timeout_s` (None: the tier's own bound) and giving
+        up what is left then, and release the tier's resources."""

@@ -17,7 +17,7 @@ import torch
 
 from lmcache.experimental.memory_management import MemoryAllocatorInterface, MemoryFormat, MemoryObj
 from lmcache.experimental.stats import TierStats
-from lmcache.experimental.storage_backend.abstract_backend import StorageBackendInterface
+from lmcache.experimental.storage_backend.abstract_backend import ClosedWrites, StorageBackendInterface
 from lmcache.logging import init_logger
 from lmcache.utils import CacheEngineKey
 
@@ -162,9 +162,11 @@ class LocalCPUBackend(StorageBackendInterface):
         self._stats.record_eviction(nbytes)
         return nbytes
 
-    def close(self) -> None:
+    def close(self, timeout_s: Optional[float] = None) -> ClosedWrites:
+        """Release every object (writes here are done when `submit_put_task` returns)."""
         with self._lock:
             objs = list(self._objs.values())
             self._objs.clear()
             for obj in objs:
                 obj.ref_count_down()
+        return ClosedWrites()

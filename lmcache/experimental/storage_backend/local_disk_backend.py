@@ -27,6 +27,7 @@ import hashlib
 import os
 import stat
 import threading
+import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -38,7 +39,7 @@ from lmcache.background_threads import hurry, prepare_thread, thread_initializer
 from lmcache.experimental.memory_management import MemoryFormat, MemoryObj
 from lmcache.experimental.stats import TierStats
 from lmcache.experimental.storage_backend import chunk_format, hash_thread
-from lmcache.experimental.storage_backend.abstract_backend import StorageBackendInterface
+from lmcache.experimental.storage_backend.abstract_backend import TIER_CLOSE_TIMEOUT_S, ClosedWrites, StorageBackendInterface
 from lmcache.experimental.storage_backend.local_cpu_backend import LocalCPUBackend
 from lmcache.logging import init_logger
 from lmcache.utils import CacheEngineKey
@@ -139,6 +140,8 @@ class LocalDiskBackend(StorageBackendInterface):
         self._index: "OrderedDict[CacheEngineKey, DiskEntry]" = OrderedDict()
         self._used_bytes = 0
         self._put_tasks: Dict[CacheEngineKey, _PutTask] = {}
+        self._settled = threading.Condition(self._lock)  # notified as writes leave `_put_tasks`
+        self._failed_writes = 0  # queued writes that did not land (`close` reports them)
         self._prefetch_tasks: Dict[CacheEngineKey, Future] = {}
         self._writer_pool: Optional[ThreadPoolExecutor] = None
         self._writer_thread: Optional[threading.Thread] = None  # the idle writer, once started
@@ -311,14 +314,17 @@ class LocalDiskBackend(StorageBackendInterface):
                 self._catch_up_writer().submit(self._run_put_task, key, task, False)
 
     def _run_put_task(self, key: CacheEngineKey, task: _PutTask, idle: bool) -> None:
+        saved = False
         try:
-            self._save(key, task)
+            saved = not task.cancelled and self._save(key, task)  # given up at close: not written
         finally:
             with self._lock:
                 if self._put_tasks.get(key) is task:
                     del self._put_tasks[key]
                 if idle:
                     self._idle_pending_bytes -= task.obj.get_size()
+                self._failed_writes += not saved
+                self._settled.notify_all()
             task.obj.ref_count_down()
 
     def _save(self, key: CacheEngineKey, task: Optional[_PutTask], obj: Optional[MemoryObj] = None) -> bool:
@@ -549,17 +555,32 @@ class LocalDiskBackend(StorageBackendInterface):
         for marker in markers:
             marker.result()
 
-    def close(self) -> None:
-        """Wait for queued writes and prefetches, then refuse new ones."""
+    def close(self, timeout_s: Optional[float] = None) -> ClosedWrites:
+        """Refuse new writes, wait for the queued ones at most `timeout_s` (default
+        `TIER_CLOSE_TIMEOUT_S`) and give up the rest (each writer skips them; a file being written is
+        discarded), wait for prefetches."""
+        deadline = time.monotonic() + (TIER_CLOSE_TIMEOUT_S if timeout_s is None else timeout_s)
         with self._lock:
             self._closed = True
-            pools = [p for p in (self._writer_pool, self._catch_up_pool, self._reader_pool) if p is not None]
+            queued, failed_before = len(self._put_tasks), self._failed_writes
+            writers = [p for p in (self._writer_pool, self._catch_up_pool) if p is not None]
             writer = self._writer_thread
         if writer is not None:
             hurry(writer)  # its queue must not wait for idle CPU now
-        for pool in pools:
-            pool.shutdown(wait=True)
+        with self._settled:
+            while self._put_tasks and self._settled.wait(max(0.0, deadline - time.monotonic())):
+                pass
+            for task in self._put_tasks.values():
+                task.cancelled = True
+            left = len(self._put_tasks)
+            unwritten = left + self._failed_writes - failed_before
+        for pool in writers:
+            pool.shutdown(wait=False)  # what is left finishes at once, skipped
+        if self._reader_pool is not None:
+            self._reader_pool.shutdown(wait=True)
         self._hash_thread.close()
+        why = "deadline" if left else "write failed" if unwritten else ""
+        return ClosedWrites(written=queued - unwritten, unwritten=unwritten, why=why)
 
     # ---- threads ---------------------------------------------------------------------------
 

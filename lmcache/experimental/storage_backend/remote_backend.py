@@ -39,7 +39,7 @@ from lmcache.experimental.remote.pool_connector import PoolConnector
 from lmcache.experimental.remote.serde import Serde, create_serde
 from lmcache.experimental.remote.value_reader import ValueReader
 from lmcache.experimental.stats import TierStats
-from lmcache.experimental.storage_backend.abstract_backend import StorageBackendInterface
+from lmcache.experimental.storage_backend.abstract_backend import ClosedWrites, StorageBackendInterface
 from lmcache.experimental.storage_backend.local_cpu_backend import LocalCPUBackend
 from lmcache.experimental.storage_backend.pool_in_place import InPlaceChunks
 from lmcache.logging import init_logger
@@ -643,26 +643,39 @@ class RemoteBackend(StorageBackendInterface):
                     self._settled.wait(min(0.01, max(0.0, deadline - time.monotonic())))
         return False
 
-    def close(self) -> None:
-        """Flush queued puts (bounded by `flush_timeout_s`), stop the threads, close connections."""
+    def close(self, timeout_s: Optional[float] = None) -> ClosedWrites:
+        """Flush queued puts (at most `timeout_s`, default `flush_timeout_s`), give up the rest,
+        stop the threads, close connections."""
         if self._closed:
-            return
+            return ClosedWrites()
+        deadline = time.monotonic() + (self._options.flush_timeout_s if timeout_s is None else timeout_s)
+        with self._lock:
+            queued = len(self._pending)
+        before = self._counters.snapshot()
         if self._worker is not None:
             hurry(self._worker)  # a batch it holds must not wait for idle CPU
-        drained = self.flush()
+        # On a thread of its own: a batch sent to a stalled server waits for the connector's
+        # timeout (10 s), which must not stretch the deadline. Past it the send is given up.
+        flusher = threading.Thread(target=prepared(self.flush, "lmc-remote-flush", background=False),
+                                   args=(max(0.0, deadline - time.monotonic()),), name="lmcache-remote-flush",
+                                   daemon=True)
+        flusher.start()
+        flusher.join(max(0.0, deadline - time.monotonic()))
         with self._lock:
+            drained = not self._pending
             self._closed = True
             pool = self._prefetch_pool
-        if not drained:
-            logger.warning("remote tier %s: closing with puts still queued; they are dropped", self.url)
         self._stop.set()
-        if self._worker is not None:
-            self._worker.join(timeout=self._options.timeout_s + 1)
+        if self._worker is not None:  # a batch it still sends is given up at the deadline
+            self._worker.join(timeout=max(0.0, deadline - time.monotonic()))
         self._drop_queued("puts_dropped_tier_down")
         if pool is not None:
             pool.shutdown(wait=True)
         self._connector.close()
-        stats = self._counters.snapshot()
+        after = self._counters.snapshot()
+        written = min(queued, after.puts_acknowledged + after.puts_skipped_stored
+                      - before.puts_acknowledged - before.puts_skipped_stored)
+        stats = after
         logger.info(
             "remote tier %s closed: %d puts acknowledged, %d refused, %d lost, %d dropped; %d hits",
             self.url,
@@ -672,3 +685,5 @@ class RemoteBackend(StorageBackendInterface):
             stats.puts_dropped_queue_full + stats.puts_dropped_tier_down,
             stats.gets_hit,
         )
+        why = "tier down" if not self._health.up else "deadline" if not drained else "refused"
+        return ClosedWrites(written, queued - written, why if written < queued else "")

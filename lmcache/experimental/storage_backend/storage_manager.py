@@ -11,6 +11,7 @@ chunk is served from memory even if every tier has lost it since.
 """
 
 import threading
+import time
 from typing import Callable, Dict, Iterable, List, Optional, Sequence, Set
 
 import torch
@@ -18,12 +19,17 @@ import torch
 from lmcache.experimental.memory_management import MemoryFormat, MemoryObj
 from lmcache.experimental.pins import PinRegistry
 from lmcache.experimental.stats import EngineStats
-from lmcache.experimental.storage_backend.abstract_backend import StorageBackendInterface
+from lmcache.experimental.storage_backend.abstract_backend import ClosedWrites, StorageBackendInterface
 from lmcache.experimental.storage_backend.local_cpu_backend import LocalCPUBackend
 from lmcache.logging import init_logger
 from lmcache.utils import CacheEngineKey
 
 logger = init_logger(__name__)
+
+# How long closing waits for every tier's queued writes together. vLLM's v1 engine kills its
+# engine-core process 5 s after asking it to stop: a close still waiting then would be killed
+# before it could say what it did not write.
+CLOSE_TIMEOUT_S = 4.0
 
 
 class StorageManager:
@@ -308,18 +314,37 @@ class StorageManager:
                 self._tier_failed(tier, "remove", key, err)
         return removed
 
-    def close(self) -> None:
-        """Flush every tier's pending writes (slowest first), then release pins and the CPU tier."""
+    def close(self, timeout_s: float = CLOSE_TIMEOUT_S) -> None:
+        """Flush the tiers' pending writes, all at once and each within `timeout_s` (a stalled
+        remote tier must not cost the disk tier its writes), log one line with the counts, then
+        release pins and the CPU tier."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
         self.pins.close()
-        for tier in reversed(self._tiers):
-            if tier is self._cpu:
-                continue
+        start = time.monotonic()
+        lower = [tier for tier in self._tiers if tier is not self._cpu]
+        results: Dict[str, ClosedWrites] = {}
+
+        def close_tier(tier: StorageBackendInterface) -> None:
             try:
-                tier.close()
+                results[tier.tier_name] = tier.close(timeout_s)
             except Exception as err:
                 logger.warning("closing tier %s failed: %r", tier.tier_name, err)
+                results[tier.tier_name] = ClosedWrites(why=f"close failed: {err!r}")
+
+        # Plain threads: at interpreter exit a ThreadPoolExecutor refuses work.
+        closing = [threading.Thread(target=close_tier, args=(tier,), name=f"lmcache-close-{tier.tier_name}")
+                   for tier in lower]
+        for thread in closing:
+            thread.start()
+        for thread in closing:
+            thread.join()  # each close keeps to `timeout_s`
         self._cpu.close()
+        if lower:
+            written = sum(r.written for r in results.values())
+            unwritten = [f"{r.unwritten} to {name} ({r.why})" for name, r in results.items() if r.unwritten]
+            (logger.warning if unwritten else logger.info)(
+                "LMCache tiers closed: flushed %d queued puts in %.2f s; %s", written, time.monotonic() - start,
+                f"not written: {', '.join(unwritten)}" if unwritten else "none left unwritten")

@@ -4,9 +4,9 @@ Both doors (v0 `v0.connector.init_lmcache_engine`, v1 `LMCacheWorkerSide.from_vl
 `open_worker_engine`; it builds the engine's metadata, finds the paged KV layout, creates the
 connector and registers the engine under `ENGINE_NAME` (an engine that exists already is reused),
 starts its status API when the config asks for it (`api_server.py`), then has
-`close_worker_engine` run when the process exits. vLLM has no shutdown hook for either
-door, and it runs workers in children it starts itself: `multiprocessing.util.Finalize` runs in
-the main process and in those children alike.
+`close_worker_engine` run when the process exits (`close_at_exit`). vLLM has no shutdown hook
+for either door, and it runs workers in children it starts itself: `multiprocessing.util.Finalize`
+runs in the main process and in those children alike.
 """
 
 from __future__ import annotations
@@ -41,6 +41,8 @@ logger = init_logger(__name__)
 ENGINE_EXIT_PRIORITY = 50
 # This process's status API, when the config enables it; closed with the engine.
 _status_api: Optional[StatusAPI] = None
+# Whether threading's exit hook runs our exit closes (`close_at_exit`), once per process.
+_exit_hooked = False
 
 
 @dataclass(frozen=True)
@@ -67,13 +69,29 @@ def open_worker_engine(vllm_config: "VllmConfig", config: LMCacheEngineConfig, d
     engine = LMCacheEngineBuilder.get_or_create(ENGINE_NAME, config, metadata, connector)
     global _status_api
     _status_api = start_status_api(engine, rank)
-    multiprocessing.util.Finalize(None, close_worker_engine, args=(door,), exitpriority=ENGINE_EXIT_PRIORITY)
-    shield_exit_closes_from_stop_signals()
+    close_at_exit(door)
     logger.info(
         "LMCache %s: engine ready (worker %d of %d, layout %s, chunk size %d, KV %s %s)",
         door, rank, world_size, layout.name, config.chunk_size, metadata.kv_dtype, metadata.kv_shape,
     )
     return WorkerEngine(engine, layout, world_size, rank)
+
+
+def close_at_exit(door: str) -> None:
+    """Have this process's exit close the engine, after the closes of higher priority (the saver).
+
+    A process's main thread runs atexit, where `Finalize` runs, only after `threading._shutdown`
+    stopped every `ThreadPoolExecutor` (`concurrent.futures` hooks it): an offline v0 `LLM`'s
+    engine then closed with the Mooncake connector's calls refused ("cannot schedule new futures
+    after shutdown"), its queued puts lost. So the exit closes run from threading's own exit hook,
+    ahead of that one (a multiprocessing child runs them before `threading._shutdown` anyway)."""
+    multiprocessing.util.Finalize(None, close_worker_engine, args=(door,), exitpriority=ENGINE_EXIT_PRIORITY)
+    shield_exit_closes_from_stop_signals()
+    global _exit_hooked
+    if not _exit_hooked:
+        _exit_hooked = True
+        # CPython's hook (3.9+), the one `concurrent.futures` uses; hooks run last-registered first.
+        threading._register_atexit(multiprocessing.util._run_finalizers, ENGINE_EXIT_PRIORITY)  # type: ignore[attr-defined]
 
 
 def _ignore_stop_signals() -> None:
