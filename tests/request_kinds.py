@@ -21,9 +21,10 @@ import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, Iterator, List, Sequence
 
 from conftest import ROOT, random_prompt
 
@@ -252,6 +253,18 @@ class MatrixServers:
         with ThreadPoolExecutor(len(self.procs)) as pool:
             codes = pool.map(lambda proc: proc.stop(), self.procs.values())
             return dict(zip(self.procs, codes))
+
+
+@contextmanager
+def started(model: str, doors: Sequence[Door], log_dir: Path) -> Iterator[MatrixServers]:
+    """The matrix's servers, ready; on leaving, Ctrl-C must stop every one cleanly (exit code 0)."""
+    servers = MatrixServers(model, doors, log_dir)
+    try:
+        servers.wait_ready()
+        yield servers
+    finally:
+        codes = servers.stop()
+    assert codes == {door.name: 0 for door in doors}, codes
 
 
 def _legacy() -> bool:

@@ -5,15 +5,7 @@ itself: tests/request_kinds.py): `lmcache_vllm serve` (v1 engine), vLLM's own se
 from __future__ import annotations
 
 import pytest
-from request_kinds import (
-    REFERENCE,
-    Door,
-    MatrixServers,
-    check_metrics_add_up,
-    check_v0_lines,
-    check_v1_lines,
-    run_matrix,
-)
+from request_kinds import REFERENCE, Door, check_metrics_add_up, check_v0_lines, check_v1_lines, run_matrix, started
 
 pytestmark = pytest.mark.vllm
 
@@ -27,13 +19,8 @@ DOORS = [
 
 @pytest.fixture(scope="module")
 def servers(tiny_model, tmp_path_factory):
-    servers = MatrixServers(tiny_model, DOORS, tmp_path_factory.mktemp("request-kinds"))
-    try:
-        servers.wait_ready()
+    with started(tiny_model, DOORS, tmp_path_factory.mktemp("request-kinds")) as servers:
         yield servers
-    finally:
-        codes = servers.stop()
-    assert codes == {door.name: 0 for door in DOORS}, codes  # Ctrl-C stops every server cleanly
 
 
 def test_every_request_kind_equals_vllm_alone_and_loads_where_allowed(servers):

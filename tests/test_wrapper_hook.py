@@ -14,7 +14,11 @@ from importlib import metadata
 
 import pytest
 from conftest import ROOT, VLLM_TEST_ENV
-from wrapper_patches import ORDERS, check_import_order, check_injection_comes_off, check_missing_patch_point_is_named
+from wrapper_patches import (  # noqa: F401  (collected here)
+    test_a_patch_point_vllm_lacks_is_an_import_error_naming_it,
+    test_every_patch_is_applied_once_whatever_is_imported_first,
+    test_the_injection_comes_off_again,
+)
 
 from lmcache_vllm import compat
 
@@ -112,19 +116,6 @@ def test_general_plugin_acts_only_when_the_wrapper_marked_the_environment(probe)
     assert probe["siblings_untouched"] == [True, True]
     assert probe["inspection_in_process"]
     assert probe["idempotent"]
-
-
-@pytest.mark.parametrize("order", ORDERS)
-def test_every_patch_is_applied_once_whatever_is_imported_first(order):
-    check_import_order(order)
-
-
-def test_the_injection_comes_off_again(monkeypatch):
-    check_injection_comes_off(monkeypatch)
-
-
-def test_a_patch_point_vllm_lacks_is_an_import_error_naming_it(monkeypatch):
-    check_missing_patch_point_is_named(monkeypatch)
 
 
 @pytest.mark.vllm

@@ -140,3 +140,18 @@ def check_missing_patch_point_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
         with pytest.raises(ImportError, match=f"vLLM .* has no {point.module}.{point.path} to wrap"):
             apply_injection()
     remove_injection()
+
+
+# The tests themselves, collected by each line's test module that imports them
+# (test_wrapper_hook.py on 0.9.2, latest/test_latest_wrapper.py on 0.32).
+@pytest.mark.parametrize("order", ORDERS)
+def test_every_patch_is_applied_once_whatever_is_imported_first(order):
+    check_import_order(order)
+
+
+def test_the_injection_comes_off_again(monkeypatch):
+    check_injection_comes_off(monkeypatch)
+
+
+def test_a_patch_point_vllm_lacks_is_an_import_error_naming_it(monkeypatch):
+    check_missing_patch_point_is_named(monkeypatch)

@@ -5,7 +5,7 @@ itself: tests/request_kinds.py): `lmcache_vllm serve` and vLLM's own server with
 from __future__ import annotations
 
 import pytest
-from request_kinds import REFERENCE, Door, MatrixServers, check_metrics_add_up, check_v1_lines, run_matrix
+from request_kinds import REFERENCE, Door, check_metrics_add_up, check_v1_lines, run_matrix, started
 
 pytestmark = pytest.mark.vllm
 
@@ -14,13 +14,8 @@ DOORS = [REFERENCE, Door("wrapper", "lmcache-cpu"), Door("v1-connector", "lmcach
 
 @pytest.fixture(scope="module")
 def servers(tiny_model, tmp_path_factory):
-    servers = MatrixServers(tiny_model, DOORS, tmp_path_factory.mktemp("request-kinds"))
-    try:
-        servers.wait_ready()
+    with started(tiny_model, DOORS, tmp_path_factory.mktemp("request-kinds")) as servers:
         yield servers
-    finally:
-        codes = servers.stop()
-    assert codes == {door.name: 0 for door in DOORS}, codes  # Ctrl-C stops every server cleanly
 
 
 def test_every_request_kind_equals_vllm_alone_and_loads_where_allowed(servers):
