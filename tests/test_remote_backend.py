@@ -140,7 +140,7 @@ def test_pending_puts_are_served_from_memory_and_a_full_queue_drops(lm_server) -
     gate.set()
     backend.close()
     stats = backend.remote_stats()
-    assert stats.puts_acknowledged + stats.puts_dropped_queue_full == 6
+    assert stats.puts_acknowledged + stats.puts_dropped_queue_full == 6, stats
     assert all(obj.get_ref_count() == 1 for obj in objs)  # the tier released every reference
 
 
