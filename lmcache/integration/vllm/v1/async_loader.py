@@ -72,8 +72,9 @@ class AsyncLoader:
         try:
             upto = self._read(req, kv_caches)
             with self._lock:
-                self._loaded[req.req_id] = upto
-                self._finished.add(req.req_id)
+                if req.req_id not in self._releasing:  # ended meanwhile: reported as released only
+                    self._loaded[req.req_id] = upto
+                    self._finished.add(req.req_id)
         finally:
             with self._lock:
                 self._running -= 1
@@ -124,9 +125,15 @@ class AsyncLoader:
             return self._loaded.pop(req_id, None)
 
     def release_when_done(self, req_ids: list[str]) -> None:
-        """These requests ended while loading; `pop_released` reports them once their job is done."""
+        """These requests ended while loading; `pop_released` reports them once their job is done,
+        and they are never reported as loaded: vLLM 0.32 frees an ended request's blocks on that
+        report (its engine then dies on the release report, which finds no request) and vLLM 0.9.2
+        keeps the id for good."""
         with self._lock:
             self._releasing.update(req_ids)
+            self._finished.difference_update(req_ids)
+            for req_id in req_ids:
+                self._loaded.pop(req_id, None)
 
     def pop_released(self) -> set[str]:
         """Ended requests whose blocks no background job writes into any more."""
@@ -144,6 +151,13 @@ class AsyncLoader:
                 self._loaded.pop(req_id, None)
                 if req_id not in self._releasing:
                     self._jobs.pop(req_id, None)
+
+    def held(self) -> dict[str, int]:
+        """What this loader holds for requests now (the status API's `/held`; all 0 at idle)."""
+        with self._lock:
+            return {"running_loads": self._running, "unreported_loads": len(self._finished),
+                    "load_results": len(self._loaded), "load_jobs": len(self._jobs),
+                    "releasing_requests": len(self._releasing)}
 
     def close(self) -> None:
         self._thread.shutdown(wait=True)
