@@ -470,7 +470,8 @@ def gate_retrieve(worker, monkeypatch):
     return gate
 
 
-IDLE_LOADER = {"running_loads": 0, "unreported_loads": 0, "load_results": 0, "load_jobs": 0, "releasing_requests": 0}
+IDLE_WORKER = {"queued_stores": 0, "request_counters": 0, "running_loads": 0, "unreported_loads": 0,
+               "load_results": 0, "load_jobs": 0, "releasing_requests": 0}
 
 
 def test_a_request_ending_while_it_loads_keeps_its_blocks_until_the_load_is_done(async_setup, monkeypatch):
@@ -497,8 +498,9 @@ def test_a_request_ending_while_it_loads_keeps_its_blocks_until_the_load_is_done
     assert reports[-1][0] == {"b"}
     reports.append(worker.get_finished(set()))
     assert all(loaded is None for _, loaded in reports) and reports[-1] == (None, None)  # once, never as loaded
-    assert worker.async_loader.held() == IDLE_LOADER
-    assert live_pins(worker) == 0 and side.num_tracked_requests() == 1  # "a" still runs
+    assert worker.get_block_ids_with_load_errors() == set()  # "b"'s blocks may be another's by now
+    assert worker.held() == {**IDLE_WORKER, "request_counters": 1}  # "a" still runs
+    assert live_pins(worker) == 0 and side.num_tracked_requests() == 1
 
 
 def test_a_load_ending_unreported_before_the_abort_is_reported_only_as_released(async_setup):
@@ -514,7 +516,7 @@ def test_a_load_ending_unreported_before_the_abort_is_reported_only_as_released(
     assert side.request_finished(request, []) == (True, None)
     worker.start_load_kv(side.build_connector_meta(scheduler_output(finished={"b"})), None)
     assert worker.get_finished({"b"}) == ({"b"}, None)
-    assert worker.async_loader.held() == IDLE_LOADER
+    assert worker.held() == {**IDLE_WORKER, "request_counters": 1}  # "a" still runs
 
 
 def test_leading_run_counts_the_set_prefix_of_a_mask():

@@ -6,7 +6,7 @@ copied into its blocks here, and other requests keep stepping.
   step N   scheduler: lookup_async -> (hit, slow)  => vLLM: (n, True), blocks allocated, request parked
            worker:    start_load_kv -> submit(job)      (returns at once)
   thread   pinned lookup (reads the slow tier into CPU memory) -> retrieve into the blocks
-           -> settle (count, load-error blocks for what fell short) -> unpin -> finished
+           -> unpin -> settle (count, load-error blocks for what fell short) -> finished
   step N+k worker: get_finished() reports the request in `finished_recving`
            scheduler: asks `pop_async_loaded` how much really arrived (vLLM 0.9.2 trusts its blocks)
 ```
@@ -70,20 +70,23 @@ class AsyncLoader:
 
     def _load(self, req: ReqMeta, kv_caches: list[torch.Tensor]) -> None:
         try:
-            upto = self._read(req, kv_caches)
+            slots, got = self._read(req, kv_caches)
             with self._lock:
-                if req.req_id not in self._releasing:  # ended meanwhile: reported as released only
-                    self._loaded[req.req_id] = upto
+                # A request that ended meanwhile gets its blocks back from vLLM once this job is
+                # done: nothing is counted for it (its counters are gone), no block of it is a load
+                # error (another request may hold that block by then), it is not reported loaded.
+                if req.req_id not in self._releasing:
+                    self.side.settle_load(req, slots, got)
+                    self._loaded[req.req_id] = self._ready(req, got)
                     self._finished.add(req.req_id)
         finally:
             with self._lock:
                 self._running -= 1
                 self._load_ended.notify_all()
 
-    def _read(self, req: ReqMeta, kv_caches: list[torch.Tensor]) -> int:
-        """Load `req`'s promised tokens; how many leading tokens are now in its blocks."""
-        spec = req.load_spec
-        assert spec is not None
+    def _read(self, req: ReqMeta, kv_caches: list[torch.Tensor]) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """Load `req`'s promised tokens into its blocks: `(slots, mask of the tokens written)`, the
+        mask None when the load failed."""
         tokens, mask, slots = load_arguments(req, self.side.chunk_size)
         engine = self.side.engine
         got: Optional[torch.Tensor] = None
@@ -95,8 +98,13 @@ class AsyncLoader:
             logger.exception("request %s: LMCache background load failed", req.req_id)
         finally:
             engine.lookup_unpin([req.req_id])
-        self.side.settle_load(req, slots, got)
-        # The leading tokens vLLM may now treat as computed: its own prefix and the run loaded after it.
+        return slots, got
+
+    @staticmethod
+    def _ready(req: ReqMeta, got: Optional[torch.Tensor]) -> int:
+        """The leading tokens vLLM may now treat as computed: its own prefix and the run loaded after it."""
+        spec = req.load_spec
+        assert spec is not None
         upto = spec.vllm_cached_tokens
         if got is not None:
             upto += leading_run(got[upto:])
