@@ -6,8 +6,10 @@ answers a normal request as it did before the faults, and at idle nothing is hel
 background load or release, no queued store, no tracked request (the status API's `/held`),
 nothing pending on the `lm://` server.
 
-One server holds every tier: a CPU tier, a disk tier and an `lm://` server that answers each GET
-late (`--delay-ms`), with `use_layerwise` and `enable_async_loading` on. A prompt is left in a
+One server holds every tier: a CPU tier, a disk tier and a remote tier that answers each read late
+(`--delay-ms`), with `use_layerwise` and `enable_async_loading` on; the remote tier is an `lm://`
+server on vLLM 0.9.2 and the same server's node pool (`lm+shm://`, whose leases and reservations
+must be 0 at idle) on vLLM 0.32. A prompt is left in a
 lower tier only by clearing the tiers above it through the status API. vLLM prefills 64 tokens a
 step, so a long prompt's prefill spans many steps for a disconnect to land in.
 """
@@ -108,10 +110,11 @@ class FaultServer:
 
 
 @contextlib.contextmanager
-def fault_server(model: str, logs: Path, block_size: int) -> Iterator[FaultServer]:
-    """Start the `lm://` server and the one vLLM server; stop both (Ctrl-C must end vLLM's cleanly)."""
-    remote = LMServerProcess(["--max-size-gb", "0.25", "--delay-ms", str(GET_DELAY_MS)],
-                             log_path=logs / "lm-server.log").start()
+def fault_server(model: str, logs: Path, block_size: int, pool: bool) -> Iterator[FaultServer]:
+    """Start the `lm://` server (with its node pool as the remote tier when `pool`) and the one vLLM
+    server; stop both (Ctrl-C must end vLLM's cleanly)."""
+    remote = LMServerProcess(["--max-size-gb", "0.25", "--delay-ms", str(GET_DELAY_MS)], log_path=logs / "lm-server.log",
+                             unix_socket=logs / "pool.sock" if pool else None).start()
     settings = ServerSettings(
         model=model, max_model_len=2048, block_size=block_size, num_kv_blocks=8192 // block_size, chunk_size=CHUNK,
         cpu_tier_gb=0.25, disk_tier_gb=0.25, remote_tier_gb=0.25, disk_dir=str(logs / "disk"),
@@ -122,6 +125,7 @@ def fault_server(model: str, logs: Path, block_size: int) -> Iterator[FaultServe
     spec = replace(spec, env={
         **spec.env,
         "LMCACHE_LOCAL_CPU": "True",
+        "LMCACHE_REMOTE_URL": remote.pool_url if pool else remote.url,
         "LMCACHE_LOCAL_DISK": f"file://{settings.disk_dir}",
         "LMCACHE_MAX_LOCAL_DISK_SIZE": "0.25",
         "LMCACHE_USE_LAYERWISE": "True",
@@ -183,6 +187,8 @@ def run_client_faults(server: FaultServer) -> None:
     assert healthy(port)
     (line,) = wait_for_lines(lambda: proc.spec.log_path.read_text(), after)
     assert line.counters.loaded_tokens > 0, line  # the answer after the faults came from the cache
-    assert remote.info()["pending_bytes"] == 0  # no put left half-received
+    info = remote.info()
+    assert (info["pending_bytes"], info["pool_leases"], info["pool_reservations"]) == (0, 0, 0), info
+    assert info["hits"] >= PROMPT_CHUNKS and (info["pool_clients"] > 0) == (remote.unix_socket is not None), info
     held = status(api, "/held")
     assert held == {**IDLE, **({"v1 scheduler": IDLE_SCHEDULER} if in_process_scheduler else {})}, held
