@@ -530,8 +530,6 @@ def test_a_step_with_nothing_scheduled_waits_for_a_running_load(async_setup, mon
     """vLLM steps again at once when every request waits: the worker gives the loader the GIL
     until a load ends (bounded), instead of returning to a loop that holds it. A step that
     computes something never waits."""
-    import threading
-
     from lmcache.integration.vllm.v1 import worker_side
 
     worker, side, driver, caches = async_setup
@@ -540,9 +538,7 @@ def test_a_step_with_nothing_scheduled_waits_for_a_running_load(async_setup, mon
     _, _, meta = park(side, driver, make_request("b", PROMPT))
     assert meta.nothing_scheduled  # the scheduler output of `park` schedules no token
     assert not side.build_connector_meta(scheduler_output(num_scheduled={"a": 1})).nothing_scheduled
-    gate = threading.Event()
-    real_retrieve = worker.engine.retrieve
-    monkeypatch.setattr(worker.engine, "retrieve", lambda *a, **k: (gate.wait(10), real_retrieve(*a, **k))[1])
+    gate = gate_retrieve(worker, monkeypatch)
     monkeypatch.setattr(worker_side, "IDLE_STEP_WAIT_S", 10.0)
     worker.start_load_kv(LMCacheConnectorMetadata(requests=meta.requests), None)  # a step with work
     started = time.monotonic()
