@@ -19,8 +19,10 @@
 - vLLM's `LMCacheConnectorV1` shell, for `enable_async_loading`: its lookup answer carries our
   "load in the background" flag (the shell always says "not async") and our side gets the
   blocks vLLM allocated; on vLLM 0.9.2 the scheduler's "remote KV arrived" step takes a load that
-  fell short as the tokens that arrived (`vllm_compat.finish_short_remote_load`). Connectors
-  other than ours go through vLLM's own code.
+  fell short as the tokens that arrived (`vllm_compat.finish_short_remote_load`), and its engine
+  loop keeps stepping while a request aborted during its load holds its blocks
+  (`vllm_compat.holds_delayed_frees`), so they are freed once the load stops, not at the next
+  request. Connectors other than ours go through vLLM's own code.
 - vLLM 0.9.2's v0 server client: its startup handshake keeps one socket across retries
   (`startup_socket`), so a server never waits forever for an engine that already answered.
 
@@ -63,6 +65,7 @@ from lmcache.integration.vllm.vllm_compat import (
     PatchPoint,
     connector_impl_of,
     finish_short_remote_load,
+    holds_delayed_frees,
     kv_cache_block_ids,
     wrapper_kv_transfer_config,
 )
@@ -209,6 +212,17 @@ def remote_kv_ready(wrapped: Callable[..., Any], instance: Any, args: Any, kwarg
     return ready(*args, **kwargs)
 
 
+def delayed_free_steps(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
+    """vLLM 0.9.2's scheduler counting a request whose blocks our connector still holds as a
+    finished request, so the engine steps (and the worker reports the blocks free) until it is gone."""
+
+    def has_finished_requests() -> Any:
+        ours = instance.connector is not None and _our_impl(instance.connector) is not None
+        return wrapped() or (ours and holds_delayed_frees(instance))
+
+    return has_finished_requests(*args, **kwargs)
+
+
 @contextlib.contextmanager
 def startup_socket(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Iterator[Any]:
     """vLLM 0.9.2's v0 server client keeping one startup socket until the engine has answered.
@@ -271,6 +285,7 @@ _WRAPPERS: dict[str, Wrapper] = {
     "v1_async_match": async_match,
     "v1_async_alloc": async_alloc,
     "v1_async_ready": remote_kv_ready,
+    "v1_delayed_free_steps": delayed_free_steps,
     "v0_startup_socket": startup_socket,
     "kv_spec_guard": check_kv_specs_first,
 }

@@ -18,6 +18,7 @@ import stat
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -314,3 +315,20 @@ def test_pool_ops_are_refused_over_tcp_and_a_foreign_commit_closes_the_connectio
         assert server.info()["entries"] == 0
     finally:
         server.shutdown()
+
+
+def test_delay_ms_holds_every_lease_as_it_holds_a_get(tmp_path) -> None:
+    """`--delay-ms` makes the pool a slow tier too (the client-faults test drops a client while one
+    of its loads waits); a put is not delayed."""
+    slow = LMServerProcess(["--delay-ms", "300"], log_path=tmp_path / "slow.log", unix_socket=tmp_path / "s.sock").start()
+    shm = create_connector(slow.pool_url)
+    try:
+        started = time.monotonic()
+        assert shm.batched_put([("a", b"A"), ("b", b"B")]) == [True, True]
+        assert time.monotonic() - started < 0.3
+        started = time.monotonic()
+        assert [bytes(v) for v in shm.batched_get(["a", "b"])] == [b"A", b"B"]
+        assert time.monotonic() - started >= 0.6  # one delay per lease
+    finally:
+        shm.close()
+        slow.stop()

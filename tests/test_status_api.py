@@ -99,3 +99,17 @@ def test_config_endpoint_hides_every_secret():
     assert shown["remote_password"] == "***" and shown["internal_api_server_token"] == "***"
     assert "pa55word" not in shown["remote_url"] and shown["remote_url"].startswith("redis://app:")
     assert not any(s in repr(shown) for s in ("pa55word", "other-secret", "long-enough-token"))
+
+
+def test_held_reports_the_engines_pins_and_what_each_door_added(api):
+    engine, status, _ = api
+    tokens = prompt(2 * CHUNK)
+    assert engine.lookup(tokens, request_id="req-1", pin=True) == 2 * CHUNK
+    queued = {"background_loads": 1}
+    status.add_held("v1 worker", lambda: queued)
+    assert _call(status.port, "/held") == (200, {"engine": {"live_pins": 2, "pinned_requests": 1},
+                                                 "v1 worker": {"background_loads": 1}})
+    engine.lookup_unpin(["req-1"])
+    queued["background_loads"] = 0
+    assert _call(status.port, "/held") == (200, {"engine": {"live_pins": 0, "pinned_requests": 0},
+                                                 "v1 worker": {"background_loads": 0}})

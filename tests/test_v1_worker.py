@@ -462,19 +462,61 @@ def test_a_chunk_unreadable_after_the_lookup_is_reported_short(async_setup):
     assert worker.get_block_ids_with_load_errors() == {s // BLOCK for s in slots[256:]}
 
 
-def test_a_request_ending_while_it_loads_keeps_its_blocks_until_the_load_is_done(async_setup):
+def gate_retrieve(worker, monkeypatch):
+    """Hold every retrieve until the returned event is set: a load that is surely in flight."""
+    gate = threading.Event()
+    real_retrieve = worker.engine.retrieve
+    monkeypatch.setattr(worker.engine, "retrieve", lambda *a, **k: (gate.wait(10), real_retrieve(*a, **k))[1])
+    return gate
+
+
+IDLE_WORKER = {"queued_stores": 0, "request_counters": 0, "running_loads": 0, "unreported_loads": 0,
+               "load_results": 0, "load_jobs": 0, "releasing_requests": 0}
+
+
+def test_a_request_ending_while_it_loads_keeps_its_blocks_until_the_load_is_done(async_setup, monkeypatch):
+    """An abort while the load writes: the blocks are reported free (`finished_sending`) only after
+    the loader stopped, and the request is never reported as loaded (vLLM 0.32 frees an ended
+    request's blocks on that report, then dies on the release report); nothing is left behind."""
+    worker, side, driver, caches = async_setup
+    worker.wait_for_save(driver.admit(make_request("a", PROMPT), len(PROMPT)))
+    only_on_disk(worker, PROMPT)
+    request = make_request("b", PROMPT)
+    _, _, meta = park(side, driver, request)
+    gate = gate_retrieve(worker, monkeypatch)
+    worker.start_load_kv(meta, None)
+    assert side.request_finished(request, []) == (True, None)  # aborted while waiting
+    meta = side.build_connector_meta(scheduler_output(finished={"b"}))
+    assert meta.release_after_load == ["b"]
+    worker.start_load_kv(meta, None)
+    assert worker.get_finished({"b"}) == (None, None)  # still writing: the blocks stay vLLM's
+    gate.set()
+    reports = [worker.get_finished(set())]
+    while reports[-1][0] is None and len(reports) < 500:
+        time.sleep(0.01)
+        reports.append(worker.get_finished(set()))
+    assert reports[-1][0] == {"b"}
+    reports.append(worker.get_finished(set()))
+    assert all(loaded is None for _, loaded in reports) and reports[-1] == (None, None)  # once, never as loaded
+    assert worker.get_block_ids_with_load_errors() == set()  # "b"'s blocks may be another's by now
+    assert worker.held() == {**IDLE_WORKER, "request_counters": 1}  # "a" still runs
+    assert live_pins(worker) == 0 and side.num_tracked_requests() == 1
+
+
+def test_a_load_ending_unreported_before_the_abort_is_reported_only_as_released(async_setup):
     worker, side, driver, caches = async_setup
     worker.wait_for_save(driver.admit(make_request("a", PROMPT), len(PROMPT)))
     only_on_disk(worker, PROMPT)
     request = make_request("b", PROMPT)
     _, _, meta = park(side, driver, request)
     worker.start_load_kv(meta, None)
-    assert side.request_finished(request, []) == (True, None)  # aborted while waiting
-    meta = side.build_connector_meta(scheduler_output(finished={"b"}))
-    assert meta.release_after_load == ["b"]
-    worker.start_load_kv(meta, None)
-    assert wait_finished(worker, {"b"}, which=0) == {"b"}
-    assert worker.get_finished(set())[0] is None  # reported once
+    deadline = time.monotonic() + 10
+    while worker.async_loader.held()["running_loads"] and time.monotonic() < deadline:
+        time.sleep(0.01)  # the load ends; no get_finished reports it before the abort
+    assert side.request_finished(request, []) == (True, None)
+    worker.start_load_kv(side.build_connector_meta(scheduler_output(finished={"b"})), None)
+    assert worker.get_finished({"b"}) == ({"b"}, None)
+    assert worker.held() == {**IDLE_WORKER, "request_counters": 1}  # "a" still runs
 
 
 def test_leading_run_counts_the_set_prefix_of_a_mask():
@@ -488,8 +530,6 @@ def test_a_step_with_nothing_scheduled_waits_for_a_running_load(async_setup, mon
     """vLLM steps again at once when every request waits: the worker gives the loader the GIL
     until a load ends (bounded), instead of returning to a loop that holds it. A step that
     computes something never waits."""
-    import threading
-
     from lmcache.integration.vllm.v1 import worker_side
 
     worker, side, driver, caches = async_setup
@@ -498,9 +538,7 @@ def test_a_step_with_nothing_scheduled_waits_for_a_running_load(async_setup, mon
     _, _, meta = park(side, driver, make_request("b", PROMPT))
     assert meta.nothing_scheduled  # the scheduler output of `park` schedules no token
     assert not side.build_connector_meta(scheduler_output(num_scheduled={"a": 1})).nothing_scheduled
-    gate = threading.Event()
-    real_retrieve = worker.engine.retrieve
-    monkeypatch.setattr(worker.engine, "retrieve", lambda *a, **k: (gate.wait(10), real_retrieve(*a, **k))[1])
+    gate = gate_retrieve(worker, monkeypatch)
     monkeypatch.setattr(worker_side, "IDLE_STEP_WAIT_S", 10.0)
     worker.start_load_kv(LMCacheConnectorMetadata(requests=meta.requests), None)  # a step with work
     started = time.monotonic()

@@ -5,7 +5,9 @@ from `internal_api_server_port_start`, 6999). Ours answers JSON:
 
 - read-only, for anyone who can reach loopback: `GET /health`, `GET /config` (the engine's
   config with secrets masked), `GET /usage` (per-tier bytes held and per-tier counters),
-  `GET /requests` (the doors' most recent per-request log lines);
+  `GET /requests` (the doors' most recent per-request log lines), `GET /held` (what this
+  process holds for requests now: the engine's pins, and each door's own state that `add_held`
+  named; all 0 at idle, however the requests ended);
 - state-changing, only with `Authorization: Bearer <internal_api_server_token>`:
   `POST /clear?tier=NAME` (drop every chunk of a tier), `POST /loglevel?level=NAME` (the
   `lmcache` loggers' level). Without a configured token, or with a wrong one, they answer 403.
@@ -24,7 +26,7 @@ import logging
 import threading
 import urllib.parse
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import TYPE_CHECKING, Any, Deque, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Deque, Dict, List, Mapping, Optional, Tuple
 
 from lmcache.logging import init_logger
 
@@ -72,6 +74,11 @@ class StatusAPI:
         self._server = ThreadingHTTPServer((API_HOST, port), self._handler_class())
         self._server.daemon_threads = True
         self._thread: Optional[threading.Thread] = None
+        self._held: Dict[str, Callable[[], Mapping[str, int]]] = {}
+
+    def add_held(self, name: str, count: Callable[[], Mapping[str, int]]) -> None:
+        """Answer `count()` under `name` in `GET /held` (a door's per-request state, by what it is)."""
+        self._held[name] = count
 
     @property
     def port(self) -> int:
@@ -101,6 +108,10 @@ class StatusAPI:
             return 200, {"usage_bytes": dict(seen.usage_bytes), "tiers": tiers}
         if path == "/requests":
             return 200, {"lines": self._recent.lines()}
+        if path == "/held":
+            stats = self._engine.observation().stats
+            held = {"engine": {"live_pins": stats.live_pins, "pinned_requests": stats.pinned_requests}}
+            return 200, {**held, **{name: dict(count()) for name, count in self._held.items()}}
         return 404, {"error": f"no endpoint {path}"}
 
     def post(self, path: str, query: Dict[str, str], authorization: Optional[str]) -> Tuple[int, Any]:

@@ -78,7 +78,7 @@ def _parse_args(argv: Optional[Sequence[str]]) -> ServerConfig:
         "--delay-ms",
         type=float,
         default=0.0,
-        help="answer every GET this many milliseconds late (a slow remote tier for tests and "
+        help="answer every GET and node pool LEASE this many milliseconds late (a slow remote tier for tests and "
         f"benchmarks; 0..{MAX_GET_DELAY_S * 1000:.0f}, default 0: off)",
     )
     parser.add_argument(

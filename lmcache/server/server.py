@@ -138,7 +138,8 @@ class ServerConfig:
     no_auth: bool = False
     # Serve the counters on http://127.0.0.1:<port>/metrics (`metrics.py`); None = off.
     metrics_port: Optional[int] = None
-    # Hold every GET answer this long: a slow remote tier for tests and benchmarks (`--delay-ms`).
+    # Hold every GET answer (and the node pool's every LEASE) this long: a slow remote tier for
+    # tests and benchmarks (`--delay-ms`).
     get_delay_s: float = 0.0
     # Fault the whole store's memory in at start, on an idle-priority thread (`--prefault`), so no
     # put pays for fresh pages: for a server sharing its cores with an engine (`arena.py`).
@@ -303,7 +304,7 @@ class LMCacheServer:
                 raise
         self._started = True
         if self.config.get_delay_s:
-            logger.warning("every GET is answered %.0f ms late (--delay-ms)", self.config.get_delay_s * 1000)
+            logger.warning("every GET and pool LEASE is answered %.0f ms late (--delay-ms)", self.config.get_delay_s * 1000)
         if self.config.prefault:
             self.store.arena.prefault_in_background()
         return self.address if self._listener is not None else None
@@ -647,6 +648,8 @@ class LMCacheServer:
                 raise ProtocolError(f"{op.name} is served on the node pool's unix socket only")
             payload = bytes(self._recv_exact(conn, header.payload_len, deadline, f"a {op.name} payload"))
             conn.settimeout(self.config.frame_timeout_s)
+            if op == Op.LEASE and self.config.get_delay_s:
+                time.sleep(self.config.get_delay_s)  # the pool's read, as slow as a GET
             refused = session.handle(conn, op, key, payload)
             if refused is not None:
                 self._count(_REFUSAL_COUNTERS[refused])

@@ -51,6 +51,11 @@ class OffStepSaver:
         with self._lock:
             self._pending.append(self._thread.submit(run))
 
+    def queued(self) -> int:
+        """Submitted stores that have not finished."""
+        with self._lock:
+            return sum(not job.done() for job in self._pending)
+
     def flush(self) -> None:
         """Wait until every submitted store finished copying out of vLLM's blocks."""
         with self._lock:

@@ -296,6 +296,15 @@ def finish_short_remote_load(scheduler: Any, request: Any, loaded: int) -> bool:
     return True
 
 
+def holds_delayed_frees(scheduler: Any) -> bool:
+    """Whether vLLM 0.9.2's scheduler keeps a finished request whose blocks a connector holds
+    (`request_finished` returned True; freed when `finished_sending` names it). Its engine loop
+    steps only while requests run, wait or just finished, so after an abort during a background
+    load it went idle with the blocks held until the next request; vLLM 0.32 counts these
+    requests as finished ones and steps on. vLLM 0.9.2: `scheduler.{requests,running,waiting}`."""
+    return len(scheduler.requests) > len(scheduler.running) + len(scheduler.waiting)
+
+
 # KV cache spec classes (vLLM's `vllm.v1.kv_cache_interface`) whose layers are paged attention KV
 # caches LMCache reads and writes. Exact classes: a subclass (vLLM 0.32's `SinkFullAttentionSpec`,
 # `HiddenStateCacheSpec`, ...) may lay out or use its blocks differently. Sliding-window specs are
@@ -317,7 +326,8 @@ class PatchPoint:
     # connector when vLLM picks the v1 engine) or "v1_engine_config" (turn it on before the
     # engine config is built, vLLM 0.32), "v1_async_match" / "v1_async_alloc" (vLLM's
     # LMCacheConnectorV1 shell: the lookup's async flag, the allocated blocks), "v1_async_ready"
-    # (vLLM 0.9.2's scheduler taking a finished background load), "v0_startup_socket" (vLLM
+    # (vLLM 0.9.2's scheduler taking a finished background load), "v1_delayed_free_steps" (vLLM
+    # 0.9.2's engine loop stepping until a released request's blocks are freed), "v0_startup_socket" (vLLM
     # 0.9.2's v0 server client waiting for its engine process on one socket) or "kv_spec_guard"
     # (the engine core checking the KV cache specs first).
     role: str
@@ -347,7 +357,8 @@ _SHELL = "vllm.distributed.kv_transfer.kv_connector.v1.lmcache_connector"
 # The methods `lmcache_vllm.vllm_injection` wraps. vLLM 0.9.2: the v0 GPU and CPU model runners'
 # `execute_model` and `load_model`; `EngineArgs._set_default_args_v1`, which vLLM calls exactly when
 # it chose the v1 engine (private: there is no public hook at that moment); the scheduler's
-# `_update_waiting_for_remote_kv` (private), see `finish_short_remote_load`; the v0 server's
+# `_update_waiting_for_remote_kv` (private), see `finish_short_remote_load`, and its
+# `has_finished_requests`, see `holds_delayed_frees`; the v0 server's
 # startup handshake socket, `MQLLMEngineClient.get_data_socket` (private). vLLM 0.32 (v1 only):
 # `EngineArgs.create_engine_config`, before it reads the KV transfer config. Both:
 # `registry._run_in_subprocess`, which runs the model-class inspection in a fresh interpreter
@@ -360,6 +371,7 @@ WRAPPER_PATCH_POINTS = (
     PatchPoint(_SHELL, "LMCacheConnectorV1.get_num_new_matched_tokens", "v1_async_match", BOTH_LINES),
     PatchPoint(_SHELL, "LMCacheConnectorV1.update_state_after_alloc", "v1_async_alloc", BOTH_LINES),
     PatchPoint("vllm.v1.core.sched.scheduler", "Scheduler._update_waiting_for_remote_kv", "v1_async_ready", LEGACY_LINE),
+    PatchPoint("vllm.v1.core.sched.scheduler", "Scheduler.has_finished_requests", "v1_delayed_free_steps", LEGACY_LINE),
     PatchPoint("vllm.engine.multiprocessing.client", "MQLLMEngineClient.get_data_socket", "v0_startup_socket", LEGACY_LINE),
     *(
         PatchPoint(module, f"{runner}.{method}", role, LEGACY_LINE)

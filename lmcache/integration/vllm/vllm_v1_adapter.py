@@ -30,6 +30,7 @@ from lmcache.integration.vllm.v1.worker_channel import (
 )
 from lmcache.integration.vllm.v1.worker_side import IN_PROCESS_EXECUTORS, LMCacheWorkerSide
 from lmcache.integration.vllm.vllm_compat import connector_impl_of, load_failure_policy, step_connector_metadata
+from lmcache.integration.vllm.worker_engine import report_held
 from lmcache.logging import init_logger
 
 if TYPE_CHECKING:
@@ -89,6 +90,7 @@ class LMCacheConnectorV1Impl:
         if role == KVConnectorRole.SCHEDULER:
             blend = BlendScheduler.from_config(vllm_config, config)
             self.scheduler_side = LMCacheSchedulerSide(settings, connect_worker_channel(vllm_config), blend)
+            report_held("v1 scheduler", self.scheduler_side.held)  # where the worker's engine runs here
         else:
             self.worker_side = LMCacheWorkerSide.from_vllm_config(vllm_config, config)
 

@@ -15,7 +15,7 @@ import multiprocessing.util
 import signal
 import threading
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Callable, Mapping, Optional
 
 from lmcache.experimental.api_server import StatusAPI, start_status_api
 from lmcache.experimental.cache_engine import LMCacheEngine, LMCacheEngineBuilder
@@ -75,6 +75,12 @@ def open_worker_engine(vllm_config: "VllmConfig", config: LMCacheEngineConfig, d
         door, rank, world_size, layout.name, config.chunk_size, metadata.kv_dtype, metadata.kv_shape,
     )
     return WorkerEngine(engine, layout, world_size, rank)
+
+
+def report_held(name: str, count: Callable[[], Mapping[str, int]]) -> None:
+    """Have this process's status API (when on) answer `count()` under `name` in `GET /held`."""
+    if _status_api is not None:
+        _status_api.add_held(name, count)
 
 
 def close_at_exit(door: str) -> None:

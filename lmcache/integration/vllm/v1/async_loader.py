@@ -6,7 +6,7 @@ copied into its blocks here, and other requests keep stepping.
   step N   scheduler: lookup_async -> (hit, slow)  => vLLM: (n, True), blocks allocated, request parked
            worker:    start_load_kv -> submit(job)      (returns at once)
   thread   pinned lookup (reads the slow tier into CPU memory) -> retrieve into the blocks
-           -> settle (count, load-error blocks for what fell short) -> unpin -> finished
+           -> unpin -> settle (count, load-error blocks for what fell short) -> finished
   step N+k worker: get_finished() reports the request in `finished_recving`
            scheduler: asks `pop_async_loaded` how much really arrived (vLLM 0.9.2 trusts its blocks)
 ```
@@ -70,19 +70,23 @@ class AsyncLoader:
 
     def _load(self, req: ReqMeta, kv_caches: list[torch.Tensor]) -> None:
         try:
-            upto = self._read(req, kv_caches)
+            slots, got = self._read(req, kv_caches)
             with self._lock:
-                self._loaded[req.req_id] = upto
-                self._finished.add(req.req_id)
+                # A request that ended meanwhile gets its blocks back from vLLM once this job is
+                # done: nothing is counted for it (its counters are gone), no block of it is a load
+                # error (another request may hold that block by then), it is not reported loaded.
+                if req.req_id not in self._releasing:
+                    self.side.settle_load(req, slots, got)
+                    self._loaded[req.req_id] = self._ready(req, got)
+                    self._finished.add(req.req_id)
         finally:
             with self._lock:
                 self._running -= 1
                 self._load_ended.notify_all()
 
-    def _read(self, req: ReqMeta, kv_caches: list[torch.Tensor]) -> int:
-        """Load `req`'s promised tokens; how many leading tokens are now in its blocks."""
-        spec = req.load_spec
-        assert spec is not None
+    def _read(self, req: ReqMeta, kv_caches: list[torch.Tensor]) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """Load `req`'s promised tokens into its blocks: `(slots, mask of the tokens written)`, the
+        mask None when the load failed."""
         tokens, mask, slots = load_arguments(req, self.side.chunk_size)
         engine = self.side.engine
         got: Optional[torch.Tensor] = None
@@ -94,8 +98,13 @@ class AsyncLoader:
             logger.exception("request %s: LMCache background load failed", req.req_id)
         finally:
             engine.lookup_unpin([req.req_id])
-        self.side.settle_load(req, slots, got)
-        # The leading tokens vLLM may now treat as computed: its own prefix and the run loaded after it.
+        return slots, got
+
+    @staticmethod
+    def _ready(req: ReqMeta, got: Optional[torch.Tensor]) -> int:
+        """The leading tokens vLLM may now treat as computed: its own prefix and the run loaded after it."""
+        spec = req.load_spec
+        assert spec is not None
         upto = spec.vllm_cached_tokens
         if got is not None:
             upto += leading_run(got[upto:])
@@ -124,9 +133,15 @@ class AsyncLoader:
             return self._loaded.pop(req_id, None)
 
     def release_when_done(self, req_ids: list[str]) -> None:
-        """These requests ended while loading; `pop_released` reports them once their job is done."""
+        """These requests ended while loading; `pop_released` reports them once their job is done,
+        and they are never reported as loaded: vLLM 0.32 frees an ended request's blocks on that
+        report (its engine then dies on the release report, which finds no request) and vLLM 0.9.2
+        keeps the id for good."""
         with self._lock:
             self._releasing.update(req_ids)
+            self._finished.difference_update(req_ids)
+            for req_id in req_ids:
+                self._loaded.pop(req_id, None)
 
     def pop_released(self) -> set[str]:
         """Ended requests whose blocks no background job writes into any more."""
@@ -144,6 +159,13 @@ class AsyncLoader:
                 self._loaded.pop(req_id, None)
                 if req_id not in self._releasing:
                     self._jobs.pop(req_id, None)
+
+    def held(self) -> dict[str, int]:
+        """What this loader holds for requests now (the status API's `/held`; all 0 at idle)."""
+        with self._lock:
+            return {"running_loads": self._running, "unreported_loads": len(self._finished),
+                    "load_results": len(self._loaded), "load_jobs": len(self._jobs),
+                    "releasing_requests": len(self._releasing)}
 
     def close(self) -> None:
         self._thread.shutdown(wait=True)

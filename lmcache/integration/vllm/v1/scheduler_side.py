@@ -313,5 +313,12 @@ class LMCacheSchedulerSide:
         pd = 0 if self._pd is None else len(self._pd)
         return len(set(self._requests) | set(self._trackers) | set(self._load_specs) | set(self._stats)) + pd
 
+    def held(self) -> dict[str, int]:
+        """What this side holds for requests now (the status API's `/held`; all 0 at idle)."""
+        return {"tracked_requests": self.num_tracked_requests(),
+                "awaiting_background_loads": len(self._async_pending),
+                "background_loads_tried": len(self._async_tried),
+                "unsent_loads_and_releases": len(self._async_loads) + len(self._release_after_load)}
+
     def close(self) -> None:
         self._channel.close()

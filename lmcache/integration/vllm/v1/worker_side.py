@@ -57,7 +57,7 @@ from lmcache.integration.vllm.v1.request_state import LMCacheConnectorMetadata, 
 from lmcache.integration.vllm.v1.transfer_arguments import load_arguments, store_arguments
 from lmcache.integration.vllm.v1.worker_channel import WorkerChannelServer, channel_socket_path
 from lmcache.integration.vllm.vllm_compat import attention_kv_caches, kv_caches_in_layer_order
-from lmcache.integration.vllm.worker_engine import ENGINE_EXIT_PRIORITY, open_worker_engine
+from lmcache.integration.vllm.worker_engine import ENGINE_EXIT_PRIORITY, open_worker_engine, report_held
 from lmcache.logging import init_logger
 
 if TYPE_CHECKING:
@@ -118,6 +118,7 @@ class LMCacheWorkerSide:
         if config.enable_blending:
             check_blending(vllm_config)
             side.blender = Blender(worker.engine, worker.layout, side.block_size, config.blend_recompute_ratio)
+        report_held("v1 worker", side.held)
         backend = vllm_config.parallel_config.distributed_executor_backend
         if worker.rank == 0 and backend not in IN_PROCESS_EXECUTORS:
             side.serve_channel(channel_socket_path(vllm_config))
@@ -185,6 +186,14 @@ class LMCacheWorkerSide:
             counters = self._counters.setdefault(req_id, RequestCounters())
             counters.loaded_tokens += loaded
             counters.stored_tokens += stored
+
+    def held(self) -> dict[str, int]:
+        """What this worker holds for requests now (the status API's `/held`; all 0 at idle)."""
+        with self._lock:
+            held = {"queued_stores": self.saver.queued(), "request_counters": len(self._counters)}
+        if self.async_loader is not None:
+            held.update(self.async_loader.held())
+        return held
 
     # ----- per step --------------------------------------------------------------------------------
 
