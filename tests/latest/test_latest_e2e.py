@@ -27,9 +27,11 @@ from test_v1_e2e import (
     P_OTHER,
     P_SHARED_A,
     P_SHARED_B,
+    PREEMPT_PROMPTS,
     PREFIX_CACHE_ON_HITS,
     assert_no_pins_left,
     assert_same_as_baseline,
+    check_preemption,
     connector_kwargs,
     hits,
     run,
@@ -75,11 +77,12 @@ def mooncake(tmp_path):
 
 @pytest.fixture(scope="module")
 def baseline(tiny_model):
-    off = run(tiny_model, PROMPTS, {"enable_prefix_caching": False, "max_num_batched_tokens": MAX_BATCHED}, {})
+    prompts = PROMPTS + PREEMPT_PROMPTS
+    off = run(tiny_model, prompts, {"enable_prefix_caching": False, "max_num_batched_tokens": MAX_BATCHED}, {})
     assert off.lines == []
     outputs = off.outputs[0]
     assert len({tuple(o) for o in outputs}) > 1, "the model ignores its prompt; this test could not fail"
-    return {tuple(p): (outputs[i], off.logprobs[0][i]) for i, p in enumerate(PROMPTS)}
+    return {tuple(p): (outputs[i], off.logprobs[0][i]) for i, p in enumerate(prompts)}
 
 
 def test_vllm_connector_repeats_and_shared_prefix_with_chunked_prefill_on_mooncake(tiny_model, baseline, mooncake):
@@ -157,3 +160,9 @@ def test_async_loading_from_disk_and_a_chunk_unreadable_after_the_lookup_is_reco
     done = re.findall(r"background load done, (\d+) leading tokens ready of (\d+) promised", reader.log)
     assert sorted(done) == [("1424", "1424"), ("512", "1500")]
     assert_no_pins_left(reader)
+
+
+def test_preemption_matches_cache_off_and_resumed_requests_load_their_own_stores(tiny_model, baseline):
+    """vLLM 0.32 reports a resumed request in `resumed_req_ids`; it must look up again and load its
+    own earlier store like on 0.9.2."""
+    check_preemption(tiny_model, baseline)

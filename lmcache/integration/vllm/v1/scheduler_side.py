@@ -26,6 +26,10 @@ Each lookup names its request, so the worker's engine pins the prefix it reports
 (see `worker_side.py`). When a promise is not kept - vLLM already has at least as much, or it
 allocated no blocks for LMCache's tokens - this side releases the pins at once (`unpin`); a
 request that ends without loading is released by the worker's `get_finished`.
+
+Preemption: vLLM frees a preempted request's blocks without telling the connector and later
+looks it up again like a new request; its tracker stays, and on the resume (`resumed` in the
+step's cached requests) takes the new blocks and stores on from what that lookup found.
 """
 
 from __future__ import annotations
@@ -142,6 +146,11 @@ class LMCacheSchedulerSide:
             logger.error("request %s: LMCache lookup failed, computing it all: %s", req_id, err)
             return 0, False
         stats.lmcache_hit_tokens = hit
+        tracker = self._trackers.get(req_id)
+        if tracker is not None:
+            # A preempted request looked up again: what LMCache holds now, not what it stored
+            # before (evicted since: stored again; stored since by another request: not again).
+            tracker.num_saved_tokens = hit
         # vLLM must compute at least the last prompt token to sample from it.
         claimed = len(prompt) - 1 if hit >= len(prompt) else hit
         if slow and claimed < len(prompt) - 1:
