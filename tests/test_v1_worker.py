@@ -447,12 +447,19 @@ def test_async_answer_only_for_slow_tiers_and_once_per_request(async_setup):
     assert side.match_tokens(request, 0)[1] is False  # asked again (a load fell short): synchronous
 
 
-def test_a_chunk_unreadable_after_the_lookup_is_reported_short(async_setup):
-    worker, side, driver, caches = async_setup
+def park_behind_a_stored_prompt(worker, side, driver):
+    """Request "a" stores PROMPT, which is then only on disk; request "b" of the same prompt is
+    parked for a background load from it. Returns "b" and the step metadata carrying its load."""
     worker.wait_for_save(driver.admit(make_request("a", PROMPT), len(PROMPT)))
     only_on_disk(worker, PROMPT)
     request = make_request("b", PROMPT)
     _, _, meta = park(side, driver, request)
+    return request, meta
+
+
+def test_a_chunk_unreadable_after_the_lookup_is_reported_short(async_setup):
+    worker, side, driver, caches = async_setup
+    _, meta = park_behind_a_stored_prompt(worker, side, driver)
     keys = [key for _, _, key in worker.engine.token_database.process_tokens(PROMPT)]
     worker.engine.storage_manager.tiers[1].remove(keys[1])  # gone between lookup and read
     worker.start_load_kv(meta, None)
@@ -479,10 +486,7 @@ def test_a_request_ending_while_it_loads_keeps_its_blocks_until_the_load_is_done
     the loader stopped, and the request is never reported as loaded (vLLM 0.32 frees an ended
     request's blocks on that report, then dies on the release report); nothing is left behind."""
     worker, side, driver, caches = async_setup
-    worker.wait_for_save(driver.admit(make_request("a", PROMPT), len(PROMPT)))
-    only_on_disk(worker, PROMPT)
-    request = make_request("b", PROMPT)
-    _, _, meta = park(side, driver, request)
+    request, meta = park_behind_a_stored_prompt(worker, side, driver)
     gate = gate_retrieve(worker, monkeypatch)
     worker.start_load_kv(meta, None)
     assert side.request_finished(request, []) == (True, None)  # aborted while waiting
@@ -505,10 +509,7 @@ def test_a_request_ending_while_it_loads_keeps_its_blocks_until_the_load_is_done
 
 def test_a_load_ending_unreported_before_the_abort_is_reported_only_as_released(async_setup):
     worker, side, driver, caches = async_setup
-    worker.wait_for_save(driver.admit(make_request("a", PROMPT), len(PROMPT)))
-    only_on_disk(worker, PROMPT)
-    request = make_request("b", PROMPT)
-    _, _, meta = park(side, driver, request)
+    request, meta = park_behind_a_stored_prompt(worker, side, driver)
     worker.start_load_kv(meta, None)
     deadline = time.monotonic() + 10
     while worker.async_loader.held()["running_loads"] and time.monotonic() < deadline:
