@@ -2,6 +2,7 @@
 failing tiers as misses, flush on close (bounded, counted); and the factory that builds tiers from
 the config."""
 
+import multiprocessing
 import os
 import socket
 import time
@@ -24,8 +25,10 @@ from lmcache.experimental.storage_backend import (
     StorageManager,
     create_storage_manager,
 )
+from lmcache.experimental.storage_backend.abstract_backend import ClosedWrites
 from lmcache.experimental.storage_backend.remote_backend import RemoteBackend, RemoteBackendOptions
 from lmcache.server import LMCacheServer, ServerConfig
+from lmcache.integration.vllm.worker_engine import CHILD_CLOSE_TIMEOUT_S, exit_close_timeout
 
 SHAPE = torch.Size([2, 1, 4, 64])  # 2 KiB of float32
 
@@ -126,6 +129,30 @@ def test_close_flushes_pending_writes(tmp_path):
         put(manager, i)
     manager.close()
     assert sorted(LocalDiskBackend(str(tmp_path), 1 << 20, cpu).keys(), key=lambda k: k.chunk_hash) == [key(i) for i in range(5)]
+
+
+class ClosingTier(BrokenTier):
+    """A tier that records the bound its close was given."""
+
+    tier_name = "ClosingTier"
+    bounds: list = []
+
+    def close(self, timeout_s=None) -> ClosedWrites:
+        self.bounds.append(timeout_s)
+        return ClosedWrites()
+
+
+def test_close_without_a_bound_leaves_each_tier_its_own_and_only_a_child_exits_within_4_s(tmp_path):
+    """A main process (an offline v0 `LLM`, `close_lmcache_engine()`) waits for each tier's own
+    bound: a shared 4 s there gave up cachegen puts a busy machine was still encoding. Only a
+    process vLLM started (and kills 5 s after asking it to stop) closes at exit within 4 s."""
+    tier = ClosingTier()
+    manager, _, _, _ = build(tmp_path, extra=[tier])
+    manager.close()
+    assert tier.bounds == [None]
+    assert exit_close_timeout() is None  # pytest's own process
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        assert pool.apply(exit_close_timeout) == CHILD_CLOSE_TIMEOUT_S == 4.0
 
 
 @pytest.fixture

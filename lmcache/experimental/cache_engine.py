@@ -547,14 +547,15 @@ class LMCacheEngine:
         """Bring the Prometheus metrics up to date (background tier work shows at the next call)."""
         self._metrics.publish(self.observation())
 
-    def close(self) -> None:
-        """Wait for pending writes of every tier, then release every pin and the CPU tier's objects."""
+    def close(self, timeout_s: Optional[float] = None) -> None:
+        """Wait for pending writes of every tier (at most `timeout_s`; None: each tier's own
+        bound), then release every pin and the CPU tier's objects."""
         with self._close_lock:
             if self._closed:
                 return
             self._closed = True
         pins, requests = self.storage_manager.pins.num_pins, self.storage_manager.pins.num_requests
-        self.storage_manager.close()
+        self.storage_manager.close(timeout_s)
         self.publish_metrics()
         # The serving engine unpins every request it looked up; pins left here are a leak (tests read this line).
         log = logger.warning if pins else logger.info
@@ -616,9 +617,10 @@ class LMCacheEngineBuilder:
             return cls._instances.get(instance_id)
 
     @classmethod
-    def destroy(cls, instance_id: str) -> None:
-        """Close the engine named `instance_id` (waiting for its pending writes) and forget it."""
+    def destroy(cls, instance_id: str, timeout_s: Optional[float] = None) -> None:
+        """Close the engine named `instance_id` (waiting for its pending writes, at most
+        `timeout_s`) and forget it."""
         with cls._lock:
             engine = cls._instances.pop(instance_id, None)
         if engine is not None:
-            engine.close()
+            engine.close(timeout_s)

@@ -26,12 +26,6 @@ from lmcache.utils import CacheEngineKey
 
 logger = init_logger(__name__)
 
-# How long closing waits for every tier's queued writes together. vLLM's v1 engine kills its
-# engine-core process 5 s after asking it to stop: a close still waiting then would be killed
-# before it could say what it did not write.
-CLOSE_TIMEOUT_S = 4.0
-
-
 class StorageManager:
     """Ordered tiers plus the CPU tier that allocates (it is in `tiers` only if it keeps objects)."""
 
@@ -314,10 +308,10 @@ class StorageManager:
                 self._tier_failed(tier, "remove", key, err)
         return removed
 
-    def close(self, timeout_s: float = CLOSE_TIMEOUT_S) -> None:
-        """Flush the tiers' pending writes, all at once and each within `timeout_s` (a stalled
-        remote tier must not cost the disk tier its writes), log one line with the counts, then
-        release pins and the CPU tier."""
+    def close(self, timeout_s: Optional[float] = None) -> None:
+        """Flush the tiers' pending writes, all at once and each within `timeout_s` (None: each
+        tier's own bound; a stalled remote tier must not cost the disk tier its writes), log one
+        line with the counts, then release pins and the CPU tier."""
         with self._lock:
             if self._closed:
                 return

@@ -43,6 +43,11 @@ ENGINE_EXIT_PRIORITY = 50
 _status_api: Optional[StatusAPI] = None
 # Whether threading's exit hook runs our exit closes (`close_at_exit`), once per process.
 _exit_hooked = False
+# How long an exit close in a process vLLM started waits for the tiers' queued writes: vLLM kills
+# its engine-core process 5 s after asking it to stop, and a close still waiting then would die
+# before saying what it did not write. A main process (an offline v0 `LLM`, an explicit
+# `close_lmcache_engine()`) waits for each tier's own bound instead.
+CHILD_CLOSE_TIMEOUT_S = 4.0
 
 
 @dataclass(frozen=True)
@@ -91,7 +96,9 @@ def close_at_exit(door: str) -> None:
     engine then closed with the Mooncake connector's calls refused ("cannot schedule new futures
     after shutdown"), its queued puts lost. So the exit closes run from threading's own exit hook,
     ahead of that one (a multiprocessing child runs them before `threading._shutdown` anyway)."""
-    multiprocessing.util.Finalize(None, close_worker_engine, args=(door,), exitpriority=ENGINE_EXIT_PRIORITY)
+    multiprocessing.util.Finalize(
+        None, close_worker_engine, args=(door, exit_close_timeout()), exitpriority=ENGINE_EXIT_PRIORITY
+    )
     shield_exit_closes_from_stop_signals()
     global _exit_hooked
     if not _exit_hooked:
@@ -115,14 +122,21 @@ def shield_exit_closes_from_stop_signals() -> None:
     multiprocessing.util.Finalize(None, _ignore_stop_signals, exitpriority=ENGINE_EXIT_PRIORITY + 2)
 
 
-def close_worker_engine(door: str) -> bool:
-    """Close this process's engine, waiting for its pending writes; False when there is none."""
+def exit_close_timeout() -> Optional[float]:
+    """The bound of this process's exit close: `CHILD_CLOSE_TIMEOUT_S` in a process started
+    through multiprocessing (vLLM's engine core and workers), None (each tier's own) otherwise."""
+    return CHILD_CLOSE_TIMEOUT_S if multiprocessing.parent_process() is not None else None
+
+
+def close_worker_engine(door: str, timeout_s: Optional[float] = None) -> bool:
+    """Close this process's engine, waiting for its pending writes (at most `timeout_s`; None:
+    each tier's own bound); False when there is none."""
     global _status_api
     if _status_api is not None:
         _status_api.close()
         _status_api = None
     if LMCacheEngineBuilder.get(ENGINE_NAME) is None:
         return False
-    LMCacheEngineBuilder.destroy(ENGINE_NAME)
+    LMCacheEngineBuilder.destroy(ENGINE_NAME, timeout_s)
     logger.info("LMCache %s: engine closed", door)
     return True
