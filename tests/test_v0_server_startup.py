@@ -92,7 +92,9 @@ def test_the_wrapper_keeps_the_socket_so_the_retry_hears_the_first_answer(short_
     with injected():
         assert wrapt.is_wrapped_by(vars(client.MQLLMEngineClient)["get_data_socket"], predicate=is_ours)
         thread = start_engine_side(ipc_path)
-        assert asyncio.run(tries_until_ready(ipc_path)) == 2
+        # A later try hears the answer the engine gave to the first (the 2nd on a quiet machine;
+        # a busy one can answer after the 2nd timeout too).
+        assert asyncio.run(tries_until_ready(ipc_path)) >= 2
     thread.join(timeout=5)
 
 
@@ -116,8 +118,8 @@ def test_the_startup_socket_is_closed_once_setup_is_done(short_rpc_timeout, ipc_
     monkeypatch.setattr(client.MQLLMEngineClient, "get_data_socket", recording)
     thread = start_engine_side(ipc_path)
     with injected():
-        assert asyncio.run(tries_until_ready(ipc_path)) == 2
+        assert asyncio.run(tries_until_ready(ipc_path)) >= 2
     thread.join(timeout=5)
     assert vars(client.MQLLMEngineClient)["get_data_socket"] is recording  # the injection came off
-    assert len(opened) == 1  # one socket for both tries
+    assert len(opened) == 1  # one socket for every try
     assert opened[0].gen.gi_frame is None  # vLLM's context manager ran to its end: socket closed
