@@ -1,5 +1,5 @@
 """The request-kind matrix both vLLM lines run: every kind of request a vLLM server takes, sent over
-HTTP to servers with our cache and to vLLM alone, each twice, answers compared.
+HTTP twice to servers with our cache and once to vLLM alone, answers compared.
 
 One set of servers per line (`MatrixServers`), started together and shared by every kind: vLLM
 alone (the cache-off reference) and one server per door with our CPU tier, all with the same
