@@ -104,7 +104,10 @@ def close_at_exit(door: str) -> None:
     if not _exit_hooked:
         _exit_hooked = True
         # CPython's hook (3.9+), the one `concurrent.futures` uses; hooks run last-registered first.
-        threading._register_atexit(multiprocessing.util._run_finalizers, ENGINE_EXIT_PRIORITY)  # type: ignore[attr-defined]
+        try:
+            threading._register_atexit(multiprocessing.util._run_finalizers, ENGINE_EXIT_PRIORITY)  # type: ignore[attr-defined]
+        except RuntimeError:  # an engine opened while the interpreter shuts down: atexit still closes it
+            logger.warning("LMCache %s: engine opened during interpreter shutdown; it closes at atexit", door)
 
 
 def _ignore_stop_signals() -> None:
