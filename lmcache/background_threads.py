@@ -146,6 +146,20 @@ def _lower_priority(name: str) -> None:
         logger.debug("thread %s keeps its priority: %r", name, err)
 
 
+def at_thread_shutdown(fn: Callable[[], None]) -> bool:
+    """Run `fn` on the main thread when the interpreter starts to exit, once the threads that are
+    not daemons have ended and before atexit and finalization (`threading`'s own exit hook, the
+    one `concurrent.futures` uses; hooks run last-registered first). False where exit has already
+    begun. Why: a daemon thread still running when Python finalizes is killed as it next takes the
+    GIL, and one that torch code holds then aborts the whole process ("terminate called without an
+    active exception": the kill unwinds through a torch destructor that may not throw)."""
+    try:
+        threading._register_atexit(fn)  # type: ignore[attr-defined]
+    except RuntimeError:  # "can't register atexit after shutdown"
+        return False
+    return True
+
+
 def thread_initializer(name: str, background: bool) -> Callable[[], None]:
     """`prepare_thread` as a `ThreadPoolExecutor(initializer=...)`."""
     return lambda: prepare_thread(name, background)

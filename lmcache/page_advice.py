@@ -12,8 +12,11 @@ from __future__ import annotations
 
 import ctypes
 import sys
-from typing import Optional
+import threading
+import time
+from typing import Callable, Optional
 
+from lmcache.background_threads import at_thread_shutdown, hurry, prepared
 from lmcache.logging import init_logger
 
 logger = init_logger(__name__)
@@ -57,10 +60,70 @@ def advise_huge_pages(address: int, length: int) -> bool:
     return _advise(address, length, _MADV_HUGEPAGE)
 
 
-def prefault(address: int, length: int) -> bool:
-    """Fault the range in, front first, without changing its bytes; False where refused."""
+def prefault(address: int, length: int, stop: Optional[threading.Event] = None) -> bool:
+    """Fault the range in, front first, without changing its bytes; False where refused or once
+    `stop` is set (checked between steps)."""
     for offset in range(0, length, _PREFAULT_STEP):
+        if stop is not None and stop.is_set():
+            return False
         if not _advise(address + offset, min(_PREFAULT_STEP, length - offset), _MADV_POPULATE_WRITE):
             logger.debug("madvise(MADV_POPULATE_WRITE) refused (kernel < 5.14?): pages fault in on first use")
             return False
     return True
+
+
+class BackgroundPrefault:
+    """`prefault` on an idle-priority daemon thread, holding `keep` (the buffer's owner) until
+    done. `stop()` ends it between steps and joins it; the interpreter's exit does so at the latest
+    (`background_threads.at_thread_shutdown`): on a busy machine the idle-priority thread can
+    outlive the work, and when it let go of a torch buffer during finalization the process
+    aborted. Unless stopped, `on_end(done, seconds)` runs on the thread at the end (`done` False:
+    the kernel refused)."""
+
+    _running: "set[BackgroundPrefault]" = set()
+    _lock = threading.Lock()
+    _hooked = False
+
+    def __init__(self, address: int, length: int, name: str, keep: object = None,
+                 on_end: Optional[Callable[[bool, float], None]] = None) -> None:
+        self._stop = threading.Event()
+        self._thread = threading.Thread(
+            target=prepared(self._run, "lmc-prefault", background=True), args=(address, length, keep, on_end),
+            name=name, daemon=True,
+        )
+
+    def start(self) -> "BackgroundPrefault":
+        """Start faulting (nothing starts once the interpreter is exiting)."""
+        cls = type(self)
+        with cls._lock:
+            if not cls._hooked:
+                cls._hooked = at_thread_shutdown(cls._stop_all)
+                if not cls._hooked:
+                    return self
+            cls._running.add(self)
+        self._thread.start()
+        return self
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """End the faulting between two steps and wait for the thread (at most `timeout_s`)."""
+        self._stop.set()
+        hurry(self._thread)  # at idle priority beside a busy engine it might not get a core soon
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout_s)
+
+    def _run(self, address: int, length: int, keep: object, on_end: Optional[Callable[[bool, float], None]]) -> None:
+        started = time.monotonic()
+        try:
+            done = prefault(address, length, self._stop)
+            if on_end is not None and not self._stop.is_set():
+                on_end(done, time.monotonic() - started)
+        finally:
+            with type(self)._lock:
+                type(self)._running.discard(self)
+
+    @classmethod
+    def _stop_all(cls) -> None:
+        with cls._lock:
+            running = list(cls._running)
+        for job in running:
+            job.stop()

@@ -13,6 +13,7 @@ import pytest
 from helpers import key
 from tier_helpers import cpu, disk_store, disk_tier, remote_backend, remote_chunk, remote_cpu, wait_for  # noqa: F401
 
+from lmcache import page_advice
 from lmcache.background_threads import hurry, prepare_thread, process_cpus
 from lmcache.experimental.memory_management import host_memory
 from lmcache.experimental.storage_backend import LocalDiskBackend
@@ -192,7 +193,7 @@ def test_remote_put_thread_is_unpinned_at_background_priority():
 def test_prefault_thread_is_unpinned_at_background_priority(monkeypatch):
     seen = []
     done = threading.Event()
-    monkeypatch.setattr(host_memory, "_prefault", lambda buf, span: (seen.append(_state()), done.set()))
+    monkeypatch.setattr(page_advice, "prefault", lambda address, length, stop: (seen.append(_state()), done.set()))
     with _pinned() as policy:
         host_memory.host_buffer(4 * host_memory.HUGE_PAGE)
     assert done.wait(10)

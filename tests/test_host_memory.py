@@ -1,5 +1,6 @@
 """Pool memory (`memory_management.host_memory`): aligned, on huge pages, faulted in ahead."""
 
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -56,3 +57,32 @@ def test_pool_is_faulted_in_on_huge_pages_without_being_touched() -> None:
     obj = alloc.allocate((2, 4, 16, 64), torch.float32, MemoryFormat.KV_BLOB)
     assert obj is not None and obj.tensor.data_ptr() % 512 == 0
     obj.ref_count_down()
+
+
+# A process whose pool is still being faulted in when its main thread ends: each step is slowed to
+# 0.2 s, so the idle-priority prefault thread is mid-range at exit (as on a busy machine).
+_EXIT_WHILE_PREFAULTING = """
+import atexit, sys, threading, time
+from lmcache import page_advice
+from lmcache.experimental.memory_management.host_memory import HUGE_PAGE, host_buffer
+slow = page_advice._advise
+page_advice._advise = lambda *args: (time.sleep(0.2), slow(*args))[1]
+buf = host_buffer(64 * HUGE_PAGE)
+time.sleep(0.3)
+assert [t for t in threading.enumerate() if t.name == "lmcache-prefault"], "the prefault ended before exit"
+atexit.register(lambda: print("at atexit:", [t.name for t in threading.enumerate() if t is not threading.main_thread()]))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="page advice is Linux's")
+def test_a_prefault_still_running_at_exit_ends_before_the_interpreter_finalizes() -> None:
+    """A daemon thread alive while Python finalizes is killed when it next takes the GIL; the
+    prefault thread that held the pool's torch buffer then aborted the process when it let go of
+    it ("terminate called without an active exception", seen in CI on a busy machine). It is
+    stopped and joined by threading's exit hook, before atexit."""
+    started = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", _EXIT_WHILE_PREFAULTING], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "at atexit: []" in proc.stdout, proc.stdout + proc.stderr[-3000:]
+    assert time.monotonic() - started < 30  # stopped between steps, not faulted to the end

@@ -22,12 +22,9 @@ import ctypes
 import fcntl
 import mmap
 import os
-import threading
-import time
 from typing import Optional
 
 from lmcache import page_advice
-from lmcache.background_threads import prepared
 from lmcache.free_list import FreeList
 from lmcache.logging import init_logger
 
@@ -84,10 +81,8 @@ class ValueArena:
         """Fault the whole mapping in on an idle-priority thread (its bytes are left as they are,
         so puts may land meanwhile); logs when it is done."""
         logger.info("faulting in the store's %.2f GiB in the background (--prefault)", self.capacity / (1 << 30))
-        threading.Thread(
-            target=prepared(self._prefault, "lmc-prefault", background=True),
-            name="lmcache-server-prefault", daemon=True,
-        ).start()
+        page_advice.BackgroundPrefault(self._address, self.capacity, "lmcache-server-prefault",
+                                       on_end=self._prefaulted).start()
 
     def close(self) -> None:
         """Close the memfd (mappings made from it stay valid)."""
@@ -95,10 +90,10 @@ class ValueArena:
             os.close(self.fd)
             self.fd = None
 
-    def _prefault(self) -> None:
-        started = time.monotonic()
-        if page_advice.prefault(self._address, self.capacity):
-            logger.info("the store's memory is faulted in (%.1f s)", time.monotonic() - started)
+    @staticmethod
+    def _prefaulted(done: bool, seconds: float) -> None:
+        if done:
+            logger.info("the store's memory is faulted in (%.1f s)", seconds)
         else:
             logger.warning("could not fault the store's memory in ahead (needs Linux 5.14+): "
                            "pages fault in on first use")

@@ -9,12 +9,9 @@ committed up front, as upstream's pinned pool is. Where page advice is refused t
 plain `torch.empty` memory and the first touch pays as before.
 """
 
-import threading
-
 import torch
 
 from lmcache import page_advice
-from lmcache.background_threads import prepared
 from lmcache.logging import init_logger
 from lmcache.page_advice import HUGE_PAGE
 
@@ -40,13 +37,5 @@ def host_buffer(size: int, *, prefault: bool = True) -> torch.Tensor:
     if not page_advice.advise_huge_pages(buf.data_ptr(), span):
         logger.debug("madvise(MADV_HUGEPAGE) refused for a %d-byte pool: 4 KiB pages", size)
     if prefault:
-        threading.Thread(
-            target=prepared(_prefault, "lmc-prefault", background=True), args=(buf, min(span, PREFAULT_AHEAD)),
-            name="lmcache-prefault", daemon=True,
-        ).start()
+        page_advice.BackgroundPrefault(buf.data_ptr(), min(span, PREFAULT_AHEAD), "lmcache-prefault", keep=buf).start()
     return buf
-
-
-def _prefault(buf: torch.Tensor, span: int) -> None:
-    """Fault `buf`'s first `span` bytes in without changing them (holds `buf` until done)."""
-    page_advice.prefault(buf.data_ptr(), span)

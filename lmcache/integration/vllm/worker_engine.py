@@ -11,12 +11,14 @@ runs in the main process and in those children alike.
 
 from __future__ import annotations
 
+import functools
 import multiprocessing.util
 import signal
 import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Mapping, Optional
 
+from lmcache.background_threads import at_thread_shutdown
 from lmcache.experimental.api_server import StatusAPI, start_status_api
 from lmcache.experimental.cache_engine import LMCacheEngine, LMCacheEngineBuilder
 from lmcache.experimental.config import LMCacheEngineConfig
@@ -103,10 +105,8 @@ def close_at_exit(door: str) -> None:
     global _exit_hooked
     if not _exit_hooked:
         _exit_hooked = True
-        # CPython's hook (3.9+), the one `concurrent.futures` uses; hooks run last-registered first.
-        try:
-            threading._register_atexit(multiprocessing.util._run_finalizers, ENGINE_EXIT_PRIORITY)  # type: ignore[attr-defined]
-        except RuntimeError:  # an engine opened while the interpreter shuts down: atexit still closes it
+        if not at_thread_shutdown(functools.partial(multiprocessing.util._run_finalizers, ENGINE_EXIT_PRIORITY)):
+            # an engine opened while the interpreter shuts down: atexit still closes it
             logger.warning("LMCache %s: engine opened during interpreter shutdown; it closes at atexit", door)
 
 
