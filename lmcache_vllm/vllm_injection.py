@@ -9,10 +9,6 @@
 - `load_model` of the same two runners: after vLLM's own, the LMCache engine starts
   (`vllm_adapter.start_engine_for_runner`), so a bad LMCache config fails while the `LLM` or
   engine is built, not at the first request. The engine is closed when the process exits.
-- vLLM's model-class inspection, on the CPU platform only:
-  vLLM inspects a model's class in a fresh Python process so that this one never initialises
-  CUDA; a CPU platform has no CUDA, and that process (importing torch and vLLM again) took
-  17-22 s of every server start on a 2-core machine.
 - the method vLLM calls exactly when it picks the v1 engine (on vLLM 0.32, which has only the v1 engine, the engine-config build): when the user gave no KV
   transfer config, ours becomes `LMCacheConnectorV1` (vLLM's built-in shell around
   `lmcache.integration.vllm.vllm_v1_adapter`). A user's own setting is left alone.
@@ -32,12 +28,19 @@ inherit; `lmcache_vllm.plugin.general_plugin` (a `vllm.general_plugins` entry po
 loads in each of its processes) applies the same injection when it sees the mark and does
 nothing otherwise, so plain `vllm` users are untouched.
 
-`install_kv_spec_guard()` is the one change made for every vLLM user with LMCache installed, not
-only the wrapper's: vLLM's engine-core call that first sees the layers' KV cache specs
-(`vllm_compat.KV_SPEC_GUARD_POINTS`) checks them first when the engine runs LMCache's connector
-(`lmcache.integration.vllm.model_support`), so a model with Mamba / linear-attention state stops in
-our words rather than vLLM's "Failed to promote local KV cache specs"; for other engines it only
-calls vLLM's own. The plugin installs it in each vLLM process.
+`install_plugin_patches()` makes the two changes made for every vLLM user with LMCache installed,
+not only the wrapper's (`vllm_compat.PLUGIN_PATCH_POINTS`; the plugin installs them in each vLLM
+process):
+- vLLM's engine-core call that first sees the layers' KV cache specs
+  (`vllm_compat.KV_SPEC_GUARD_POINTS`) checks them first when the engine runs LMCache's connector
+  (`lmcache.integration.vllm.model_support`), so a model with Mamba / linear-attention state stops
+  in our words rather than vLLM's "Failed to promote local KV cache specs"; for other engines it
+  only calls vLLM's own.
+- vLLM's model-class inspection runs in-process on the CPU platform: vLLM inspects a model's class
+  in a fresh Python process so that this one never initialises CUDA; a CPU platform has no CUDA,
+  and that process (importing torch, IPEX and vLLM again) cost every engine start 6.4 s on an idle
+  2-core machine and 17-22 s on a busy one. vLLM 0.32 caches the answer on disk after its first
+  inspection; vLLM 0.9.2 paid it at every start. The answer is the same either way.
 
 `quiet_telemetry_by_default()` turns the OpenTelemetry SDK off for the wrapper's processes unless
 the user configured OpenTelemetry (see its docstring).
@@ -60,7 +63,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 import wrapt
 
 from lmcache.integration.vllm.vllm_compat import (
-    KV_SPEC_GUARD_POINTS,
+    PLUGIN_PATCH_POINTS,
     WRAPPER_PATCH_POINTS,
     PatchPoint,
     connector_impl_of,
@@ -325,9 +328,9 @@ def _wrap_when_imported(point: PatchPoint, wanted: Callable[[], bool]) -> None:
     wrapt.register_post_import_hook(wrap, point.module)
 
 
-def install_kv_spec_guard() -> None:
-    """Check the KV cache specs before vLLM builds caches for them (idempotent; see above)."""
-    for point in KV_SPEC_GUARD_POINTS:
+def install_plugin_patches() -> None:
+    """The KV spec guard and the in-process model inspection (idempotent; see above)."""
+    for point in PLUGIN_PATCH_POINTS:
         _wrap_when_imported(point, lambda: True)
 
 

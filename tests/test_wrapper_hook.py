@@ -48,6 +48,9 @@ plugins = load_plugins_by_group("vllm.general_plugins")
 out["plugin_found"] = "lmcache_vllm" in plugins
 plugins["lmcache_vllm"]()
 out["unmarked"] = wrapped()
+# Marked or not, vLLM's model-class inspection runs in this process on the CPU platform (no CUDA to
+# keep uninitialised), instead of a fresh interpreter that took 17-22 s of every start on 2 busy cores.
+out["inspection_in_process"] = registry._run_in_subprocess(os.getpid) == os.getpid()
 os.environ["_LMCACHE_VLLM_INJECT"] = "1"
 plugins["lmcache_vllm"]()
 out["marked"] = wrapped()
@@ -58,9 +61,6 @@ del os.environ["_LMCACHE_VLLM_INJECT"]
 # load_model is wrapped on the two runners only, not on the base class their siblings share.
 out["siblings_untouched"] = [not ours(CPUModelRunnerBase, "load_model"), "load_model" not in vars(CPUPoolingModelRunner)]
 out["otel_before"] = os.environ.get("OTEL_SDK_DISABLED")
-# Marked, vLLM's model-class inspection runs in this process on the CPU platform (no CUDA to keep
-# uninitialised), instead of a fresh interpreter that took 17-22 s of every start on 2 cores.
-out["inspection_in_process"] = registry._run_in_subprocess(os.getpid) == os.getpid()
 
 import vllm, vllm.entrypoints.openai.api_server as real_api
 import lmcache_vllm.vllm as proxy

@@ -22,7 +22,7 @@ import pytest
 import wrapt
 from conftest import ROOT, VLLM_TEST_ENV
 
-from lmcache.integration.vllm.vllm_compat import KV_SPEC_GUARD_POINTS, WRAPPER_PATCH_POINTS, PatchPoint
+from lmcache.integration.vllm.vllm_compat import PLUGIN_PATCH_POINTS, WRAPPER_PATCH_POINTS, PatchPoint
 from lmcache_vllm.vllm_injection import (
     INJECT_ENV,
     apply_injection,
@@ -52,12 +52,12 @@ elif order == "wrapper first":
 else:
     for name in modules:
         importlib.import_module("lmcache_vllm." + name)
-from lmcache.integration.vllm.vllm_compat import KV_SPEC_GUARD_POINTS, WRAPPER_PATCH_POINTS
+from lmcache.integration.vllm.vllm_compat import PLUGIN_PATCH_POINTS, WRAPPER_PATCH_POINTS
 from lmcache_vllm import plugin, vllm_injection
 plugin.general_plugin()  # as vLLM calls it in each of its processes
 vllm_injection.apply_injection()
 counts = {}
-for point in WRAPPER_PATCH_POINTS + KV_SPEC_GUARD_POINTS:
+for point in WRAPPER_PATCH_POINTS + PLUGIN_PATCH_POINTS:
     try:
         stored = wrapt.resolve_path(sys.modules[point.module], point.path)[2]
     except (KeyError, AttributeError):
@@ -68,7 +68,7 @@ print("PATCHES " + json.dumps({"early": early if order == "wrapper first" else [
 
 
 def running_points() -> list[PatchPoint]:
-    return [p for p in WRAPPER_PATCH_POINTS + KV_SPEC_GUARD_POINTS if p.applies()]
+    return [p for p in WRAPPER_PATCH_POINTS + PLUGIN_PATCH_POINTS if p.applies()]
 
 
 @functools.lru_cache(maxsize=None)
@@ -139,12 +139,13 @@ def check_injection_comes_off(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def check_missing_patch_point_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A patch point this vLLM lacks is an ImportError naming it (here: vLLM's model inspection)."""
+    """A patch point this vLLM lacks is an ImportError naming it (here: the engine-args method each
+    line's wrapper turns its connector on in, which no base class of `EngineArgs` has)."""
     monkeypatch.delenv(INJECT_ENV, raising=False)
-    point = next(p for p in WRAPPER_PATCH_POINTS if p.role == "model_inspection")
-    module = importlib.import_module(point.module)
+    point = next(p for p in WRAPPER_PATCH_POINTS if p.module == "vllm.engine.arg_utils" and p.applies())
+    owner, name, _ = wrapt.resolve_path(importlib.import_module(point.module), point.path)
     with monkeypatch.context() as patch:
-        patch.delattr(module, point.path)
+        patch.delattr(owner, name)
         with pytest.raises(ImportError, match=f"vLLM .* has no {point.module}.{point.path} to wrap"):
             apply_injection()
     remove_injection()

@@ -128,7 +128,6 @@ def test_wrapper_hooks_the_engine_config_and_asks_for_recompute():
     points = {(p.path, p.role) for p in vllm_compat.WRAPPER_PATCH_POINTS if p.applies()}
     assert points == {
         ("EngineArgs.create_engine_config", "v1_engine_config"),
-        ("_run_in_subprocess", "model_inspection"),
         ("LMCacheConnectorV1.get_num_new_matched_tokens", "v1_async_match"),
         ("LMCacheConnectorV1.update_state_after_alloc", "v1_async_alloc"),
     }

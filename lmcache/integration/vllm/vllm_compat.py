@@ -23,7 +23,7 @@ Operations:
 - `attention_kv_caches(forward_context)`: each decoder attention layer's KV cache tensor.
 - `multimodal_placeholders(request)`: a v1 request's multimodal content hashes and positions.
 - `full_prompt_reason(request)`: why a v1 request must compute every prompt position (None if not).
-- `WRAPPER_PATCH_POINTS` / `KV_SPEC_GUARD_POINTS`: the vLLM functions LMCache wraps (`PatchPoint`:
+- `WRAPPER_PATCH_POINTS` / `KV_SPEC_GUARD_POINTS` / `PLUGIN_PATCH_POINTS`: the vLLM functions LMCache wraps (`PatchPoint`:
   module, name, role, the vLLM lines it applies to).
 - `wrapper_kv_transfer_config()`: the KV transfer config the wrapper turns on for the user.
 - `kv_cache_block_ids(blocks)`: the block ids of a `KVCacheBlocks`, per KV cache group.
@@ -360,14 +360,12 @@ _SHELL = "vllm.distributed.kv_transfer.kv_connector.v1.lmcache_connector"
 # `_update_waiting_for_remote_kv` (private), see `finish_short_remote_load`, and its
 # `has_finished_requests`, see `holds_delayed_frees`; the v0 server's
 # startup handshake socket, `MQLLMEngineClient.get_data_socket` (private). vLLM 0.32 (v1 only):
-# `EngineArgs.create_engine_config`, before it reads the KV transfer config. Both:
-# `registry._run_in_subprocess`, which runs the model-class inspection in a fresh interpreter
-# (private), and vLLM's `LMCacheConnectorV1` shell's `get_num_new_matched_tokens` (always answers
-# "not async") and `update_state_after_alloc` (drops the blocks), for `enable_async_loading`.
+# `EngineArgs.create_engine_config`, before it reads the KV transfer config. Both: vLLM's
+# `LMCacheConnectorV1` shell's `get_num_new_matched_tokens` (always answers "not async") and
+# `update_state_after_alloc` (drops the blocks), for `enable_async_loading`.
 WRAPPER_PATCH_POINTS = (
     PatchPoint("vllm.engine.arg_utils", "EngineArgs._set_default_args_v1", "v1_default_args", LEGACY_LINE),
     PatchPoint("vllm.engine.arg_utils", "EngineArgs.create_engine_config", "v1_engine_config", LATEST_LINE),
-    PatchPoint("vllm.model_executor.models.registry", "_run_in_subprocess", "model_inspection", BOTH_LINES),
     PatchPoint(_SHELL, "LMCacheConnectorV1.get_num_new_matched_tokens", "v1_async_match", BOTH_LINES),
     PatchPoint(_SHELL, "LMCacheConnectorV1.update_state_after_alloc", "v1_async_alloc", BOTH_LINES),
     PatchPoint("vllm.v1.core.sched.scheduler", "Scheduler._update_waiting_for_remote_kv", "v1_async_ready", LEGACY_LINE),
@@ -390,6 +388,13 @@ WRAPPER_PATCH_POINTS = (
 KV_SPEC_GUARD_POINTS = (
     PatchPoint("vllm.v1.engine.core", "get_kv_cache_config", "kv_spec_guard", LEGACY_LINE),
     PatchPoint("vllm.v1.engine.core", "get_kv_cache_configs", "kv_spec_guard", LATEST_LINE),
+)
+
+# What `lmcache_vllm.plugin` wraps in every vLLM process with LMCache installed, wrapper or not:
+# the KV spec guard, and `registry._run_in_subprocess` (private), which runs vLLM's model-class
+# inspection in a fresh interpreter (on the CPU platform it runs in-process instead).
+PLUGIN_PATCH_POINTS = KV_SPEC_GUARD_POINTS + (
+    PatchPoint("vllm.model_executor.models.registry", "_run_in_subprocess", "model_inspection", BOTH_LINES),
 )
 
 
