@@ -39,6 +39,7 @@ EXTRA_DEFAULTS = {
     "pd_token_file": None, "pd_no_auth": False, "pd_encrypt": False,
     "mooncake_local_hostname": None, "mooncake_metadata_server": "P2PHANDSHAKE", "mooncake_protocol": "tcp",
     "mooncake_device_name": "", "mooncake_global_segment_size": 3355443200, "mooncake_local_buffer_size": 1 << 30,
+    "enable_kv_events": False, "kv_events_endpoint": None, "kv_events_topic": "",
 }
 SPEC_FROM_LEGACY = {
     "chunk_size": 256, "backend": "cpu", "remote_url": "lm://localhost:65432", "remote_serde": "naive",
@@ -63,7 +64,8 @@ NON_DEFAULT: Dict[str, Any] = {
     "pd_token_file": "/etc/lmcache/pd-token", "pd_no_auth": True, "pd_encrypt": True,
     "mooncake_local_hostname": "10.0.0.8", "mooncake_metadata_server": "etcd.example:2379",
     "mooncake_protocol": "rdma", "mooncake_device_name": "mlx5_0", "mooncake_global_segment_size": 0,
-    "mooncake_local_buffer_size": 65536,
+    "mooncake_local_buffer_size": 65536, "enable_kv_events": True, "kv_events_endpoint": "tcp://*:5557",
+    "kv_events_topic": "lmcache",
 }
 
 

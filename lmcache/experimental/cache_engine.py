@@ -26,8 +26,10 @@ from typing import Any, Dict, Generator, Iterable, List, Optional, Sequence, Tup
 import torch
 
 from lmcache.config import LMCacheEngineMetadata
+from lmcache.experimental.chunk_tokens import ChunkTokens
 from lmcache.experimental.config import LMCacheEngineConfig
 from lmcache.experimental.gpu_connector import GPUConnectorInterface
+from lmcache.experimental.holdings import HoldingsStream
 from lmcache.experimental.layerwise import ChunkSpan, LayerCopier, paged_connector, request_slots
 from lmcache.experimental.memory_management import MemoryAllocatorInterface, MemoryFormat, MemoryObj, MixedMemoryAllocator
 from lmcache.experimental.metrics import EngineMetrics, EngineObservation
@@ -111,7 +113,13 @@ class LMCacheEngine:
         self.gpu_connector = gpu_connector
         self._stats = EngineStats()
         self._metrics = EngineMetrics(metadata.model_name, metadata.worker_id)
-        self.storage_manager: StorageManager = create_storage_manager(config, metadata, memory_allocator, self._stats)
+        # With KV events on: what the tiers admit and lose, and the tokens of the chunks stored
+        # (a publisher drains both: `integration/vllm/kv_events.py`).
+        self.holdings: Optional[HoldingsStream] = HoldingsStream() if config.enable_kv_events else None
+        self.chunk_tokens: Optional[ChunkTokens] = ChunkTokens() if config.enable_kv_events else None
+        self.storage_manager: StorageManager = create_storage_manager(
+            config, metadata, memory_allocator, self._stats, self.holdings
+        )
         self._close_lock = threading.Lock()
         self._closed = False
 
@@ -164,6 +172,9 @@ class LMCacheEngine:
                 batch.clear()
 
         todo: List[Tuple[int, int, CacheEngineKey]] = []
+        chunks = list(chunks)
+        if self.chunk_tokens is not None and chunks:
+            self._record_tokens(tokens, chunks, cache_salt or "")
         for start, end, key in chunks:
             if self.storage_manager.contains_locally(key):
                 skipped += end - start
@@ -213,6 +224,19 @@ class LMCacheEngine:
         logger.debug(
             "store: %d tokens requested, %d stored, %d already cached, %d dropped", requested, stored, skipped, dropped
         )
+
+    def _record_tokens(
+        self, tokens: torch.Tensor, chunks: List[Tuple[int, int, CacheEngineKey]], cache_salt: str
+    ) -> None:
+        """Note each chunk's tokens and parent before the tiers admit it (their events name them);
+        a masked prefix is hashed again for the first chunk's parent (a few microseconds)."""
+        assert self.chunk_tokens is not None
+        first = chunks[0][0]
+        parent = None
+        if first > 0:
+            *_, (_, _, parent) = self.token_database.process_tokens(tokens[:first], cache_salt=cache_salt)
+        ids = tokens.tolist() if isinstance(tokens, torch.Tensor) else list(tokens)
+        self.chunk_tokens.record_prompt(chunks, ids, parent, cache_salt)
 
     def retrieve(
         self,
@@ -430,10 +454,12 @@ class LMCacheEngine:
         self, tokens: torch.Tensor, mask: Optional[torch.Tensor], cache_salt: Optional[str]
     ) -> Tuple[List[ChunkSpan], "_LayerStorePlan"]:
         plan = _LayerStorePlan(requested=_num_selected(tokens, mask), clock=_RunningClock())
-        chunks = self.token_database.process_tokens(tokens, mask, cache_salt=cache_salt or "")
+        chunks = list(self.token_database.process_tokens(tokens, mask, cache_salt=cache_salt or ""))
         if self._closed:
             logger.warning("store on a closed engine: %d tokens not stored", plan.requested)
-            chunks = iter(())
+            chunks = []
+        if self.chunk_tokens is not None and chunks:
+            self._record_tokens(tokens, chunks, cache_salt or "")
         for start, end, key in chunks:
             n = end - start
             if self.storage_manager.contains_locally(key):

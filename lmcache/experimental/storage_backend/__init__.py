@@ -10,6 +10,7 @@ from typing import List, Optional
 
 from lmcache.config import LMCacheEngineMetadata
 from lmcache.experimental.config import LMCacheEngineConfig
+from lmcache.experimental.holdings import HoldingsStream
 from lmcache.experimental.memory_management import MemoryAllocatorInterface
 from lmcache.experimental.stats import EngineStats
 from lmcache.experimental.storage_backend.abstract_backend import StorageBackendInterface
@@ -91,8 +92,10 @@ def create_storage_manager(
     metadata: LMCacheEngineMetadata,
     memory_allocator: MemoryAllocatorInterface,
     stats: Optional[EngineStats] = None,
+    holdings: Optional[HoldingsStream] = None,
 ) -> StorageManager:
-    """The CPU tier over `memory_allocator` plus every configured tier, in one manager."""
+    """The CPU tier over `memory_allocator` plus every configured tier, in one manager (their
+    admits and losses reported into `holdings` when given)."""
     stats = stats if stats is not None else EngineStats()
     cpu = LocalCPUBackend(memory_allocator, keep_objects=config.local_cpu, stats=stats.tier("Hot"))
-    return StorageManager(cpu, create_storage_backends(config, metadata, cpu, stats), stats)
+    return StorageManager(cpu, create_storage_backends(config, metadata, cpu, stats), stats, holdings)

@@ -11,6 +11,7 @@ from typing import List, Optional, Sequence
 
 import torch
 
+from lmcache.experimental.holdings import QUIET, Medium, TierHoldings
 from lmcache.experimental.memory_management import MemoryObj
 from lmcache.utils import CacheEngineKey
 
@@ -29,7 +30,22 @@ class ClosedWrites:
 
 
 class StorageBackendInterface(ABC):
-    """A place chunks can be put into and read back from, keyed by `CacheEngineKey`."""
+    """A place chunks can be put into and read back from, keyed by `CacheEngineKey`.
+
+    A tier reports each chunk it admits or loses to `holdings` (`holdings.py`); the storage
+    manager sets it, and until then it reports nowhere.
+    """
+
+    holdings: TierHoldings = QUIET
+
+    @property
+    def medium(self) -> Medium:
+        """Where the tier keeps chunks (host memory or storage), as routers rank them."""
+        return Medium.STORAGE
+
+    def report_holdings_to(self, holdings: TierHoldings) -> None:
+        """Report each admit and loss to `holdings` from now on."""
+        self.holdings = holdings
 
     @property
     def tier_name(self) -> str:

@@ -15,6 +15,7 @@ from typing import Any, List, Optional, Tuple
 
 import torch
 
+from lmcache.experimental.holdings import Medium
 from lmcache.experimental.memory_management import MemoryAllocatorInterface, MemoryFormat, MemoryObj
 from lmcache.experimental.stats import TierStats
 from lmcache.experimental.storage_backend.abstract_backend import ClosedWrites, StorageBackendInterface
@@ -47,6 +48,10 @@ class LocalCPUBackend(StorageBackendInterface):
     @property
     def tier_name(self) -> str:
         return "Hot"
+
+    @property
+    def medium(self) -> Medium:
+        return Medium.CPU
 
     @property
     def used_bytes(self) -> int:
@@ -87,6 +92,7 @@ class LocalCPUBackend(StorageBackendInterface):
             obj.ref_count_up()
             self._objs[key] = obj
         self._stats.record_write(obj.get_size())
+        self.holdings.admitted(key)
 
     def submit_prefetch_task(self, key: CacheEngineKey) -> bool:
         # This is the prefetch destination; there is nothing faster to bring a chunk into.
@@ -117,6 +123,7 @@ class LocalCPUBackend(StorageBackendInterface):
             if obj is None:
                 return False
             obj.ref_count_down()
+        self.holdings.lost(key, "remove")
         return True
 
     def allocate(
@@ -160,6 +167,7 @@ class LocalCPUBackend(StorageBackendInterface):
         nbytes = obj.get_size()
         obj.ref_count_down()
         self._stats.record_eviction(nbytes)
+        self.holdings.lost(key, "eviction")
         return nbytes
 
     def close(self, timeout_s: Optional[float] = None) -> ClosedWrites:
@@ -169,4 +177,6 @@ class LocalCPUBackend(StorageBackendInterface):
             self._objs.clear()
             for obj in objs:
                 obj.ref_count_down()
+        if objs:
+            self.holdings.cleared("close")
         return ClosedWrites()

@@ -36,6 +36,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from lmcache.background_threads import hurry, prepare_thread, thread_initializer
+from lmcache.experimental.holdings import TierHoldings
 from lmcache.experimental.memory_management import MemoryFormat, MemoryObj
 from lmcache.experimental.stats import TierStats
 from lmcache.experimental.storage_backend import chunk_format, hash_thread
@@ -172,6 +173,13 @@ class LocalDiskBackend(StorageBackendInterface):
         with self._lock:
             return list(self._index)
 
+    def report_holdings_to(self, holdings: TierHoldings) -> None:
+        """Report from now on, starting with the chunks found in the directory at start."""
+        with self._lock:
+            self.holdings = holdings
+            for key in self._index:
+                holdings.admitted(key, "found at start")
+
     def key_to_path(self, key: CacheEngineKey) -> str:
         return os.path.join(self._dir, file_name_for(key))
 
@@ -243,10 +251,11 @@ class LocalDiskBackend(StorageBackendInterface):
     def _make_room(self, nbytes: int) -> None:
         """Evict least recently used files until `nbytes` more fit (caller holds the lock)."""
         while self._index and self._used_bytes + nbytes > self._max_bytes:
-            _, entry = self._index.popitem(last=False)
+            key, entry = self._index.popitem(last=False)
             self._used_bytes -= entry.file_size
             self._unlink(entry.path)
             self._stats.record_eviction(entry.file_size)
+            self.holdings.lost(key, "eviction")
 
     def insert_key(self, key: CacheEngineKey, memory_obj: MemoryObj) -> None:
         """Index the finished file of `key` holding `memory_obj`'s chunk, evicting to fit."""
@@ -263,6 +272,8 @@ class LocalDiskBackend(StorageBackendInterface):
         self._make_room(entry.file_size)
         self._index[key] = entry
         self._used_bytes += entry.file_size
+        if old is None:
+            self.holdings.admitted(key)
 
     # ---- interface -------------------------------------------------------------------------
 
@@ -285,6 +296,7 @@ class LocalDiskBackend(StorageBackendInterface):
                 return
             del self._index[key]
             self._used_bytes -= entry.file_size
+        self.holdings.lost(key, "file gone")
         logger.info("disk tier: %s %s; forgetting chunk %s", entry.path, why, key.chunk_hash)
 
     def exists_in_put_tasks(self, key: CacheEngineKey) -> bool:
@@ -365,6 +377,7 @@ class LocalDiskBackend(StorageBackendInterface):
             logger.warning("disk tier: writing chunk %s failed: %s", key.chunk_hash, err)
             self._stats.record_error()
             self._unlink(tmp)
+            self.holdings.lost(key, "write failed")
             return False
         self._stats.record_write(payload.nbytes)
         return True
@@ -382,6 +395,7 @@ class LocalDiskBackend(StorageBackendInterface):
             lost = len(self._index)
             self._index.clear()
             self._used_bytes = 0
+        self.holdings.cleared("directory removed")
         logger.warning("disk tier: %s was removed; created it again (%d chunks lost)", self._dir, lost)
         return open(tmp, "wb")
 
@@ -412,6 +426,7 @@ class LocalDiskBackend(StorageBackendInterface):
                     del self._index[key]
                     self._used_bytes -= entry.file_size
                     self._unlink(entry.path)
+                    self.holdings.lost(key, "corrupt")
         elif outcome is _Read.MISSING:
             self._forget(key, entry, "was removed by someone else")
         if obj is not None:
@@ -542,6 +557,7 @@ class LocalDiskBackend(StorageBackendInterface):
             if entry is not None:
                 self._used_bytes -= entry.file_size
                 self._unlink(entry.path)
+                self.holdings.lost(key, "remove")
                 removed = True
             return removed
 

@@ -25,12 +25,13 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, fields
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from lmcache.background_threads import hurry, prepared, thread_initializer
 from lmcache.config import LMCacheEngineMetadata
+from lmcache.experimental.holdings import Medium
 from lmcache.experimental.memory_management import MemoryFormat, MemoryObj
 from lmcache.experimental.remote import create_connector, redis_key_prefix
 from lmcache.experimental.remote.connector import RemoteConnector, RemoteUnavailableError
@@ -118,8 +119,10 @@ class _Counters:
 class _Health:
     """Up/down state with exponential backoff between reconnection probes."""
 
-    def __init__(self, url: str, options: RemoteBackendOptions, counters: _Counters) -> None:
+    def __init__(self, url: str, options: RemoteBackendOptions, counters: _Counters,
+                 on_down: Callable[[], None]) -> None:
         self._url = url
+        self._on_down = on_down  # told once per outage: what the tier held is out of reach
         self._options = options
         self._counters = counters
         self._lock = threading.Lock()
@@ -137,6 +140,7 @@ class _Health:
             return max(0.0, self._next_probe - time.monotonic())
 
     def mark_down(self, reason: str) -> None:
+        went_down = False
         with self._lock:
             now = time.monotonic()
             if self._up:
@@ -144,6 +148,7 @@ class _Health:
                 self._down_since = now
                 self._backoff = self._options.backoff_initial_s
                 self._counters.add("times_down")
+                went_down = True
                 logger.warning(
                     "remote tier %s is down (%s): lookups miss and requests recompute; "
                     "reconnecting in the background",
@@ -154,6 +159,8 @@ class _Health:
                 self._backoff = min(self._backoff * 2, self._options.backoff_max_s)
                 logger.debug("remote tier %s still down (%s); next probe in %.1f s", self._url, reason, self._backoff)
             self._next_probe = now + self._backoff
+        if went_down:
+            self._on_down()
 
     def mark_up(self) -> None:
         with self._lock:
@@ -211,7 +218,9 @@ class RemoteBackend(StorageBackendInterface):
         self._cpu = local_cpu_backend
         self._stats = stats if stats is not None else TierStats()
         self._counters = _Counters()
-        self._health = _Health(self._connector.url, opts, self._counters)
+        # A store that went away (down, restarted) may have lost everything: reported as cleared.
+        self._health = _Health(self._connector.url, opts, self._counters,
+                               on_down=lambda: self.holdings.cleared("tier down"))
         self._queue: "queue.Queue[_PutTask]" = queue.Queue(maxsize=opts.put_queue_size)
         self._lock = threading.Lock()
         self._pending: Dict[CacheEngineKey, MemoryObj] = {}
@@ -226,6 +235,11 @@ class RemoteBackend(StorageBackendInterface):
     @property
     def url(self) -> str:
         return self._connector.url
+
+    @property
+    def medium(self) -> Medium:
+        """The node pool is host memory; every other remote store is storage."""
+        return Medium.CPU if isinstance(self._connector, PoolConnector) else Medium.STORAGE
 
     @property
     def is_up(self) -> bool:
@@ -410,6 +424,7 @@ class RemoteBackend(StorageBackendInterface):
         if obj is None:
             self._counters.add("gets_rejected")
             self._stats.record_rejected()
+            self.holdings.lost(key, "corrupt")
         return obj
 
     def _shape_ok(self, obj: MemoryObj) -> bool:
@@ -518,6 +533,7 @@ class RemoteBackend(StorageBackendInterface):
         for task, present in zip(batch, stored):
             if present:  # another engine stored it first: nothing to send
                 self._counters.add("puts_skipped_stored")
+                self.holdings.admitted(task.key, "stored already")
                 continue
             try:
                 encoded.append((task.key.to_string(), self._serde.encode_parts(task.key, task.obj)))
@@ -526,6 +542,7 @@ class RemoteBackend(StorageBackendInterface):
                 logger.warning("remote tier: cannot encode chunk %s: %r", task.key.chunk_hash, err)
                 self._counters.add("puts_refused")
                 self._stats.record_error()
+                self.holdings.lost(task.key, "write failed")
         try:
             acks = self._connector.batched_put(encoded) if encoded else []
         except RemoteUnavailableError as err:
@@ -538,8 +555,10 @@ class RemoteBackend(StorageBackendInterface):
                 if ok:
                     self._counters.add("puts_acknowledged")
                     self._stats.record_write(task.obj.get_size())
+                    self.holdings.admitted(task.key)
                 else:
                     self._counters.add("puts_refused")
+                    self.holdings.lost(task.key, "write failed")
         self._finish(batch)
 
     def _commit(self, tasks: List[_PutTask]) -> None:
@@ -552,8 +571,10 @@ class RemoteBackend(StorageBackendInterface):
                 self._counters.add("puts_acknowledged")
                 self._counters.add("puts_in_place")
                 self._stats.record_write(task.obj.get_size())
+                self.holdings.admitted(task.key)
             else:
                 self._counters.add("puts_refused" if ok is False else "puts_lost")
+                self.holdings.lost(task.key, "write failed")
         if None in acks:
             self._stats.record_error()
             self._health.mark_down("committing chunks to the node pool failed")
@@ -615,10 +636,13 @@ class RemoteBackend(StorageBackendInterface):
         if not self._health.up:
             return False
         try:
-            return self._connector.delete(key.to_string())
+            removed = self._connector.delete(key.to_string())
         except RemoteUnavailableError as err:
             self._health.mark_down(str(err))
             return False
+        if removed:
+            self.holdings.lost(key, "remove")
+        return removed
 
     def flush(self, timeout_s: Optional[float] = None) -> bool:
         """Wait until every queued put was sent (or dropped); True if the queue drained in time.

@@ -16,6 +16,7 @@ from typing import Callable, Dict, Iterable, List, Optional, Sequence, Set
 
 import torch
 
+from lmcache.experimental.holdings import HoldingsStream
 from lmcache.experimental.memory_management import MemoryFormat, MemoryObj
 from lmcache.experimental.pins import PinRegistry
 from lmcache.experimental.stats import EngineStats
@@ -34,7 +35,9 @@ class StorageManager:
         local_cpu_backend: LocalCPUBackend,
         tiers: Sequence[StorageBackendInterface],
         stats: Optional[EngineStats] = None,
+        holdings: Optional[HoldingsStream] = None,
     ) -> None:
+        """`holdings`: the stream every tier reports its admits and losses into (none: unreported)."""
         names = [t.tier_name for t in tiers]
         if len(set(names)) != len(names):
             raise ValueError(f"StorageManager: tier names must be unique, got {names}")
@@ -45,6 +48,9 @@ class StorageManager:
         self._lock = threading.Lock()
         self._warned_names: Set[str] = set()
         self._closed = False
+        if holdings is not None:
+            for tier in {id(t): t for t in [local_cpu_backend, *tiers]}.values():
+                tier.report_holdings_to(holdings.tier(tier.tier_name, tier.medium))
 
     @property
     def tier_names(self) -> List[str]:
