@@ -35,6 +35,7 @@ Operations:
   class (vLLM's own module for it cannot be imported without upstream's multiprocess package).
 - `v0_attention_window(runner)` / `v0_state_beyond_kv(model_config)`: the sliding window a v0
   runner's attention applies (plain or interleaved), and whether a model keeps non-KV state.
+- `kv_event_types()`: vLLM's own KV event classes, which LMCache's KV events are built from.
 
 Nothing here imports vLLM at module import time: `lmcache_vllm` imports it in every vLLM process.
 """
@@ -549,3 +550,12 @@ def rotary_inv_freq(rotary_emb: Any) -> "torch.Tensor":
     if not torch.allclose(cos_at_one, torch.cos(inv_freq), atol=1e-5):
         raise NotImplementedError(f"CacheBlend: {type(rotary_emb).__name__}'s cache is not cos(position * inv_freq)")
     return inv_freq
+
+
+def kv_event_types() -> Tuple[type, type, type]:
+    """vLLM's `BlockStored`, `BlockRemoved` and `KVEventBatch` (`vllm.distributed.kv_events`, both
+    lines): built from them, our events are what the running line's decoder reads (0.9.2's are
+    tagged arrays without `medium`; 0.32's are tagged maps with `medium` and `ownership`)."""
+    from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVEventBatch
+
+    return BlockStored, BlockRemoved, KVEventBatch

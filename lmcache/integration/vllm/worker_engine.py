@@ -3,7 +3,8 @@
 Both doors (v0 `v0.connector.init_lmcache_engine`, v1 `LMCacheWorkerSide.from_vllm_config`) call
 `open_worker_engine`; it builds the engine's metadata, finds the paged KV layout, creates the
 connector and registers the engine under `ENGINE_NAME` (an engine that exists already is reused),
-starts its status API when the config asks for it (`api_server.py`), then has
+starts its status API and KV events publisher when the config asks for them (`api_server.py`,
+`kv_events.py`), then has
 `close_worker_engine` run when the process exits (`close_at_exit`). vLLM has no shutdown hook
 for either door, and it runs workers in children it starts itself: `multiprocessing.util.Finalize`
 runs in the main process and in those children alike.
@@ -23,6 +24,7 @@ from lmcache.experimental.api_server import StatusAPI, start_status_api
 from lmcache.experimental.cache_engine import LMCacheEngine, LMCacheEngineBuilder
 from lmcache.experimental.config import LMCacheEngineConfig
 from lmcache.experimental.kv_layout import KVLayout
+from lmcache.integration.vllm.kv_events import KVEventsPublisher, start_kv_events
 from lmcache.integration.vllm.utils import (
     ENGINE_NAME,
     create_engine_metadata,
@@ -43,6 +45,9 @@ logger = init_logger(__name__)
 ENGINE_EXIT_PRIORITY = 50
 # This process's status API, when the config enables it; closed with the engine.
 _status_api: Optional[StatusAPI] = None
+# This process's KV events publisher, when the config enables it; closed after the engine, so the
+# writes the engine's close flushes are published too.
+_kv_events: Optional[KVEventsPublisher] = None
 # Whether threading's exit hook runs our exit closes (`close_at_exit`), once per process.
 _exit_hooked = False
 # How long an exit close in a process vLLM started waits for the tiers' queued writes: vLLM kills
@@ -74,8 +79,9 @@ def open_worker_engine(vllm_config: "VllmConfig", config: LMCacheEngineConfig, d
         return WorkerEngine(existing, layout, world_size, rank)
     connector = create_gpu_connector(vllm_config, metadata, layout)
     engine = LMCacheEngineBuilder.get_or_create(ENGINE_NAME, config, metadata, connector)
-    global _status_api
+    global _status_api, _kv_events
     _status_api = start_status_api(engine, rank)
+    _kv_events = start_kv_events(engine, rank)
     close_at_exit(door)
     logger.info(
         "LMCache %s: engine ready (worker %d of %d, layout %s, chunk size %d, KV %s %s)",
@@ -134,12 +140,15 @@ def exit_close_timeout() -> Optional[float]:
 def close_worker_engine(door: str, timeout_s: Optional[float] = None) -> bool:
     """Close this process's engine, waiting for its pending writes (at most `timeout_s`; None:
     each tier's own bound); False when there is none."""
-    global _status_api
+    global _status_api, _kv_events
     if _status_api is not None:
         _status_api.close()
         _status_api = None
     if LMCacheEngineBuilder.get(ENGINE_NAME) is None:
         return False
     LMCacheEngineBuilder.destroy(ENGINE_NAME, timeout_s)
+    if _kv_events is not None:
+        _kv_events.close()
+        _kv_events = None
     logger.info("LMCache %s: engine closed", door)
     return True
