@@ -2,10 +2,11 @@
 every process vLLM starts.
 
 vLLM calls `load_general_plugins()` in the engine-args setup, the v0 multiprocessing engine, the
-v1 engine core and each worker. In each it installs the KV cache spec guard and the in-process
-model inspection (`vllm_injection.install_plugin_patches`: a model LMCache cannot save stops at
-engine start in our words, when the engine runs LMCache's connector; on the CPU platform vLLM
-inspects a model class without starting another interpreter) and, on vLLM 0.32, points vLLM's
+v1 engine core and each worker. In each it installs the KV cache spec guard, the in-process
+model inspection and the KV events hook (`vllm_injection.install_plugin_patches`: a model LMCache
+cannot save stops at engine start in our words, when the engine runs LMCache's connector; on the
+CPU platform vLLM inspects a model class without starting another interpreter; on vLLM 0.32
+LMCache's KV events reach vLLM's publisher, removals included) and, on vLLM 0.32, points vLLM's
 `LMCacheMPConnector` name at ours (`vllm_compat.route_mp_connector`: vLLM's own module for it
 needs upstream's multiprocess package to import); the wrapper's injection follows only when the
 wrapper marked the environment (`vllm_injection.INJECT_ENV`).

@@ -28,7 +28,7 @@ inherit; `lmcache_vllm.plugin.general_plugin` (a `vllm.general_plugins` entry po
 loads in each of its processes) applies the same injection when it sees the mark and does
 nothing otherwise, so plain `vllm` users are untouched.
 
-`install_plugin_patches()` makes the two changes made for every vLLM user with LMCache installed,
+`install_plugin_patches()` makes the three changes made for every vLLM user with LMCache installed,
 not only the wrapper's (`vllm_compat.PLUGIN_PATCH_POINTS`; the plugin installs them in each vLLM
 process):
 - vLLM's engine-core call that first sees the layers' KV cache specs
@@ -41,6 +41,9 @@ process):
   and that process (importing torch, IPEX and vLLM again) cost every engine start 6.4 s on an idle
   2-core machine and 17-22 s on a busy one. vLLM 0.32 caches the answer on disk after its first
   inspection; vLLM 0.9.2 paid it at every start. The answer is the same either way.
+- vLLM 0.32's shell hands the worker's KV events to the scheduler as `BlockStored` only
+  (`vllm_compat.KV_EVENTS_POINTS`); with our connector it hands over LMCache's events as they are,
+  removals included (`kv_cache_events`), for vLLM's `--kv-events-config` publisher.
 
 `quiet_telemetry_by_default()` turns the OpenTelemetry SDK off for the wrapper's processes unless
 the user configured OpenTelemetry (see its docstring).
@@ -70,6 +73,7 @@ from lmcache.integration.vllm.vllm_compat import (
     finish_short_remote_load,
     holds_delayed_frees,
     kv_cache_block_ids,
+    shell_kv_events,
     wrapper_kv_transfer_config,
 )
 from lmcache.logging import init_logger
@@ -275,6 +279,16 @@ def check_kv_specs_first(wrapped: Callable[..., Any], instance: Any, args: Any, 
     return guarded(*args, **kwargs)
 
 
+def kv_cache_events(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
+    """The shell's worker-side KV events: ours as built (`BlockStored` and `BlockRemoved`), None
+    when there are none; another connector's through vLLM's own."""
+    impl = _our_impl(instance)
+    if impl is None:
+        return wrapped(*args, **kwargs)
+    events = impl.take_kv_cache_events()
+    return shell_kv_events(events) if events else None
+
+
 # wrapt's wrapper signature: (vLLM's function, the instance it is bound to or None, args, kwargs).
 Wrapper = Callable[[Callable[..., Any], Any, Any, Any], Any]
 
@@ -291,6 +305,7 @@ _WRAPPERS: dict[str, Wrapper] = {
     "v1_delayed_free_steps": delayed_free_steps,
     "v0_startup_socket": startup_socket,
     "kv_spec_guard": check_kv_specs_first,
+    "v1_kv_events": kv_cache_events,
 }
 
 
@@ -329,9 +344,12 @@ def _wrap_when_imported(point: PatchPoint, wanted: Callable[[], bool]) -> None:
 
 
 def install_plugin_patches() -> None:
-    """The KV spec guard and the in-process model inspection (idempotent; see above)."""
+    """The KV spec guard, the in-process model inspection and the KV events hook (idempotent;
+    see above)."""
     for point in PLUGIN_PATCH_POINTS:
         _wrap_when_imported(point, lambda: True)
+
+
 
 
 def apply_injection() -> None:

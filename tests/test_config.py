@@ -139,6 +139,8 @@ BAD_VALUES = [
     ("save_unfull_chunk", "sometimes"), ("enable_pd", 0),
     ("pd_role", "prefiller"), ("pd_buffer_size", 0), ("pd_buffer_size", "big"), ("pd_buffer_device", "cuda"),
     ("pd_peer_init_port", 70000), ("pd_peer_alloc_port", 0), ("pd_proxy_port", -1), ("transfer_channel", "nixl"),
+    ("enable_kv_events", "maybe"), ("kv_events_endpoint", "tcp://*"), ("kv_events_endpoint", "udp://*:5557"),
+    ("kv_events_endpoint", "tcp://*:70000"), ("kv_events_endpoint", "ipc://"),
 ]
 
 

@@ -17,10 +17,11 @@ from lmcache.integration.vllm.kv_events import (
     KVEventsPublisher,
     KVEventsTranslator,
     block_hash,
+    connector_kv_events,
     endpoint_for_rank,
     start_kv_events,
 )
-from lmcache.integration.vllm.vllm_compat import kv_event_types
+from lmcache.integration.vllm.vllm_compat import is_legacy_vllm, kv_event_types
 
 BlockStored, BlockRemoved, KVEventBatch = kv_event_types()
 CHUNK = 8  # helpers.CHUNK: the small engines' chunk size
@@ -100,6 +101,18 @@ def test_an_endpoint_in_use_or_a_failing_publish_leaves_serving_alone() -> None:
     publisher._publish()
     assert publisher.unsent == 1
     publisher.close()
+    engine.close()
+
+
+def test_without_an_endpoint_events_go_to_vllms_hook_which_vllm_0_9_2_lacks() -> None:
+    engine = small_engine(num_chunks=4, enable_kv_events=True)
+    if is_legacy_vllm():
+        with pytest.raises(ValueError, match="kv_events_endpoint=None: vLLM 0.9.2"):
+            connector_kv_events(engine)
+    else:
+        assert isinstance(connector_kv_events(engine), KVEventsTranslator)
+    assert connector_kv_events(events_engine(num_chunks=4)) is None  # an endpoint: LMCache publishes
+    assert start_kv_events(engine, rank=0) is None  # no endpoint: nothing of its own
     engine.close()
 
 

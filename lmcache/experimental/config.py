@@ -440,9 +440,9 @@ class LMCacheEngineConfig:
     mooncake_device_name: str = ""
     mooncake_global_segment_size: int = 3355443200  # bytes this instance adds to the pool; 0 = a pure client
     mooncake_local_buffer_size: int = 1 << 30  # bytes of the client's registered buffer; bounds one put
-    # KV events (`holdings.py`, `integration/vllm/kv_events.py`): what the tiers admit and lose,
-    # published in vLLM's format over ZeroMQ on the endpoint (worker N on its port + N): checked
-    # by `_check_kv_events`.
+    # KV events (`holdings.py`, `integration/vllm/kv_events.py`): what the tiers admit and lose, in
+    # vLLM's format, published by LMCache on the endpoint (worker N on its port + N) or, without
+    # one, handed to vLLM 0.32's own publisher (`--kv-events-config`): checked by `_check_kv_events`.
     enable_kv_events: bool = False
     kv_events_endpoint: Optional[str] = None  # tcp://*:PORT binds, tcp://HOST:PORT connects, ipc://PATH
     kv_events_topic: str = ""
@@ -506,7 +506,8 @@ class LMCacheEngineConfig:
         self._check_kv_events()
 
     def _check_kv_events(self) -> None:
-        """`kv_events_endpoint`: a ZeroMQ tcp endpoint with a port, or ipc; needed when enabled."""
+        """`kv_events_endpoint`: a ZeroMQ tcp endpoint with a port, or ipc (vLLM 0.9.2, which has no
+        connector events, needs one: `kv_events.connector_kv_events` says so at engine start)."""
         endpoint = self.kv_events_endpoint
         if endpoint is not None:
             scheme, sep, rest = endpoint.partition("://")
@@ -514,9 +515,6 @@ class LMCacheEngineConfig:
                 raise ValueError(f"kv_events_endpoint={endpoint!r}: expected tcp://*:PORT, tcp://HOST:PORT or ipc://PATH")
             if scheme == "tcp":
                 _parse_host_port(rest, "kv_events_endpoint", endpoint)
-        elif self.enable_kv_events:
-            raise ValueError("kv_events_endpoint=None: enable_kv_events=True needs the endpoint to publish on, "
-                             "e.g. tcp://*:5557")
 
     def _check_mooncake(self) -> None:
         """The `mooncake_*` keys, checked whatever the remote URL (a typo waits for no one)."""

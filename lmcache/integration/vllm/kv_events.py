@@ -5,10 +5,14 @@ Operations:
   events: `BlockStored` for each chunk a tier admitted, `BlockRemoved` for each one it lost,
   built from vLLM's own event classes (`vllm_compat.kv_event_types`), so the decoder of the
   running vLLM line reads them.
-- `start_kv_events(engine, rank)` / `KVEventsPublisher.close()`: this worker's publisher thread:
-  every `PUBLISH_INTERVAL_S`, one `KVEventBatch` as the frames `topic`, 8-byte big-endian
-  sequence number, msgpack payload (vLLM's `ZmqEventPublisher`), on `kv_events_endpoint` (its
-  port + the worker's rank).
+- `start_kv_events(engine, rank)` / `KVEventsPublisher.close()`: with `kv_events_endpoint`, this
+  worker's publisher thread: every `PUBLISH_INTERVAL_S`, one `KVEventBatch` as the frames `topic`,
+  8-byte big-endian sequence number, msgpack payload (vLLM's `ZmqEventPublisher`), on the
+  endpoint (its port + the worker's rank).
+- `connector_kv_events(engine)`: without an endpoint, the translator vLLM 0.32's connector hook
+  drains each step (`get_kv_connector_kv_cache_events`, patched by `lmcache_vllm`: the shell's
+  own turns `get_kv_events()` into `BlockStored` only), so vLLM's `--kv-events-config` publisher
+  sends ours beside its own blocks.
 
 One block per chunk: its hash is the chunk's own (the first 8 bytes of its key, as an int),
 `block_size` the chunk size, `token_ids` its tokens, `parent_block_hash` the chunk before it,
@@ -180,12 +184,23 @@ class KVEventsPublisher:
                     self._endpoint, self._seq, self.unsent, self._translator.undescribed)
 
 
-def start_kv_events(engine: LMCacheEngine, rank: int) -> Optional[KVEventsPublisher]:
-    """This worker's publisher when the config turns KV events on (None otherwise)."""
+def connector_kv_events(engine: LMCacheEngine) -> Optional[KVEventsTranslator]:
+    """The translator vLLM's connector hook drains, when KV events are on without an endpoint
+    (None otherwise). Raises ValueError on vLLM 0.9.2, which has no connector events."""
     config = engine.config
-    if not config.enable_kv_events:
+    if not config.enable_kv_events or config.kv_events_endpoint is not None:
         return None
-    assert config.kv_events_endpoint is not None  # the config checks it
+    if vllm_compat.is_legacy_vllm():
+        raise ValueError("kv_events_endpoint=None: vLLM 0.9.2 has no connector KV events, so "
+                         "enable_kv_events=True needs an endpoint for LMCache to publish on, e.g. tcp://*:5557")
+    return KVEventsTranslator(engine)
+
+
+def start_kv_events(engine: LMCacheEngine, rank: int) -> Optional[KVEventsPublisher]:
+    """This worker's publisher when the config turns KV events on with an endpoint (None otherwise)."""
+    config = engine.config
+    if not config.enable_kv_events or config.kv_events_endpoint is None:
+        return None
     endpoint = endpoint_for_rank(config.kv_events_endpoint, rank)
     try:
         publisher = KVEventsPublisher(KVEventsTranslator(engine), endpoint, config.kv_events_topic)

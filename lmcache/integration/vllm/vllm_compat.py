@@ -35,7 +35,9 @@ Operations:
   class (vLLM's own module for it cannot be imported without upstream's multiprocess package).
 - `v0_attention_window(runner)` / `v0_state_beyond_kv(model_config)`: the sliding window a v0
   runner's attention applies (plain or interleaved), and whether a model keeps non-KV state.
-- `kv_event_types()`: vLLM's own KV event classes, which LMCache's KV events are built from.
+- `kv_event_types()`: vLLM's own KV event classes, which LMCache's KV events are built from;
+  `KV_EVENTS_POINTS` / `shell_kv_events(events)`: vLLM 0.32's connector hook that hands a worker's
+  events to the scheduler, and the container it expects there.
 
 Nothing here imports vLLM at module import time: `lmcache_vllm` imports it in every vLLM process.
 """
@@ -380,6 +382,15 @@ WRAPPER_PATCH_POINTS = (
 )
 
 
+# vLLM 0.32's `LMCacheConnectorV1` shell hands a worker's KV events to the scheduler from
+# `get_kv_connector_kv_cache_events`, which turns what our `get_kv_events()` answers into
+# `BlockStored` only; this patch has it return our events (removals too) as they are, in the
+# container its scheduler side aggregates (`shell_kv_events`). One of `PLUGIN_PATCH_POINTS`.
+KV_EVENTS_POINTS = (
+    PatchPoint(_SHELL, "LMCacheConnectorV1.get_kv_connector_kv_cache_events", "v1_kv_events", LATEST_LINE),
+)
+
+
 # vLLM's engine-core function that first sees every worker's KV cache specs, before vLLM unifies
 # them (and, for a hybrid model with a non-HMA connector, fails with "Failed to promote local KV
 # cache specs to one unified type"); the connector itself is built only after it. Both are bound by
@@ -392,9 +403,10 @@ KV_SPEC_GUARD_POINTS = (
 )
 
 # What `lmcache_vllm.plugin` wraps in every vLLM process with LMCache installed, wrapper or not:
-# the KV spec guard, and `registry._run_in_subprocess` (private), which runs vLLM's model-class
-# inspection in a fresh interpreter (on the CPU platform it runs in-process instead).
-PLUGIN_PATCH_POINTS = KV_SPEC_GUARD_POINTS + (
+# the KV spec guard, `registry._run_in_subprocess` (private), which runs vLLM's model-class
+# inspection in a fresh interpreter (on the CPU platform it runs in-process instead), and the
+# KV events hook.
+PLUGIN_PATCH_POINTS = KV_SPEC_GUARD_POINTS + KV_EVENTS_POINTS + (
     PatchPoint("vllm.model_executor.models.registry", "_run_in_subprocess", "model_inspection", BOTH_LINES),
 )
 
@@ -559,3 +571,13 @@ def kv_event_types() -> Tuple[type, type, type]:
     from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVEventBatch
 
     return BlockStored, BlockRemoved, KVEventBatch
+
+
+def shell_kv_events(events: Sequence[Any]) -> Any:
+    """`events` in the container vLLM 0.32's shell hands its scheduler side (`LMCacheKVEvents`
+    of one worker; vLLM counts workers as it merges them and publishes what all of them sent)."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.lmcache_connector import LMCacheKVEvents
+
+    container = LMCacheKVEvents(num_workers=1)
+    container.add_events(list(events))
+    return container

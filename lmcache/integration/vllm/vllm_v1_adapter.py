@@ -30,7 +30,7 @@ from lmcache.integration.vllm.v1.worker_channel import (
 )
 from lmcache.integration.vllm.v1.worker_side import IN_PROCESS_EXECUTORS, LMCacheWorkerSide
 from lmcache.integration.vllm.vllm_compat import connector_impl_of, load_failure_policy, step_connector_metadata
-from lmcache.integration.vllm.worker_engine import report_held
+from lmcache.integration.vllm.worker_engine import report_held, take_step_kv_events
 from lmcache.logging import init_logger
 
 if TYPE_CHECKING:
@@ -140,8 +140,15 @@ class LMCacheConnectorV1Impl:
         return self._worker("get_block_ids_with_load_errors").get_block_ids_with_load_errors()
 
     def get_kv_events(self) -> list[Any]:
-        """vLLM 0.3x asks every step for KV cache events to publish; LMCache emits none."""
+        """vLLM 0.3x's shell asks every step and turns the answer into `BlockStored` only; our events,
+        removals included, reach vLLM through `take_kv_cache_events` instead (the shell's
+        `get_kv_connector_kv_cache_events`, patched by `lmcache_vllm`), so this answers none."""
         return []
+
+    def take_kv_cache_events(self) -> list[Any]:
+        """vLLM events of what this worker's tiers admitted and lost since the last step."""
+        self._worker("take_kv_cache_events")
+        return take_step_kv_events()
 
     # ----- scheduler side --------------------------------------------------------------------------
 

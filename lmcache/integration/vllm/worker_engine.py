@@ -17,14 +17,19 @@ import multiprocessing.util
 import signal
 import threading
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Callable, List, Mapping, Optional
 
 from lmcache.background_threads import at_thread_shutdown
 from lmcache.experimental.api_server import StatusAPI, start_status_api
 from lmcache.experimental.cache_engine import LMCacheEngine, LMCacheEngineBuilder
 from lmcache.experimental.config import LMCacheEngineConfig
 from lmcache.experimental.kv_layout import KVLayout
-from lmcache.integration.vllm.kv_events import KVEventsPublisher, start_kv_events
+from lmcache.integration.vllm.kv_events import (
+    KVEventsPublisher,
+    KVEventsTranslator,
+    connector_kv_events,
+    start_kv_events,
+)
 from lmcache.integration.vllm.utils import (
     ENGINE_NAME,
     create_engine_metadata,
@@ -45,9 +50,11 @@ logger = init_logger(__name__)
 ENGINE_EXIT_PRIORITY = 50
 # This process's status API, when the config enables it; closed with the engine.
 _status_api: Optional[StatusAPI] = None
-# This process's KV events publisher, when the config enables it; closed after the engine, so the
-# writes the engine's close flushes are published too.
+# This process's KV events publisher, when the config enables it with an endpoint; closed after the
+# engine, so the writes the engine's close flushes are published too. Without an endpoint (vLLM
+# 0.32), the translator vLLM's connector hook drains each step (`take_step_kv_events`).
 _kv_events: Optional[KVEventsPublisher] = None
+_step_kv_events: Optional[KVEventsTranslator] = None
 # Whether threading's exit hook runs our exit closes (`close_at_exit`), once per process.
 _exit_hooked = False
 # How long an exit close in a process vLLM started waits for the tiers' queued writes: vLLM kills
@@ -79,7 +86,8 @@ def open_worker_engine(vllm_config: "VllmConfig", config: LMCacheEngineConfig, d
         return WorkerEngine(existing, layout, world_size, rank)
     connector = create_gpu_connector(vllm_config, metadata, layout)
     engine = LMCacheEngineBuilder.get_or_create(ENGINE_NAME, config, metadata, connector)
-    global _status_api, _kv_events
+    global _status_api, _kv_events, _step_kv_events
+    _step_kv_events = connector_kv_events(engine)
     _status_api = start_status_api(engine, rank)
     _kv_events = start_kv_events(engine, rank)
     close_at_exit(door)
@@ -88,6 +96,12 @@ def open_worker_engine(vllm_config: "VllmConfig", config: LMCacheEngineConfig, d
         door, rank, world_size, layout.name, config.chunk_size, metadata.kv_dtype, metadata.kv_shape,
     )
     return WorkerEngine(engine, layout, world_size, rank)
+
+
+def take_step_kv_events() -> List[Any]:
+    """The vLLM events of what this process's tiers admitted and lost since the last call (none
+    unless KV events go through vLLM's connector hook)."""
+    return _step_kv_events.take() if _step_kv_events is not None else []
 
 
 def report_held(name: str, count: Callable[[], Mapping[str, int]]) -> None:
