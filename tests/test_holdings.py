@@ -73,7 +73,7 @@ def test_cpu_tier_reports_store_eviction_remove_and_close_and_the_store_records_
         (Change.ADMITTED, k, "store", "Hot", Medium.CPU) for k in first
     ]
     record = engine.chunk_tokens.get(first[1])
-    assert record.token_ids == tuple(tokens[8:16].tolist()) and record.parent == first[0]
+    assert record.token_ids() == tokens[8:16].tolist() and record.parent == first[0]
     assert engine.chunk_tokens.get(first[0]).parent is None
 
     store_prompt(engine, 16, seed=2)  # 2 more chunks: the 2 least recently used go

@@ -67,7 +67,7 @@ def test_frames_are_topic_sequence_and_a_batch_vllm_decodes(tmp_path) -> None:
     engine = events_engine(num_chunks=4, endpoint=endpoint)
     sub = zmq.Context.instance().socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
-    publisher = KVEventsPublisher(KVEventsTranslator(engine), endpoint, "kv")
+    publisher = KVEventsPublisher(KVEventsTranslator(engine), endpoint, "kv").start()
     sub.connect(endpoint)
     try:
         # A SUB's subscription reaches the PUB asynchronously: store once it is there.

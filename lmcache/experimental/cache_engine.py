@@ -36,7 +36,7 @@ from lmcache.experimental.metrics import EngineMetrics, EngineObservation
 from lmcache.experimental.stats import EngineStats, EngineStatsSnapshot
 from lmcache.experimental.storage_backend import GB, StorageManager, create_storage_manager
 from lmcache.experimental.storage_backend.remote_backend import RemoteBackend
-from lmcache.experimental.token_database import ChunkedTokenDatabase, TokenDatabase
+from lmcache.experimental.token_database import ChunkedTokenDatabase, TokenDatabase, tokens_to_bytes
 from lmcache.logging import init_logger
 from lmcache.utils import CacheEngineKey
 
@@ -235,8 +235,7 @@ class LMCacheEngine:
         parent = None
         if first > 0:
             *_, (_, _, parent) = self.token_database.process_tokens(tokens[:first], cache_salt=cache_salt)
-        ids = tokens.tolist() if isinstance(tokens, torch.Tensor) else list(tokens)
-        self.chunk_tokens.record_prompt(chunks, ids, parent, cache_salt)
+        self.chunk_tokens.record_prompt(chunks, tokens_to_bytes(tokens), parent, cache_salt)
 
     def retrieve(
         self,

@@ -95,7 +95,7 @@ class KVEventsTranslator:
         assert event.key is not None
         where = {"medium": event.medium.value, "ownership": f"lmcache.{event.tier}"}
         record = self._chunk_tokens.get(event.key)
-        if record is not None and len(record.token_ids) < self._chunk_size:
+        if record is not None and record.num_tokens < self._chunk_size:
             return None  # a prompt's tail: never published as stored, so never as removed
         if event.change is Change.LOST:
             return self._removed(**self._known({"block_hashes": [block_hash(event.key)], **where}, self._removed_fields))
@@ -106,7 +106,7 @@ class KVEventsTranslator:
         fields: Dict[str, Any] = {
             "block_hashes": [block_hash(event.key)],
             "parent_block_hash": block_hash(record.parent) if record.parent is not None else None,
-            "token_ids": list(record.token_ids),
+            "token_ids": record.token_ids(),
             "block_size": self._chunk_size,
             "lora_id": None,
             "lora_name": None,
@@ -132,8 +132,8 @@ def endpoint_for_rank(endpoint: str, rank: int) -> str:
 
 
 class KVEventsPublisher:
-    """One PUB socket and the thread that drains the translator into it; a failure is logged and
-    costs events, never serving."""
+    """One PUB socket and the thread that drains the translator into it (`start`); a failure is
+    logged and costs events, never serving."""
 
     def __init__(self, translator: KVEventsTranslator, endpoint: str, topic: str) -> None:
         self._translator = translator
@@ -152,7 +152,10 @@ class KVEventsPublisher:
             self._socket.connect(endpoint)
         self._thread = threading.Thread(target=prepared(self._run, "lmc-kv-events", background=False),
                                         name="lmcache-kv-events", daemon=True)
+
+    def start(self) -> "KVEventsPublisher":
         self._thread.start()
+        return self
 
     def _run(self) -> None:
         while not self._stop.wait(PUBLISH_INTERVAL_S):
@@ -177,7 +180,8 @@ class KVEventsPublisher:
         """Publish what the tiers reported up to now (the engine closed first: its last writes
         count), then close the socket, letting queued messages leave for `CLOSE_LINGER_MS`."""
         self._stop.set()
-        self._thread.join()
+        if self._thread.is_alive():
+            self._thread.join()
         self._publish()
         self._socket.close(linger=CLOSE_LINGER_MS)
         logger.info("LMCache KV events on %s closed: %d batches published, %d not sent, %d admits undescribed",
@@ -203,7 +207,7 @@ def start_kv_events(engine: LMCacheEngine, rank: int) -> Optional[KVEventsPublis
         return None
     endpoint = endpoint_for_rank(config.kv_events_endpoint, rank)
     try:
-        publisher = KVEventsPublisher(KVEventsTranslator(engine), endpoint, config.kv_events_topic)
+        publisher = KVEventsPublisher(KVEventsTranslator(engine), endpoint, config.kv_events_topic).start()
     except zmq.ZMQError as err:  # serving goes on without events
         logger.error("LMCache KV events: cannot publish on %s (%s); no events from this worker", endpoint, err)
         return None
