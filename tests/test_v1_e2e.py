@@ -92,7 +92,7 @@ def connector_kwargs(prefix_caching: bool, role: str = "kv_both", extra: dict | 
 
 
 def run(model: str, prompts, llm_kwargs: dict, env: dict, rounds: int = 1, prompt_extra_args=None,
-        vllm_module: str = "vllm", count_preemptions: bool = False) -> Run:
+        vllm_module: str = "vllm", count_preemptions: bool = False, kv_events_config: dict | None = None) -> Run:
     job = {
         "vllm_module": vllm_module,
         "model": model,
@@ -103,6 +103,7 @@ def run(model: str, prompts, llm_kwargs: dict, env: dict, rounds: int = 1, promp
         "llm_kwargs": llm_kwargs,
         "prompt_extra_args": prompt_extra_args,
         "count_preemptions": count_preemptions,
+        "kv_events_config": kv_events_config,
     }
     result = run_vllm_job(job, env={**env, "VLLM_USE_V1": "1"})
     (payload,) = [ln for ln in result.log.splitlines() if ln.startswith("RESULT ")][-1:]
@@ -284,6 +285,94 @@ def check_preemption(model: str, baseline) -> None:
 
 def test_preemption_matches_cache_off_and_resumed_requests_load_their_own_stores(tiny_model, baseline):
     check_preemption(tiny_model, baseline)
+
+
+# A CPU tier of 6 chunks of the tiny model (0.5 MiB each): P_OTHER's store evicts most of P_LONG's.
+KV_EVENTS_CPU_GB = "0.003"
+
+
+class KVEventsSubscriber:
+    """A SUB socket bound on a free loopback port (a publisher connects to a named host: vLLM's,
+    and LMCache's as vLLM's does), receiving on a thread of its own: a bound SUB sends its
+    subscription to a publisher that connects only while something calls into the socket."""
+
+    def __init__(self) -> None:
+        import threading
+
+        import zmq
+        from redis_fixture import free_port
+
+        self.endpoint = f"tcp://127.0.0.1:{free_port()}"
+        self._sub = zmq.Context.instance().socket(zmq.SUB)
+        self._sub.setsockopt(zmq.SUBSCRIBE, b"")
+        self._sub.bind(self.endpoint)
+        self._frames: list = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._receive, daemon=True)
+        self._thread.start()
+
+    def _receive(self) -> None:
+        """Until stopped and 100 ms pass without a message (the publisher exited before the stop)."""
+        while True:
+            if self._sub.poll(100):
+                self._frames.append(self._sub.recv_multipart())
+            elif self._stop.is_set():
+                return
+
+    def events(self) -> list:
+        """The events of every batch received, in order, decoded with vLLM's own decoder; the
+        batches' sequence numbers run 0, 1, 2, ... without a gap."""
+        import msgspec
+        from vllm.distributed.kv_events import KVEventBatch
+
+        self._stop.set()
+        self._thread.join()
+        self._sub.close(linger=0)
+        decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+        assert all(topic == b"" for topic, _, _ in self._frames)
+        seqs = [int.from_bytes(seq, "big") for _, seq, _ in self._frames]
+        assert seqs == list(range(len(seqs))), seqs
+        return [event for _, _, payload in self._frames for event in decoder.decode(payload).events]
+
+
+def check_kv_events(model: str, baseline, skipped_prompt: list[int], env: dict, through_vllm: bool) -> None:
+    """KV events from one engine: `BlockStored` per whole chunk stored (tokens, parent, size) on
+    store, `BlockRemoved` for the chunks the small CPU tier evicted, nothing for a request that
+    did not store (`lmcache.skip_save`); greedy output still equal to cache off. `through_vllm`
+    (vLLM 0.32): vLLM's own publisher (`--kv-events-config`) sends ours; otherwise LMCache's."""
+    from vllm.distributed.kv_events import BlockRemoved, BlockStored
+
+    sub = KVEventsSubscriber()
+    endpoint = sub.endpoint
+    env = {**env, "LMCACHE_MAX_LOCAL_CPU_SIZE": KV_EVENTS_CPU_GB, "LMCACHE_ENABLE_KV_EVENTS": "true"}
+    vllm_events = None
+    if through_vllm:
+        vllm_events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint}
+    else:
+        env["LMCACHE_KV_EVENTS_ENDPOINT"] = endpoint
+    prompts = [P_LONG, P_OTHER, skipped_prompt]
+    skip = {"kv_transfer_params": {"lmcache.skip_save": True}}
+    result = run(model, prompts, connector_kwargs(prefix_caching=False), env, prompt_extra_args=[None, None, skip],
+                 kv_events_config=vllm_events)
+    assert_same_as_baseline(result, prompts, baseline)
+    # Ours: 0.32's name the tier (`ownership`) and its medium; 0.9.2's have neither field.
+    events = [e for e in sub.events() if getattr(e, "ownership", "lmcache.Hot") == "lmcache.Hot"]
+    assert all(getattr(e, "medium", "CPU") == "CPU" for e in events)
+    stored = [e for e in events if isinstance(e, BlockStored)]
+    removed = [h for e in events if isinstance(e, BlockRemoved) for h in e.block_hashes]
+    # Whole chunks only (the tails of 220 and 76 tokens are no block), each a block of its own.
+    expected = [p[i:i + CHUNK] for p in (P_LONG, P_OTHER) for i in range(0, len(p) - CHUNK + 1, CHUNK)]
+    assert [e.token_ids for e in stored] == expected
+    assert all(len(e.block_hashes) == 1 and e.block_size == CHUNK for e in stored)
+    hashes = [e.block_hashes[0] for e in stored]
+    assert [e.parent_block_hash for e in stored] == [None, *hashes[:4], None, *hashes[5:8]]
+    assert removed and set(removed) <= set(hashes[:5]), "the evicted chunks are P_LONG's"
+    assert len(removed) == len(set(removed))
+
+
+def test_kv_events_stored_on_store_removed_on_eviction_none_for_a_request_that_skips_the_cache(
+        tiny_model, baseline):
+    check_kv_events(tiny_model, baseline, P_SKIP, LMCACHE_ENV, through_vllm=False)
 
 
 ASYNC_DONE_RE = re.compile(r"request \S+: background load done, (\d+) leading tokens ready of (\d+) promised")

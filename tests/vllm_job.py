@@ -12,6 +12,7 @@ and other settings at import time, and the v1 engine spawns an engine-core proce
      "logprobs": false | true,                                # also report the sampled logprobs
      "close_engine": false | true,        # end with the old wrapper's `close_lmcache_engine()`
      "count_preemptions": false | true,   # v1 engine: report vLLM's own preemption counter
+     "kv_events_config": {...} | null,    # vLLM's `--kv-events-config` (LLM takes no dict for it)
      "gate_dir": PATH, "gate_before": [prompt index, ...]}   # one round only (below)
 
 Each round sends every prompt once, one prompt per `generate` call, in order, so a later prompt can
@@ -62,6 +63,10 @@ def run(job: dict) -> dict:
         "enforce_eager": True,
         **job.get("llm_kwargs", {}),
     }
+    if job.get("kv_events_config") is not None:
+        from vllm.config import KVEventsConfig
+
+        llm_kwargs["kv_events_config"] = KVEventsConfig(**job["kv_events_config"])
     count_preemptions = bool(job.get("count_preemptions", False))
     if count_preemptions:
         llm_kwargs["disable_log_stats"] = False  # vLLM's counters are kept only with stat logging

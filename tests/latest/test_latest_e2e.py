@@ -31,6 +31,7 @@ from test_v1_e2e import (
     PREFIX_CACHE_ON_HITS,
     assert_no_pins_left,
     assert_same_as_baseline,
+    check_kv_events,
     check_preemption,
     connector_kwargs,
     hits,
@@ -166,3 +167,8 @@ def test_preemption_matches_cache_off_and_resumed_requests_load_their_own_stores
     """vLLM 0.32 reports a resumed request in `resumed_req_ids`; it must look up again and load its
     own earlier store like on 0.9.2."""
     check_preemption(tiny_model, baseline)
+
+
+def test_kv_events_through_vllms_publisher_stored_removed_and_none_for_a_request_that_skips_the_cache(
+        tiny_model, baseline):
+    check_kv_events(tiny_model, baseline, P_SHARED_A, ENV, through_vllm=True)
