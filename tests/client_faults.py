@@ -40,7 +40,9 @@ CHUNK = 256
 TOKEN = "client-faults-token"
 GET_DELAY_MS = 250  # per chunk: a 6-chunk remote load takes 1.5 s, long enough to drop a client in
 PROMPT = random_prompt(1500, seed=400)  # loaded from each tier in turn
-PREFILL_PROMPT = random_prompt(1800, seed=401)  # never cached: its client drops mid-prefill
+# Never cached: its client drops mid-prefill. Its 60 steps give the poll of `/held` time to see the
+# first store on a busy machine (at 1800 tokens, 29 steps, a CI run saw the prefill end unseen).
+PREFILL_PROMPT = random_prompt(3800, seed=401)
 PROMPT_CHUNKS = -(-len(PROMPT) // CHUNK)  # the trailing partial chunk is stored too
 IDLE = {
     "engine": {"live_pins": 0, "pinned_requests": 0},
@@ -116,7 +118,7 @@ def fault_server(model: str, logs: Path, block_size: int, pool: bool) -> Iterato
     remote = LMServerProcess(["--max-size-gb", "0.25", "--delay-ms", str(GET_DELAY_MS)], log_path=logs / "lm-server.log",
                              unix_socket=logs / "pool.sock" if pool else None).start()
     settings = ServerSettings(
-        model=model, max_model_len=2048, block_size=block_size, num_kv_blocks=8192 // block_size, chunk_size=CHUNK,
+        model=model, max_model_len=4096, block_size=block_size, num_kv_blocks=8192 // block_size, chunk_size=CHUNK,
         cpu_tier_gb=0.25, disk_tier_gb=0.25, remote_tier_gb=0.25, disk_dir=str(logs / "disk"),
         extra_vllm_args=("--no-enable-prefix-caching", "--enforce-eager", "--max-num-batched-tokens", "64"),
     )
