@@ -17,6 +17,7 @@ from lmcache.integration.vllm.kv_events import (
     KVEventsPublisher,
     KVEventsTranslator,
     block_hash,
+    check_kv_events_config,
     connector_kv_events,
     endpoint_for_rank,
     start_kv_events,
@@ -109,6 +110,8 @@ def test_without_an_endpoint_events_go_to_vllms_hook_which_vllm_0_9_2_lacks() ->
     if is_legacy_vllm():
         with pytest.raises(ValueError, match="kv_events_endpoint=None: vLLM 0.9.2"):
             connector_kv_events(engine)
+        with pytest.raises(ValueError, match="kv_events_endpoint=None: vLLM 0.9.2"):
+            check_kv_events_config(engine.config)  # what a worker checks before building its engine
     else:
         assert isinstance(connector_kv_events(engine), KVEventsTranslator)
     assert connector_kv_events(events_engine(num_chunks=4)) is None  # an endpoint: LMCache publishes

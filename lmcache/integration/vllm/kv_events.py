@@ -35,6 +35,7 @@ import zmq
 
 from lmcache.background_threads import prepared
 from lmcache.experimental.cache_engine import LMCacheEngine
+from lmcache.experimental.config import LMCacheEngineConfig
 from lmcache.experimental.holdings import Change, HoldingEvent
 from lmcache.integration.vllm import vllm_compat
 from lmcache.logging import init_logger
@@ -188,15 +189,21 @@ class KVEventsPublisher:
                     self._endpoint, self._seq, self.unsent, self._translator.undescribed)
 
 
-def connector_kv_events(engine: LMCacheEngine) -> Optional[KVEventsTranslator]:
-    """The translator vLLM's connector hook drains, when KV events are on without an endpoint
-    (None otherwise). Raises ValueError on vLLM 0.9.2, which has no connector events."""
-    config = engine.config
-    if not config.enable_kv_events or config.kv_events_endpoint is not None:
-        return None
-    if vllm_compat.is_legacy_vllm():
+def check_kv_events_config(config: LMCacheEngineConfig) -> None:
+    """ValueError when KV events are on without an endpoint on vLLM 0.9.2, which has no connector
+    events (checked before the engine is built, so a refused config leaves no engine behind)."""
+    if config.enable_kv_events and config.kv_events_endpoint is None and vllm_compat.is_legacy_vllm():
         raise ValueError("kv_events_endpoint=None: vLLM 0.9.2 has no connector KV events, so "
                          "enable_kv_events=True needs an endpoint for LMCache to publish on, e.g. tcp://*:5557")
+
+
+def connector_kv_events(engine: LMCacheEngine) -> Optional[KVEventsTranslator]:
+    """The translator vLLM's connector hook drains, when KV events are on without an endpoint
+    (None otherwise). Raises ValueError on vLLM 0.9.2 (`check_kv_events_config`)."""
+    config = engine.config
+    check_kv_events_config(config)
+    if not config.enable_kv_events or config.kv_events_endpoint is not None:
+        return None
     return KVEventsTranslator(engine)
 
 

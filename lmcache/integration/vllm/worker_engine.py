@@ -27,6 +27,7 @@ from lmcache.experimental.kv_layout import KVLayout
 from lmcache.integration.vllm.kv_events import (
     KVEventsPublisher,
     KVEventsTranslator,
+    check_kv_events_config,
     connector_kv_events,
     start_kv_events,
 )
@@ -84,6 +85,7 @@ def open_worker_engine(vllm_config: "VllmConfig", config: LMCacheEngineConfig, d
     existing = LMCacheEngineBuilder.get(ENGINE_NAME)
     if existing is not None:
         return WorkerEngine(existing, layout, world_size, rank)
+    check_kv_events_config(config)
     connector = create_gpu_connector(vllm_config, metadata, layout)
     engine = LMCacheEngineBuilder.get_or_create(ENGINE_NAME, config, metadata, connector)
     global _status_api, _kv_events, _step_kv_events
