@@ -12,7 +12,10 @@ on a core nothing else wants, and a model thread that wakes takes the core back 
 it still cost the no-reuse benchmark ~1.5% of throughput: a waking thread of normal policy does not
 always preempt a niced one.) Such a thread may therefore wait as long as every core is busy, so work
 handed to one has a bounded backlog: past it the disk tier's writes go to a writer of normal
-priority, the remote tier's puts are dropped (its queue's bound).
+priority, the remote tier's puts are dropped (its queue's bound). A close that waits for such work
+first puts the thread back to ordinary priority (`hurry`); where the process may not (no
+`CAP_SYS_NICE`, as in a default Docker container: `can_leave_idle`), those threads keep ordinary
+priority from the start.
 
 It also runs its torch work without an OpenMP team of its own. A thread that opens a parallel region
 gets a second team from the same libgomp as the model's; with more OpenMP threads in the process than
@@ -131,9 +134,39 @@ def _ordinary_priority(name: str) -> None:
         logger.debug("thread %s keeps its idle priority: %r", name, err)
 
 
+# Whether threads here may be put back to ordinary priority (`can_leave_idle`), probed once.
+_leave_idle: Optional[bool] = None
+
+
+def can_leave_idle() -> bool:
+    """Whether a thread of this process may go back from `SCHED_IDLE` (or a raised nice) to its
+    ordinary priority, as `hurry` does: Linux allows it with `CAP_SYS_NICE` (which containers lack
+    by default: `docker run --cap-add SYS_NICE`) or an `RLIMIT_NICE` that covers the thread's nice
+    value. Probed once, by lowering the calling thread's nice by one and restoring it: the same
+    kernel check, where a capability listed in a user namespace may not count."""
+    global _leave_idle
+    if _leave_idle is None:
+        tid = threading.get_native_id()
+        try:
+            nice = os.getpriority(os.PRIO_PROCESS, tid)
+            os.setpriority(os.PRIO_PROCESS, tid, nice - 1)
+            os.setpriority(os.PRIO_PROCESS, tid, nice)
+            _leave_idle = True
+        except (AttributeError, OSError):  # EACCES/EPERM: not allowed; no such calls (not Unix)
+            _leave_idle = False
+            logger.info("LMCache's background work (tier writes, prefault) runs at ordinary priority: this "
+                        "process may not raise a thread's priority back once lowered (no CAP_SYS_NICE), and a "
+                        "close must not wait on a starved thread; add CAP_SYS_NICE to run it at idle priority")
+    return _leave_idle
+
+
 def _lower_priority(name: str) -> None:
-    """The calling thread to `SCHED_IDLE` (a one-way step: leaving it needs `CAP_SYS_NICE`), or
-    `BACKGROUND_NICE` added where there is no such policy."""
+    """The calling thread to `SCHED_IDLE`, or `BACKGROUND_NICE` added where there is no such
+    policy; neither where `hurry` could not undo it (`can_leave_idle`): a close waiting for work
+    queued on a thread starved beside a busy engine outlived vLLM's 5 s bound, and a prefault not
+    ended by exit aborted the process."""
+    if not can_leave_idle():
+        return
     try:
         os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # 0: the calling thread
         return

@@ -14,6 +14,7 @@ import ctypes
 import sys
 import threading
 import time
+import weakref
 from typing import Callable, Optional
 
 from lmcache.background_threads import at_thread_shutdown, hurry, prepared
@@ -73,22 +74,29 @@ def prefault(address: int, length: int, stop: Optional[threading.Event] = None) 
 
 
 class BackgroundPrefault:
-    """`prefault` on an idle-priority daemon thread, holding `keep` (the buffer's owner) until
-    done. `stop()` ends it between steps and joins it; the interpreter's exit does so at the latest
-    (`background_threads.at_thread_shutdown`): on a busy machine the idle-priority thread can
-    outlive the work, and when it let go of a torch buffer during finalization the process
-    aborted. Unless stopped, `on_end(done, seconds)` runs on the thread at the end (`done` False:
-    the kernel refused)."""
+    """`prefault` on an idle-priority daemon thread until `owner` (the memory's owner, a torch
+    buffer's storage) is gone. The thread never holds the owner, not even for a moment: a daemon
+    thread still running when Python finalizes is killed as it next takes the GIL, and one that
+    was letting go of a torch buffer then aborted the process ("terminate called without an active
+    exception"). A step on memory freed meanwhile is refused by the kernel or faults in whatever is
+    mapped there now, changing no bytes. `stop()` ends it between steps; the interpreter's exit
+    does so too (`background_threads.at_thread_shutdown`), waiting `EXIT_WAIT_S` at most for it.
+    Unless stopped, `on_end(done, seconds)` runs on the thread at the end (`done` False: the
+    kernel refused)."""
+
+    EXIT_WAIT_S = 1.0
 
     _running: "set[BackgroundPrefault]" = set()
     _lock = threading.Lock()
     _hooked = False
 
-    def __init__(self, address: int, length: int, name: str, keep: object = None,
+    def __init__(self, address: int, length: int, name: str, owner: object = None,
                  on_end: Optional[Callable[[bool, float], None]] = None) -> None:
         self._stop = threading.Event()
+        # Set by the owner's end (the callback holds the event, not the owner).
+        self._owner_gone = weakref.ref(owner, lambda _, stop=self._stop: stop.set()) if owner is not None else None
         self._thread = threading.Thread(
-            target=prepared(self._run, "lmc-prefault", background=True), args=(address, length, keep, on_end),
+            target=prepared(self._run, "lmc-prefault", background=True), args=(address, length, on_end),
             name=name, daemon=True,
         )
 
@@ -111,7 +119,7 @@ class BackgroundPrefault:
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout_s)
 
-    def _run(self, address: int, length: int, keep: object, on_end: Optional[Callable[[bool, float], None]]) -> None:
+    def _run(self, address: int, length: int, on_end: Optional[Callable[[bool, float], None]]) -> None:
         started = time.monotonic()
         try:
             done = prefault(address, length, self._stop)
@@ -125,5 +133,6 @@ class BackgroundPrefault:
     def _stop_all(cls) -> None:
         with cls._lock:
             running = list(cls._running)
+        deadline = time.monotonic() + cls.EXIT_WAIT_S
         for job in running:
-            job.stop()
+            job.stop(max(0.0, deadline - time.monotonic()))

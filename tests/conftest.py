@@ -162,9 +162,11 @@ def run_vllm_job(
     log = stdout + stderr
     lines = [ln for ln in stdout.splitlines() if ln.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:
-        # The end of stderr first and short (a crash at exit comes after a long RESULT line).
+        # The end of stderr first and short (a crash at exit comes after a long RESULT line), its
+        # last lines first: a report that keeps only a failure's head still shows how it ended.
         said = "printed its RESULT" if lines else "printed no RESULT"
-        pytest.fail(f"vLLM job failed (exit {proc.returncode}, {said}); the end of its stderr:\n"
-                    + "\n".join(stderr.splitlines()[-60:])[-5000:])
+        err = [ln for ln in stderr.splitlines() if not ln.startswith("Extension modules:")]
+        pytest.fail(f"vLLM job failed (exit {proc.returncode}, {said}); its last stderr lines:\n"
+                    + "\n".join(err[-15:])[-3000:] + "\nthe lines before them:\n" + "\n".join(err[-60:-15])[-3000:])
     result = json.loads(lines[-1][len("RESULT ") :])
     return VLLMJobResult(result["outputs"], result["latencies"], log)

@@ -2,12 +2,15 @@
 
 import subprocess
 import sys
+import threading
 import time
+import weakref
 from pathlib import Path
 
 import pytest
 import torch
 
+from lmcache import page_advice
 from lmcache.experimental.memory_management import HostMemoryAllocator, MemoryFormat
 from lmcache.experimental.memory_management.host_memory import HUGE_PAGE, host_buffer
 
@@ -59,14 +62,17 @@ def test_pool_is_faulted_in_on_huge_pages_without_being_touched() -> None:
     obj.ref_count_down()
 
 
-# A process whose pool is still being faulted in when its main thread ends: each step is slowed to
-# 0.2 s, so the idle-priority prefault thread is mid-range at exit (as on a busy machine).
+# A process whose pool is still being faulted in when its main thread ends: each step is slowed
+# (0.2 s, or 3 s for a thread the exit cannot hurry), so the idle-priority thread is mid-range at exit.
 _EXIT_WHILE_PREFAULTING = """
 import atexit, sys, threading, time
 from lmcache import page_advice
 from lmcache.experimental.memory_management.host_memory import HUGE_PAGE, host_buffer
+step_s = float(sys.argv[1])
+if step_s > 1:
+    page_advice.hurry = lambda thread: None  # as without CAP_SYS_NICE: the thread stays starved
 slow = page_advice._advise
-page_advice._advise = lambda *args: (time.sleep(0.2), slow(*args))[1]
+page_advice._advise = lambda *args: (time.sleep(step_s), slow(*args))[1]
 buf = host_buffer(64 * HUGE_PAGE)
 time.sleep(0.3)
 assert [t for t in threading.enumerate() if t.name == "lmcache-prefault"], "the prefault ended before exit"
@@ -75,14 +81,43 @@ atexit.register(lambda: print("at atexit:", [t.name for t in threading.enumerate
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="page advice is Linux's")
-def test_a_prefault_still_running_at_exit_ends_before_the_interpreter_finalizes() -> None:
+@pytest.mark.parametrize(("step_s", "left"), [(0.2, "[]"), (3.0, "['lmcache-prefault']")], ids=["ends", "starved"])
+def test_a_prefault_still_running_at_exit_is_stopped_and_never_delays_it(step_s, left) -> None:
     """A daemon thread alive while Python finalizes is killed when it next takes the GIL; the
     prefault thread that held the pool's torch buffer then aborted the process when it let go of
-    it ("terminate called without an active exception", seen in CI on a busy machine). It is
-    stopped and joined by threading's exit hook, before atexit."""
+    it ("terminate called without an active exception", seen in CI on a busy machine). Threading's
+    exit hook stops it and waits a second at most: one that cannot get a core meanwhile (idle
+    priority that cannot be raised back) holds nothing unsafe to kill."""
     started = time.monotonic()
-    proc = subprocess.run([sys.executable, "-c", _EXIT_WHILE_PREFAULTING], capture_output=True, text=True,
-                          timeout=60)
+    proc = subprocess.run([sys.executable, "-c", _EXIT_WHILE_PREFAULTING, str(step_s)], capture_output=True,
+                          text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "at atexit: []" in proc.stdout, proc.stdout + proc.stderr[-3000:]
+    assert f"at atexit: {left}" in proc.stdout, proc.stdout + proc.stderr[-3000:]
     assert time.monotonic() - started < 30  # stopped between steps, not faulted to the end
+
+
+def test_the_prefault_never_holds_the_buffer_it_faults_in(monkeypatch) -> None:
+    """The owner is weakly referenced, so the thread can never be the one to free a torch buffer
+    (the abort above, whenever the exit hook could not end it); once the owner is gone the thread
+    ends at the next step."""
+    steps, go = [], threading.Event()
+
+    def advise(address, length, advice):
+        if advice == page_advice._MADV_POPULATE_WRITE:
+            steps.append(length)
+            go.wait(10)
+        return True
+
+    monkeypatch.setattr(page_advice, "_advise", advise)
+    monkeypatch.setattr(page_advice, "_PREFAULT_STEP", HUGE_PAGE)
+    buf = host_buffer(8 * HUGE_PAGE)
+    gone = weakref.ref(buf.untyped_storage())
+    deadline = time.monotonic() + 10
+    while not steps and time.monotonic() < deadline:
+        time.sleep(0.01)
+    (thread,) = [t for t in threading.enumerate() if t.name == "lmcache-prefault"]
+    del buf
+    assert gone() is None  # freed here, while the thread is inside a step
+    go.set()
+    thread.join(10)
+    assert not thread.is_alive() and len(steps) == 1

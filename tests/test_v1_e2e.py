@@ -148,7 +148,8 @@ def assert_no_pins_left(result: Run) -> None:
     """Every pin a lookup took was released (after its load, or when its promise was dropped)
     before the engine closed at process exit."""
     closes = CLOSE_RE.findall(result.log)
-    assert closes, "the LMCache engine's close line is missing from the log"
+    assert closes, "the LMCache engine's close line is missing from the log; its last lines:\n" + "\n".join(
+        result.log.splitlines()[-12:])
     assert all(close == ("0", "0") for close in closes), closes
 
 

@@ -37,5 +37,6 @@ def host_buffer(size: int, *, prefault: bool = True) -> torch.Tensor:
     if not page_advice.advise_huge_pages(buf.data_ptr(), span):
         logger.debug("madvise(MADV_HUGEPAGE) refused for a %d-byte pool: 4 KiB pages", size)
     if prefault:
-        page_advice.BackgroundPrefault(buf.data_ptr(), min(span, PREFAULT_AHEAD), "lmcache-prefault", keep=buf).start()
+        page_advice.BackgroundPrefault(buf.data_ptr(), min(span, PREFAULT_AHEAD), "lmcache-prefault",
+                                       owner=buf.untyped_storage()).start()
     return buf
