@@ -22,7 +22,10 @@ the rows with every round's time.
   (lease, copy out of the arena straight into the KV cache, checked bit-exact) vs memcpy: by the
   engine that stored it (which hashed it at commit) and by another engine reading it for the
   first time (its checksum computed in place first); and the same engine over the same
-  server's TCP port (`lm://`) for comparison.
+  server's TCP port (`lm://`) for comparison. Then the first fill: the first 1.5 GB stored into a
+  fresh pool by a fresh engine (`--first-fill-runs` new servers per variant), with the engine's
+  mapping faulted in first (as during vLLM's start), from the moment it opened, and without the
+  mapping's prefault.
 - Lookup latency for a 32k-token prompt that is fully cached, and one that misses at once.
 - The payload checksum (chunk format 5) a tier computes where the kernel did not (the disk tier
   on every read, a pool's first read of a chunk), one thread: its ceiling.
@@ -41,6 +44,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -55,6 +59,7 @@ from lmcache.experimental.gpu_connector import VLLMPagedMemGPUConnectorV2
 from lmcache.experimental.kv_layout import KVLayout, layout_shape
 from lmcache.experimental.memory_management import MixedMemoryAllocator
 from lmcache.experimental.memory_management.host_memory import host_buffer
+from lmcache.experimental.remote.pool_connector import PoolArena
 from lmcache.experimental.storage_backend import GB
 from lmcache.experimental.storage_backend.chunk_format import payload_checksum
 from lmcache.experimental.token_database import ChunkedTokenDatabase
@@ -466,6 +471,58 @@ def shared_tier_rows(s: Setup, rounds: int, memcpy: Memcpy, seeds) -> List[Row]:
     return rows
 
 
+# How long a first-fill run waits for a fresh mapping's background prefault: vLLM starts for
+# 15 s or more after its connector maps the pool, so a user's first request finds it done.
+PREFAULT_WAIT_S = 60.0
+FIRST_FILL_BYTES = int(1.5 * GB)
+
+
+def _prefaulting() -> bool:
+    return any(t.name == "lmcache-pool-prefault" for t in threading.enumerate())
+
+
+def pool_first_fill_rows(s: Setup, runs: int, memcpy: Memcpy, seeds) -> List[Row]:
+    """The first 1.5 GB stored into a fresh pool by a fresh engine (a new server each run), per
+    prompt beside memcpy: as a user's first requests meet it (the engine's mapping faulted in
+    meanwhile, as during vLLM's start), with the stores starting the moment the engine opened,
+    and without the mapping's prefault (as before it existed). The steady state - an arena whose
+    blocks are reused - is `shared_tier_rows`."""
+    n = s.kv_bytes
+    count = -(-FIRST_FILL_BYTES // n)
+    source, slots = make_caches(s, 1), vllm_slots(s, 3)
+    kv = dict(kvcaches=source, slot_mapping=slots)
+    variants = {"after start": "faulted in during the engine's start", "at once": "stores from the moment it opened",
+                "no prefault": "mapping not faulted in (as before)"}
+    times: Dict[str, List[float]] = {name: [] for name in variants}
+    limits: Dict[str, List[float]] = {name: [] for name in variants}
+    real_prefault = PoolArena.prefault_in_background
+    for _ in range(runs):
+        for name in variants:
+            PoolArena.prefault_in_background = real_prefault if name != "no prefault" else lambda self: None
+            try:
+                with pool_server(int((count + 1) * n)) as urls:
+                    engine = make_engine(s, cpu_gb=2.2 * n / GB, remote_url=urls[0], remote_serde="naive",
+                                         local_cpu=False)
+                    remote = engine.storage_manager.tiers[-1]
+                    deadline = time.monotonic() + PREFAULT_WAIT_S
+                    while name == "after start" and _prefaulting() and time.monotonic() < deadline:
+                        time.sleep(0.05)
+                    for _ in range(count):
+                        tokens = prompt(s, next(seeds))
+                        times[name].append(timed(lambda: (engine.store(tokens, **kv), remote.flush())))
+                        limits[name].append(memcpy())
+                    engine.close()
+            finally:
+                PoolArena.prefault_in_background = real_prefault
+    tag = f"{s.layout.name} {str(s.dtype).replace('torch.', '')}"
+    rows: List[Row] = []
+    for name, what in variants.items():
+        limit = f"memcpy (pool first fill, {name})"
+        rows += [Row(limit, n, limits[name]),
+                 Row(f"node pool first fill: {count} prompts into a fresh pool, {what}, {tag}", n, times[name], limit)]
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, default=2048)
@@ -480,6 +537,7 @@ def main() -> None:
     ap.add_argument("--disk-only", action="store_true", help="only the disk tier rows")
     ap.add_argument("--pool", action="store_true", help="add the node pool rows (and lm:// to the same server)")
     ap.add_argument("--pool-only", action="store_true", help="only the node pool rows")
+    ap.add_argument("--first-fill-runs", type=int, default=3, help="fresh pools per first-fill variant")
     ap.add_argument("--dir", default=None, help="directory for the disk tier (default: a temp dir)")
     ap.add_argument("--json", default=None, help="write the rows (every round's seconds) here")
     args = ap.parse_args()
@@ -490,6 +548,7 @@ def main() -> None:
     base = Setup(args.layers, args.heads, args.head_size, 16, args.chunk_size, args.tokens, torch.bfloat16)
     if args.pool or args.pool_only:
         rows += shared_tier_rows(base, args.rounds, Memcpy(base.kv_bytes), seeds)
+        rows += pool_first_fill_rows(base, args.first_fill_runs, Memcpy(base.kv_bytes), seeds)
     for layout_name in [] if args.disk_only or args.pool_only else args.layouts.split(","):
         layout = KVLayout[layout_name]
         for dtype_name in args.dtypes.split(","):
