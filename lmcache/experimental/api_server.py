@@ -134,12 +134,10 @@ class StatusAPI:
         return hmac.compare_digest(authorization[len("Bearer "):].encode(), self._token.encode())
 
     def _clear(self, tier_name: str) -> Tuple[int, Any]:
-        tiers = {t.tier_name: t for t in self._engine.storage_manager.tiers}
-        tier = tiers.get(tier_name)
-        if tier is None or not hasattr(tier, "keys"):
-            listable = sorted(n for n, t in tiers.items() if hasattr(t, "keys"))
-            return 400, {"error": f"tier={tier_name!r}: expected one of {listable}"}
-        removed = sum(1 for key in tier.keys() if tier.remove(key))
+        try:
+            removed = self._engine.storage_manager.clear_tier(tier_name)
+        except ValueError as err:
+            return 400, {"error": str(err)}
         logger.warning("LMCache tier %s cleared through the status API: %d chunks", tier_name, removed)
         self._engine.publish_metrics()
         return 200, {"tier": tier_name, "removed_chunks": removed}
