@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import json
 import socket
-import urllib.error
-import urllib.request
 from typing import Dict, List, Optional
 
 import pytest
 import zmq
 from conftest import random_prompt
+from helpers import post_json
 from redis_fixture import free_port
 from tier_helpers import wait_for
 
@@ -179,15 +178,7 @@ class Api:
         return [CommandResult(0, True, 3)] if location == "Hot" else [CommandResult(0, False, error="no such tier")]
 
     def post(self, path: str, body, token: Optional[str] = None, method: str = "POST") -> tuple:
-        data = body if isinstance(body, bytes) else json.dumps(body).encode()
-        request = urllib.request.Request(self.base + path, data=data if method == "POST" else None, method=method)
-        if token is not None:
-            request.add_header("Authorization", f"Bearer {token}")
-        try:
-            with urllib.request.urlopen(request, timeout=10) as response:
-                return response.status, json.loads(response.read())
-        except urllib.error.HTTPError as err:
-            return err.code, json.loads(err.read())
+        return post_json(self.base + path, body, token, method)
 
 
 @pytest.fixture

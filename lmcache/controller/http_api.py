@@ -18,7 +18,6 @@ JSON or fields), 401/403 (token), 404 (unknown path, instance or event), 413 (bo
 from __future__ import annotations
 
 import dataclasses
-import hmac
 import json
 import threading
 import uuid
@@ -28,6 +27,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from lmcache.controller.commands import CommandResult
 from lmcache.controller.index import ControllerIndex
+from lmcache.experimental.api_server import bearer_matches, send_json
 from lmcache.logging import init_logger
 
 logger = init_logger(__name__)
@@ -172,7 +172,7 @@ class ControllerAPI:
                                   "state-changing calls are refused"}
         if authorization is None or not authorization.startswith("Bearer "):
             return 401, {"error": "missing 'Authorization: Bearer <token>'"}
-        if not hmac.compare_digest(authorization[len("Bearer "):].encode(), self._token.encode()):
+        if not bearer_matches(authorization, self._token):
             return 403, {"error": "wrong token"}
         return None
 
@@ -210,12 +210,7 @@ class ControllerAPI:
                 self._send(405, {"error": "every controller call is a POST with a JSON body"})
 
             def _send(self, status: int, body: Dict[str, Any]) -> None:
-                data = json.dumps(body).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
+                send_json(self, status, body)
 
             def log_message(self, fmt: str, *args: Any) -> None:
                 logger.debug("controller http: " + fmt, *args)

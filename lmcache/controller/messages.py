@@ -51,7 +51,7 @@ class Register(msgspec.Struct, frozen=True, tag="register"):
 class Operation(msgspec.Struct, frozen=True, array_like=True):
     op_type: Annotated[str, msgspec.Meta(pattern=r"^(admit|evict|clear)$")]
     location: Name  # the tier's name (`search_range` names: "Hot", "LocalDiskBackend", ...)
-    key: Union[ChunkHash, Annotated[str, msgspec.Meta(max_length=0)]]  # "" for a clear
+    key: Annotated[str, msgspec.Meta(pattern=r"^[0-9a-f]{0,64}$")]  # the chunk's hash; "" for a clear
     seq_num: Positive
 
 

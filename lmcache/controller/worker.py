@@ -171,6 +171,7 @@ class ControllerClient:
                                   model_name=meta.model_name, chunk_size=config.chunk_size,
                                   heartbeat_s=self._heartbeat_s, command_url=self._command_url)
         self._stop = threading.Event()
+        self._closed = False
         self._thread = threading.Thread(target=prepared(self._run, "lmc-controller", background=False),
                                         name="lmcache-controller-client", daemon=True)
 
@@ -306,6 +307,9 @@ class ControllerClient:
 
     def close(self) -> None:
         """Report what the tiers said up to now (the engine closed first), deregister, close."""
+        if self._closed:
+            return
+        self._closed = True
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join()
