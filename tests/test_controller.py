@@ -311,3 +311,37 @@ def test_a_port_in_use_is_an_error_naming_it() -> None:
         taken.listen()
         port = taken.getsockname()[1]
         assert main(["--port", str(port), "--monitor-ports", json.dumps({"pull": free_port(), "reply": free_port()})]) == 1
+
+
+def test_python_m_lmcache_controller_serves_until_sigterm() -> None:
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    ports = json.dumps({"pull": free_port(), "reply": free_port()})
+    proc = subprocess.Popen([sys.executable, "-m", "lmcache.controller", "--port", "0", "--monitor-ports", ports],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "LMCACHE_CONTROLLER_TOKEN": TOKEN})
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("lmcache_controller: HTTP on http://127.0.0.1:"), line + proc.stderr.read()
+        base = line.split()[3].rstrip(",")
+        status, body = post_json(base + "/lookup", {"tokens": [1, 2]})
+        assert (status, body["layout_info"]) == (200, {})
+        assert post_json(base + "/clear", {"instance_id": "A", "location": "Hot"}, token=TOKEN)[0] == 404  # token taken
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_two_live_processes_under_one_name_are_told_apart_in_the_log(warnings_log) -> None:
+    index = ControllerIndex()
+    register(index, "A", boot="b1")
+    reply = index.heartbeat(Heartbeat("A", 0, "b2", beat=1, sent_seq=1))  # b1 was heard just now
+    assert not reply.registered
+    index.heartbeat(Heartbeat("A", 0, "b2", beat=2, sent_seq=1))
+    assert sum("two processes report as A worker 0" in w for w in warnings_log()) == 1

@@ -108,6 +108,7 @@ class ControllerIndex:
         # Insertion order is registration order: ties in `lookup` go to the earlier instance.
         self._workers: "OrderedDict[WorkerId, WorkerState]" = OrderedDict()
         self.ignored = 0  # messages of unknown workers, old boots or awaited snapshots
+        self._warned: Set[WorkerId] = set()  # workers two processes were heard as
 
     # ----- the workers' stream ----------------------------------------------------------------
 
@@ -169,6 +170,7 @@ class ControllerIndex:
         with self._lock:
             state = self._current(beat.instance_id, beat.worker_id, beat.boot_id)
             if state is None:
+                self._warn_if_shared(beat)
                 return HeartbeatReply(beat.beat, registered=False, resync=False)
             state.last_seen = self._clock()
             if state.expected_seq is None or state.stale:
@@ -183,6 +185,16 @@ class ControllerIndex:
             else:
                 state.lagging_seq = beat.sent_seq
             return HeartbeatReply(beat.beat, registered=True, resync=False)
+
+    def _warn_if_shared(self, beat: Heartbeat) -> None:
+        """Two live processes under one (instance, worker) keep voiding each other's holdings by
+        registering in turn; say so once per worker (a restarted instance's old boot is silent)."""
+        wid = (beat.instance_id, beat.worker_id)
+        state = self._workers.get(wid)
+        if state is not None and self._clock() - state.last_seen < state.info.heartbeat_s and wid not in self._warned:
+            self._warned.add(wid)
+            logger.warning("controller: two processes report as %s worker %d (boots %s and %s): give each instance "
+                           "its own lmcache_instance_id", *wid, state.info.boot_id, beat.boot_id)
 
     def expire(self) -> List[WorkerId]:
         """Drop the workers silent for `missed_heartbeats` of their heartbeat periods."""
