@@ -182,3 +182,18 @@ def test_each_worker_gets_its_own_command_port() -> None:
     assert command_port((8500, 8600), 1) == 8600
     with pytest.raises(ValueError, match="no port for worker 2"):
         command_port((8500, 8600), 2)
+
+
+def test_a_round_that_keeps_failing_is_one_log_line_and_serving_goes_on(cluster, warnings_log) -> None:
+    engine = cluster.engine("A", num_chunks=8)
+    client = cluster.client(engine, start=False)
+
+    def broken(consumer):
+        raise RuntimeError("stream broke")
+
+    client._stream = type("Broken", (), {"take": staticmethod(broken)})()
+    client.start()
+    store_prompt(engine, 16, seed=9)
+    assert wait_for(lambda: any("stream broke" in w for w in warnings_log()))
+    wait_for(lambda: False, timeout=0.3)  # some 30 failing rounds
+    assert sum("stream broke" in w for w in warnings_log()) == 1

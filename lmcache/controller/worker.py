@@ -60,6 +60,8 @@ HEARTBEAT_HWM = 2
 # How long the last batches and the deregistration may take to leave at close.
 CLOSE_LINGER_MS = 500
 TOKEN_ENV = "LMCACHE_CONTROLLER_TOKEN"
+# At most one log line this often about a round that failed.
+ERROR_LOG_EVERY_S = 10
 
 
 class HoldingsMirror:
@@ -206,11 +208,14 @@ class ControllerClient:
         return self
 
     def _run(self) -> None:
+        last_warning = -ERROR_LOG_EVERY_S
         while not self._stop.wait(FLUSH_INTERVAL_S):
             try:
                 self.tick()
             except Exception as err:  # the controller is advisory: serving goes on without it
-                logger.warning("LMCache controller client: %r", err)
+                if time.monotonic() - last_warning >= ERROR_LOG_EVERY_S:  # a lasting fault: not 100 lines a second
+                    last_warning = time.monotonic()
+                    logger.warning("LMCache controller client: %r (logged at most every %d s)", err, ERROR_LOG_EVERY_S)
 
     def tick(self) -> None:
         """One round: commands, heartbeat replies, the stream's news, and a heartbeat when due."""
