@@ -154,6 +154,8 @@ def test_clear_reaches_the_workers_tier_with_the_token_only(cluster) -> None:
     cluster.client(engine)
     tokens, *_ = store_prompt(engine, 16, seed=8)
     assert wait_for(lambda: cluster.layout(tokens) == {"A": ["Hot", 16]})
+    (info,) = cluster.post("/query_worker_info", {"instance_id": "A"})[1]["worker_infos"]
+    assert (info["ip"], info["port"], info["registration_time"] > 0) == ("127.0.0.1", port, True)
     assert cluster.post("/clear", {"instance_id": "A", "location": "Hot"})[0] == 401
     status, body = cluster.post("/clear", {"instance_id": "A", "location": "Nowhere"}, token=TOKEN)
     assert status == 502 and "tier='Nowhere'" in body["error"]

@@ -63,6 +63,8 @@ class WorkerState:
     stale: bool = False  # a gap was seen: a snapshot is wanted
     lagging_seq: Optional[int] = None  # a heartbeat's `sent_seq` the batches had not reached yet
     last_seen: float = 0.0  # monotonic time of the last message
+    registration_time: float = field(default_factory=time.time)  # wall clock, as upstream shows it
+    last_heartbeat_time: float = 0.0  # wall clock of the last heartbeat (0: none yet)
     resyncs: int = 0  # snapshots applied
 
     def holds(self, chunk_hash: str) -> List[str]:
@@ -84,6 +86,10 @@ class WorkerInfo:
 
     instance_id: str
     worker_id: int
+    ip: Optional[str]  # where it takes commands (None: it takes none), as upstream's ip and port
+    port: Optional[int]
+    registration_time: float  # wall clock
+    last_heartbeat_time: float  # wall clock; 0: none yet
     world_size: int
     model_name: str
     chunk_size: int
@@ -172,7 +178,7 @@ class ControllerIndex:
             if state is None:
                 self._warn_if_shared(beat)
                 return HeartbeatReply(beat.beat, registered=False, resync=False)
-            state.last_seen = self._clock()
+            state.last_seen, state.last_heartbeat_time = self._clock(), time.time()
             if state.expected_seq is None or state.stale:
                 return HeartbeatReply(beat.beat, registered=True, resync=True)
             if state.expected_seq >= beat.sent_seq:
@@ -236,14 +242,21 @@ class ControllerIndex:
         now = self._clock()
         wanted = None if worker_ids is None else set(worker_ids)
         with self._lock:
-            return [
-                WorkerInfo(i.instance_id, i.worker_id, i.world_size, i.model_name, i.chunk_size, i.command_url,
-                           i.heartbeat_s, round(now - s.last_seen, 3), s.stale or s.expected_seq is None, s.resyncs,
-                           {location: len(hashes) for location, hashes in s.held.items()})
-                for (inst, wid), s in self._workers.items()
-                for i in (s.info,)
-                if inst == instance_id and (wanted is None or wid in wanted)
-            ]
+            return [self._info(s, now) for (inst, wid), s in self._workers.items()
+                    if inst == instance_id and (wanted is None or wid in wanted)]
+
+    @staticmethod
+    def _info(state: WorkerState, now: float) -> WorkerInfo:
+        i = state.info
+        ip, port = _host_port(i.command_url)
+        return WorkerInfo(
+            instance_id=i.instance_id, worker_id=i.worker_id, ip=ip, port=port,
+            registration_time=state.registration_time, last_heartbeat_time=state.last_heartbeat_time,
+            world_size=i.world_size, model_name=i.model_name, chunk_size=i.chunk_size, command_url=i.command_url,
+            heartbeat_s=i.heartbeat_s, seconds_since_heard=round(now - state.last_seen, 3),
+            stale=state.stale or state.expected_seq is None, resyncs=state.resyncs,
+            num_chunks={location: len(hashes) for location, hashes in state.held.items()},
+        )
 
     def command_urls(self, instance_id: str) -> Dict[int, Optional[str]]:
         """worker id -> the URL it takes commands on (None: it takes none)."""
@@ -264,3 +277,11 @@ def _held_prefix(held: Dict[str, Set[str]], chunks: Iterable[Tuple[int, str]]) -
         for location in unbroken:
             runs[location] = end
     return matched, max(runs, key=runs.__getitem__) if runs else ""
+
+
+def _host_port(url: Optional[str]) -> Tuple[Optional[str], Optional[int]]:
+    """`tcp://HOST:PORT` -> (HOST, PORT); None -> (None, None)."""
+    if url is None:
+        return None, None
+    host, _, port = url[len("tcp://"):].rpartition(":")
+    return host.strip("[]"), int(port)
