@@ -252,3 +252,22 @@ def own_address() -> str:
             if addr.family.name == "AF_INET" and not addr.address.startswith("127."):
                 return addr.address
     pytest.skip("this machine has no non-loopback IPv4 address")
+
+
+# ---------------------------------------------------------------- HTTP JSON APIs (the controller's)
+
+
+def post_json(url: str, body, token: Optional[str] = None, method: str = "POST", timeout: float = 60) -> tuple:
+    """(status, decoded JSON answer) of one call; `body` as JSON (bytes go as they are)."""
+    import urllib.error
+    import urllib.request
+
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    request = urllib.request.Request(url, data=data if method == "POST" else None, method=method)
+    if token is not None:
+        request.add_header("Authorization", f"Bearer {token}")
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read())

@@ -4,6 +4,7 @@ import dataclasses
 import inspect
 import os
 import pathlib
+import re
 from typing import Any, Callable, Dict, List
 
 import pytest
@@ -40,6 +41,8 @@ EXTRA_DEFAULTS = {
     "mooncake_local_hostname": None, "mooncake_metadata_server": "P2PHANDSHAKE", "mooncake_protocol": "tcp",
     "mooncake_device_name": "", "mooncake_global_segment_size": 3355443200, "mooncake_local_buffer_size": 1 << 30,
     "enable_kv_events": False, "kv_events_endpoint": None, "kv_events_topic": "",
+    "enable_controller": False, "lmcache_instance_id": "lmcache_default_instance", "controller_pull_url": None,
+    "controller_reply_url": None, "lmcache_worker_ports": None, "lmcache_worker_heartbeat_time": 5.0,
 }
 SPEC_FROM_LEGACY = {
     "chunk_size": 256, "backend": "cpu", "remote_url": "lm://localhost:65432", "remote_serde": "naive",
@@ -65,7 +68,9 @@ NON_DEFAULT: Dict[str, Any] = {
     "mooncake_local_hostname": "10.0.0.8", "mooncake_metadata_server": "etcd.example:2379",
     "mooncake_protocol": "rdma", "mooncake_device_name": "mlx5_0", "mooncake_global_segment_size": 0,
     "mooncake_local_buffer_size": 65536, "enable_kv_events": True, "kv_events_endpoint": "tcp://*:5557",
-    "kv_events_topic": "lmcache",
+    "kv_events_topic": "lmcache", "enable_controller": True, "lmcache_instance_id": "vllm-1",
+    "controller_pull_url": "tcp://controller.example:8300", "controller_reply_url": "tcp://controller.example:8400",
+    "lmcache_worker_ports": (8500, 8501), "lmcache_worker_heartbeat_time": 2.5,
 }
 
 
@@ -490,3 +495,33 @@ def test_blending_needs_layerwise_and_a_separator():
     config = LMCacheEngineConfig.from_env({"LMCACHE_ENABLE_BLENDING": "true", "LMCACHE_USE_LAYERWISE": "1"})
     config.check_supported()  # CacheBlend is built; use_layerwise is its companion switch
     assert (config.blend_recompute_ratio, config.blend_min_tokens, config.blend_separator) == (0.15, 256, "[BLEND_SEP]")
+
+
+def test_controller_keys_by_upstreams_names_and_the_older_ones(tmp_path) -> None:
+    env = {"LMCACHE_ENABLE_CONTROLLER": "true", "LMCACHE_LMCACHE_INSTANCE_ID": "vllm-0",
+           "LMCACHE_CONTROLLER_PULL_URL": "localhost:8300", "LMCACHE_CONTROLLER_REPLY_URL": "tcp://127.0.0.1:8400",
+           "LMCACHE_LMCACHE_WORKER_PORTS": "8500,8501", "LMCACHE_LMCACHE_WORKER_HEARTBEAT_TIME": "2"}
+    config = LMCacheEngineConfig.from_env(env)
+    assert (config.lmcache_instance_id, config.controller_pull_url, config.controller_reply_url) == (
+        "vllm-0", "tcp://localhost:8300", "tcp://127.0.0.1:8400")
+    assert config.lmcache_worker_ports == (8500, 8501) and config.lmcache_worker_heartbeat_time == 2.0
+    assert LMCacheEngineConfig.cpu_only_defaults().lmcache_worker_heartbeat_time > 0  # heartbeats on by default
+    path = tmp_path / "c.yaml"
+    path.write_text("enable_controller: true\ncontroller_url: 10.0.0.1:8300\ncontroller_reply_url: 10.0.0.1:8400\n"
+                    "lmcache_worker_port: 8500\n")
+    old = LMCacheEngineConfig.from_file(str(path))
+    assert (old.controller_pull_url, old.lmcache_worker_ports) == ("tcp://10.0.0.1:8300", (8500,))
+    path.write_text("controller_url: a:1\ncontroller_pull_url: a:1\n")
+    with pytest.raises(ValueError, match="'controller_url' and the field 'controller_pull_url'"):
+        LMCacheEngineConfig.from_file(str(path))
+    for fields, says in [
+        ({"enable_controller": True}, "controller_pull_url=None: enable_controller=True needs"),
+        ({"controller_pull_url": "redis://a:1"}, "controller_pull_url='redis://a:1': expected HOST:PORT"),
+        ({"controller_reply_url": "a"}, "controller_reply_url='a': expected host:port"),
+        ({"lmcache_worker_ports": "85x"}, "lmcache_worker_ports='85x': expected integers"),
+        ({"lmcache_worker_ports": [0]}, "port 0 is not in 1..65535"),
+        ({"lmcache_worker_heartbeat_time": 0}, "lmcache_worker_heartbeat_time=0.0: seconds, above 0"),
+        ({"lmcache_instance_id": "a b"}, "lmcache_instance_id='a b'"),
+    ]:
+        with pytest.raises(ValueError, match=re.escape(says)):
+            LMCacheEngineConfig.from_defaults(**fields)

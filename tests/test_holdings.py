@@ -63,6 +63,32 @@ def test_a_full_stream_drops_counts_and_asks_for_one_resync_with_a_visible_gap()
         HoldingsStream(max_pending=0)
 
 
+def test_each_consumer_gets_every_event_and_its_own_overflow_and_resync() -> None:
+    stream = HoldingsStream(max_pending=2, consumers=("kv_events", "controller"))
+    tier = stream.tier("T", Medium.CPU)
+    tier.admitted(key(1))
+    tier.admitted(key(2))
+    assert [e.seq for e in stream.take("kv_events").events] == [1, 2]  # one consumer's take steals nothing
+    tier.admitted(key(3))
+    late = stream.take("controller")
+    assert [e.seq for e in late.events] == [1, 2] and late.resync and late.dropped == 1
+    prompt = stream.take("kv_events")
+    assert [e.seq for e in prompt.events] == [3] and not prompt.resync and prompt.dropped == 0
+    with pytest.raises(KeyError, match="no consumer 'router'"):
+        stream.take("router")
+    with pytest.raises(ValueError, match="distinct"):
+        HoldingsStream(consumers=("a", "a"))
+
+
+def test_the_controller_alone_gets_a_stream_without_token_records() -> None:
+    engine = small_engine(num_chunks=4, enable_controller=True, controller_pull_url="127.0.0.1:1",
+                          controller_reply_url="127.0.0.1:2")
+    tokens, *_ = store_prompt(engine, 16, seed=1)
+    assert engine.holdings.consumers == ("controller",) and engine.chunk_tokens is None
+    assert [e.key for e in engine.holdings.take("controller").events] == keys_of(engine, tokens)
+    engine.close()
+
+
 def test_cpu_tier_reports_store_eviction_remove_and_close_and_the_store_records_tokens() -> None:
     engine = small_engine(num_chunks=4, **KV_EVENTS)
     stream = engine.holdings

@@ -43,6 +43,24 @@ _REQUEST_LINE_PREFIXES = ("LMCache request ", "LMCache v0 door: prompt ")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
+def send_json(handler: BaseHTTPRequestHandler, status: int, body: Any) -> None:
+    """Answer `body` as JSON with `status` (this API's and the controller's)."""
+    data = json.dumps(body).encode()
+    handler.send_response(status)
+    handler.send_header("Content-Type", "application/json")
+    handler.send_header("Content-Length", str(len(data)))
+    handler.end_headers()
+    handler.wfile.write(data)
+
+
+def bearer_matches(authorization: Optional[str], token: Optional[str]) -> bool:
+    """Whether `Authorization: Bearer <token>` names `token` (compared in constant time); never
+    when no token is configured."""
+    if token is None or authorization is None or not authorization.startswith("Bearer "):
+        return False
+    return hmac.compare_digest(authorization[len("Bearer "):].encode(), token.encode())
+
+
 class RecentRequestLines(logging.Handler):
     """Keeps the last `RECENT_LINES` per-request lines the `lmcache` loggers emit."""
 
@@ -129,17 +147,13 @@ class StatusAPI:
         return 200, {"level": level}
 
     def _authorized(self, authorization: Optional[str]) -> bool:
-        if self._token is None or authorization is None or not authorization.startswith("Bearer "):
-            return False
-        return hmac.compare_digest(authorization[len("Bearer "):].encode(), self._token.encode())
+        return bearer_matches(authorization, self._token)
 
     def _clear(self, tier_name: str) -> Tuple[int, Any]:
-        tiers = {t.tier_name: t for t in self._engine.storage_manager.tiers}
-        tier = tiers.get(tier_name)
-        if tier is None or not hasattr(tier, "keys"):
-            listable = sorted(n for n, t in tiers.items() if hasattr(t, "keys"))
-            return 400, {"error": f"tier={tier_name!r}: expected one of {listable}"}
-        removed = sum(1 for key in tier.keys() if tier.remove(key))
+        try:
+            removed = self._engine.storage_manager.clear_tier(tier_name)
+        except ValueError as err:
+            return 400, {"error": str(err)}
         logger.warning("LMCache tier %s cleared through the status API: %d chunks", tier_name, removed)
         self._engine.publish_metrics()
         return 200, {"tier": tier_name, "removed_chunks": removed}
@@ -149,12 +163,7 @@ class StatusAPI:
 
         class Handler(BaseHTTPRequestHandler):
             def _answer(self, status: int, body: Any) -> None:
-                data = json.dumps(body).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
+                send_json(self, status, body)
 
             def _split(self) -> Tuple[str, Dict[str, str]]:
                 url = urllib.parse.urlsplit(self.path)

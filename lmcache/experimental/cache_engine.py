@@ -29,7 +29,7 @@ from lmcache.config import LMCacheEngineMetadata
 from lmcache.experimental.chunk_tokens import ChunkTokens
 from lmcache.experimental.config import LMCacheEngineConfig
 from lmcache.experimental.gpu_connector import GPUConnectorInterface
-from lmcache.experimental.holdings import HoldingsStream
+from lmcache.experimental.holdings import CONTROLLER, KV_EVENTS, HoldingsStream
 from lmcache.experimental.layerwise import ChunkSpan, LayerCopier, paged_connector, request_slots
 from lmcache.experimental.memory_management import MemoryAllocatorInterface, MemoryFormat, MemoryObj, MixedMemoryAllocator
 from lmcache.experimental.metrics import EngineMetrics, EngineObservation
@@ -113,9 +113,12 @@ class LMCacheEngine:
         self.gpu_connector = gpu_connector
         self._stats = EngineStats()
         self._metrics = EngineMetrics(metadata.model_name, metadata.worker_id)
-        # With KV events on: what the tiers admit and lose, and the tokens of the chunks stored
-        # (a publisher drains both: `integration/vllm/kv_events.py`).
-        self.holdings: Optional[HoldingsStream] = HoldingsStream() if config.enable_kv_events else None
+        # With KV events or the controller on: what the tiers admit and lose, one queue per
+        # consumer (`holdings.py`); with KV events, also the tokens of the chunks stored (their
+        # publisher drains both: `integration/vllm/kv_events.py`; the controller client needs keys only).
+        consumers = [name for name, on in ((KV_EVENTS, config.enable_kv_events),
+                                           (CONTROLLER, config.enable_controller)) if on]
+        self.holdings: Optional[HoldingsStream] = HoldingsStream(consumers=consumers) if consumers else None
         self.chunk_tokens: Optional[ChunkTokens] = ChunkTokens() if config.enable_kv_events else None
         self.storage_manager: StorageManager = create_storage_manager(
             config, metadata, memory_allocator, self._stats, self.holdings

@@ -54,6 +54,8 @@ NON_FIELD_ENV_VARS: Tuple[str, ...] = (
     "LMCACHE_SERVER_TOKEN",
     # The PD push channel's token when `pd_token_file` is not set (`lmcache/experimental/pd/auth.py`).
     "LMCACHE_PD_TOKEN",
+    # The controller's token (`lmcache_controller --token`), also what a worker's command port asks for.
+    "LMCACHE_CONTROLLER_TOKEN",
     # Where `lmcache server --port N` puts its node pool's socket (`lmcache/server/pool_address.py`).
     "LMCACHE_RUNTIME_DIR",
     # vLLM 0.32's switch to its built-in LMCacheMPConnector copy; we then leave its name alone.
@@ -62,7 +64,11 @@ NON_FIELD_ENV_VARS: Tuple[str, ...] = (
 
 # Keys of the old `lmcache_vllm` config, loaded from YAML and `LMCACHE_<KEY>` variables with a
 # deprecation warning (mapped in `legacy_config.py`).
-LEGACY_KEYS: Tuple[str, ...] = ("local_device", "max_local_cache_size", "pipelined_backend")
+LEGACY_KEYS: Tuple[str, ...] = (
+    "local_device", "max_local_cache_size", "pipelined_backend",
+    # Upstream's older controller keys: `controller_pull_url` and `lmcache_worker_ports` now.
+    "controller_url", "lmcache_worker_port",
+)
 
 REMOTE_SCHEMES: Tuple[str, ...] = (
     "lm", "lms", "lm+shm", "redis", "rediss", "redis-cluster", "redis-sentinel", "mooncakestore",
@@ -271,6 +277,8 @@ def _coerce(name: str, hint: Any, value: Any) -> Any:
         if optional:
             return None
         raise ValueError(f"{name}=None: this field needs a {base.__name__}")
+    if typing.get_origin(base) is tuple:
+        return _parse_int_tuple(name, value)
     if base is str:
         if not isinstance(value, str):
             raise ValueError(f"{name}={value!r}: expected a string, got {type(value).__name__}")
@@ -292,6 +300,22 @@ def _coerce(name: str, hint: Any, value: Any) -> Any:
             raise ValueError(f"{name}={value!r}: expected a finite number")
         return float(value)
     raise TypeError(f"LMCacheEngineConfig field {name} has unsupported type {hint!r}")
+
+
+def _parse_int_tuple(name: str, value: Any) -> Tuple[int, ...]:
+    """A list of ints (YAML), or a string of them: `8500,8501` or `[8500, 8501]` (variables)."""
+    if isinstance(value, str):
+        text = value.strip()
+        text = text[1:-1] if text[:1] + text[-1:] in ("[]", "()") else text
+        parts = [part.strip() for part in text.split(",") if part.strip()]
+        if not all(part.isascii() and part.isdigit() for part in parts):
+            raise ValueError(f"{name}={value!r}: expected integers separated by commas, e.g. 8500,8501")
+        return tuple(int(part) for part in parts)
+    if isinstance(value, int) and not isinstance(value, bool):
+        return (value,)
+    if isinstance(value, (list, tuple)) and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        return tuple(value)
+    raise ValueError(f"{name}={value!r}: expected a list of integers")
 
 
 def shown_value(name: str, value: Any) -> Any:
@@ -446,6 +470,15 @@ class LMCacheEngineConfig:
     enable_kv_events: bool = False
     kv_events_endpoint: Optional[str] = None  # tcp://*:PORT binds, tcp://HOST:PORT connects, ipc://PATH
     kv_events_topic: str = ""
+    # Upstream's controller (`lmcache/controller/`): each worker reports what its tiers admit and
+    # lose to `controller_pull_url`, registers and heartbeats over `controller_reply_url`, and takes
+    # the controller's commands (`/clear`) on its `lmcache_worker_ports` port: checked by `_check_controller`.
+    enable_controller: bool = False
+    lmcache_instance_id: str = "lmcache_default_instance"  # the name `/lookup` answers with
+    controller_pull_url: Optional[str] = None  # HOST:PORT or tcp://HOST:PORT, kept as tcp://HOST:PORT
+    controller_reply_url: Optional[str] = None
+    lmcache_worker_ports: Optional[Tuple[int, ...]] = None  # worker N: the N-th port (one port: port + N)
+    lmcache_worker_heartbeat_time: float = 5.0  # seconds; the controller drops a worker silent for 3 of them
 
     def shown_fields(self) -> Dict[str, Any]:
         """Every field as logs, dumps and the status API may show it (`shown_value`)."""
@@ -504,6 +537,29 @@ class LMCacheEngineConfig:
         self._check_pd()
         self._check_mooncake()
         self._check_kv_events()
+        self._check_controller()
+
+    def _check_controller(self) -> None:
+        """The controller keys: URLs as tcp://HOST:PORT, ports in range, a positive heartbeat
+        period; both URLs needed when `enable_controller`."""
+        for name in ("controller_pull_url", "controller_reply_url"):
+            value = getattr(self, name)
+            if value is not None:
+                rest = value[len("tcp://"):] if value.startswith("tcp://") else value
+                if "://" in rest:
+                    raise ValueError(f"{name}={value!r}: expected HOST:PORT or tcp://HOST:PORT")
+                host, port = _parse_host_port(rest, name, value)
+                object.__setattr__(self, name, f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}")
+            elif self.enable_controller:
+                raise ValueError(f"{name}=None: enable_controller=True needs the controller's {name} as HOST:PORT")
+        for port in self.lmcache_worker_ports or ():
+            if not 0 < port <= 65535:
+                raise ValueError(f"lmcache_worker_ports={list(self.lmcache_worker_ports or ())!r}: port {port} is not in 1..65535")
+        if not self.lmcache_worker_heartbeat_time > 0:
+            raise ValueError(f"lmcache_worker_heartbeat_time={self.lmcache_worker_heartbeat_time!r}: seconds, above 0 "
+                             "(the controller drops a worker that stops heartbeating)")
+        if not re.fullmatch(r"[A-Za-z0-9._:-]{1,128}", self.lmcache_instance_id):
+            raise ValueError(f"lmcache_instance_id={self.lmcache_instance_id!r}: 1 to 128 letters, digits, '.', '_', ':' or '-'")
 
     def _check_kv_events(self) -> None:
         """`kv_events_endpoint`: a ZeroMQ tcp endpoint with a port, or ipc (vLLM 0.9.2, which has no
@@ -607,6 +663,12 @@ class LMCacheEngineConfig:
         enable_kv_events: bool = False,
         kv_events_endpoint: Optional[str] = None,
         kv_events_topic: str = "",
+        enable_controller: bool = False,
+        lmcache_instance_id: str = "lmcache_default_instance",
+        controller_pull_url: Optional[str] = None,
+        controller_reply_url: Optional[str] = None,
+        lmcache_worker_ports: Optional[Tuple[int, ...]] = None,
+        lmcache_worker_heartbeat_time: float = 5.0,
         **unknown: Any,
     ) -> "LMCacheEngineConfig":
         """The spec's defaults with some fields replaced; an unknown keyword is a ValueError."""

@@ -1,26 +1,35 @@
 """One stream of what this instance's tiers hold: every admit and every loss, per chunk.
 
 Operations:
+- `HoldingsStream(consumers=...)`: one bounded queue per consumer named at construction (the KV
+  events publisher, the controller client), so each sees every event, none steals another's,
+  and none misses what the tiers report while the engine starts (a disk tier's "found at start").
 - `HoldingsStream.tier(name, medium)`: the `TierHoldings` a tier reports through
   (`admitted(key)`, `lost(key, reason)`, `cleared(reason)`).
-- `HoldingsStream.take()`: the events reported since the last take, as one `HoldingsBatch`.
+- `HoldingsStream.take(consumer)`: the events reported since that consumer's last take, as one
+  `HoldingsBatch` (the default consumer is the KV events publisher's).
 
 Reporting never blocks on a consumer and never raises: a tier reports from its own threads (the
-store, an eviction inside an allocation, a disk writer), so a report is one append to a bounded
-queue under a lock. When the queue is full the event is dropped and counted, and the stream
-needs a resync: every event still gets its sequence number, so a consumer also sees the gap.
+store, an eviction inside an allocation, a disk writer), so a report is one append per consumer
+to a bounded queue under a lock. When a consumer's queue is full the event is dropped for it and
+counted, and that consumer needs a resync: every event still gets its sequence number, so the
+consumer also sees the gap. A slow consumer costs the others nothing.
 """
 
 import enum
 import threading
 from collections import deque
 from dataclasses import dataclass
-from typing import Deque, Optional, Tuple
+from typing import Deque, Dict, Optional, Sequence, Tuple
 
 from lmcache.utils import CacheEngineKey
 
 # Events held for a consumer that is late; beyond it they are dropped and a resync is asked for.
 DEFAULT_MAX_PENDING = 65536
+# The consumers' names: the KV events publisher (`integration/vllm/kv_events.py`) and the
+# controller client (`lmcache/controller/worker.py`).
+KV_EVENTS = "kv_events"
+CONTROLLER = "controller"
 
 
 class Change(enum.Enum):
@@ -50,22 +59,35 @@ class HoldingEvent:
 class HoldingsBatch:
     events: Tuple[HoldingEvent, ...]  # in sequence order, with gaps where events were dropped
     next_seq: int  # the sequence number the next event will get
-    dropped: int  # events dropped (queue full) since the stream started
-    resync: bool  # events were dropped since the last take: what a consumer built may be wrong
+    dropped: int  # events dropped for this consumer (its queue full) since the stream started
+    resync: bool  # events were dropped since this consumer's last take: what it built may be wrong
+
+
+class _Queue:
+    """One consumer's pending events, its count of drops and its resync flag."""
+
+    def __init__(self) -> None:
+        self.events: Deque[HoldingEvent] = deque()
+        self.dropped = 0
+        self.resync = False
 
 
 class HoldingsStream:
-    """The bounded queue every tier of one engine reports into."""
+    """The bounded queues every tier of one engine reports into, one per consumer."""
 
-    def __init__(self, max_pending: int = DEFAULT_MAX_PENDING) -> None:
+    def __init__(self, max_pending: int = DEFAULT_MAX_PENDING, consumers: Sequence[str] = (KV_EVENTS,)) -> None:
         if max_pending <= 0:
             raise ValueError(f"HoldingsStream max_pending must be positive, got {max_pending}")
+        if not consumers or len(set(consumers)) != len(consumers):
+            raise ValueError(f"HoldingsStream consumers must be distinct names, at least one, got {list(consumers)}")
         self._lock = threading.Lock()
-        self._events: Deque[HoldingEvent] = deque()
+        self._queues: Dict[str, _Queue] = {name: _Queue() for name in consumers}
         self._max_pending = max_pending
         self._next_seq = 1
-        self._dropped = 0
-        self._resync = False
+
+    @property
+    def consumers(self) -> Tuple[str, ...]:
+        return tuple(self._queues)
 
     def tier(self, name: str, medium: Medium) -> "TierHoldings":
         return TierHoldings(self, name, medium)
@@ -74,19 +96,23 @@ class HoldingsStream:
         with self._lock:
             event = HoldingEvent(self._next_seq, change, tier, medium, key, reason)
             self._next_seq += 1
-            if len(self._events) >= self._max_pending:
-                self._dropped += 1
-                self._resync = True
-                return
-            self._events.append(event)
+            for queue in self._queues.values():
+                if len(queue.events) >= self._max_pending:
+                    queue.dropped += 1
+                    queue.resync = True
+                else:
+                    queue.events.append(event)
 
-    def take(self) -> HoldingsBatch:
-        """Everything reported since the last take; the resync flag is handed over with it."""
+    def take(self, consumer: str = KV_EVENTS) -> HoldingsBatch:
+        """Everything reported since `consumer`'s last take; its resync flag is handed over with it."""
         with self._lock:
-            events = tuple(self._events)
-            self._events.clear()
-            batch = HoldingsBatch(events, self._next_seq, self._dropped, self._resync)
-            self._resync = False
+            queue = self._queues.get(consumer)
+            if queue is None:
+                raise KeyError(f"HoldingsStream has no consumer {consumer!r} (has {list(self._queues)})")
+            events = tuple(queue.events)
+            queue.events.clear()
+            batch = HoldingsBatch(events, self._next_seq, queue.dropped, queue.resync)
+            queue.resync = False
             return batch
 
 

@@ -12,6 +12,8 @@ new one:
     local_device: null          -> local_cpu: false (no local tier)
     max_local_cache_size: N     -> max_local_cpu_size: N (the disk size for a file:// device)
     pipelined_backend: bool     -> dropped: retrieval already reads the next chunk ahead
+    controller_url: HOST:PORT   -> controller_pull_url: HOST:PORT (upstream's older name)
+    lmcache_worker_port: N      -> lmcache_worker_ports: [N] (worker K uses N + K)
 
 An old key given next to a field it maps to is refused (the two could disagree). The old
 `remote_serde` names `torch` and `fast` are values, not keys: the config maps them itself
@@ -119,4 +121,18 @@ def _map(given: Mapping[str, Any], source: str) -> Dict[str, Any]:
     for target in ("max_local_cpu_size", "max_local_disk_size"):
         if size is not None and target in mapped:
             logger.warning("%s: max_local_cache_size=%s is deprecated: use %s: %s", source, size, target, size)
+    mapped.update(_controller_fields(given, source))
+    return mapped
+
+
+def _controller_fields(given: Mapping[str, Any], source: str) -> Dict[str, Any]:
+    """Upstream's older controller keys, renamed (the values are checked as the new fields)."""
+    mapped: Dict[str, Any] = {}
+    if "controller_url" in given:
+        logger.warning("%s: controller_url is upstream's older name: use controller_pull_url", source)
+        mapped["controller_pull_url"] = given["controller_url"]
+    if "lmcache_worker_port" in given:
+        port = parse_key_value("lmcache_worker_port", int, given["lmcache_worker_port"])
+        logger.warning("%s: lmcache_worker_port is upstream's older name: use lmcache_worker_ports: [%d]", source, port)
+        mapped["lmcache_worker_ports"] = (port,)
     return mapped

@@ -71,6 +71,16 @@ def rolling_chunk_hashes(token_bytes: bytes, chunk_size: int, salt: str = "") ->
         yield prev
 
 
+def prefix_chunk_hashes(tokens: TokensLike, chunk_size: int, cache_salt: str = "") -> Iterator[Tuple[int, str]]:
+    """`(end, chunk_hash)` per chunk, lazily: the hex hash a key of that prefix carries, whatever
+    the worker (`ChunkedTokenDatabase` builds its keys from it, and the controller hashes a
+    `/lookup`'s tokens with it, so both always agree)."""
+    token_bytes = tokens_to_bytes(tokens)
+    num_tokens = len(token_bytes) // 4
+    for i, digest in enumerate(rolling_chunk_hashes(token_bytes, chunk_size, cache_salt)):
+        yield min((i + 1) * chunk_size, num_tokens), digest.hex()
+
+
 def skip_prefix_mask(num_tokens: int, skip: int, chunk_size: int) -> torch.Tensor:
     """The mask that leaves out the whole chunks among the first `skip` tokens (store/retrieve).
 
@@ -112,9 +122,9 @@ class ChunkedTokenDatabase(TokenDatabase):
         self.chunk_size = chunk_size
         self.metadata = metadata
 
-    def _make_key(self, digest: bytes) -> CacheEngineKey:
+    def _make_key(self, chunk_hash: str) -> CacheEngineKey:
         m = self.metadata
-        return CacheEngineKey(m.fmt, m.model_name, m.world_size, m.worker_id, digest.hex())
+        return CacheEngineKey(m.fmt, m.model_name, m.world_size, m.worker_id, chunk_hash)
 
     def _num_skipped(self, mask: Optional[torch.Tensor], num_tokens: int) -> int:
         """Number of leading False tokens, after checking the mask's shape."""
@@ -151,7 +161,7 @@ class ChunkedTokenDatabase(TokenDatabase):
             start = i * size
             if start < skipped:
                 continue
-            yield start, min(start + size, num_tokens), self._make_key(digest)
+            yield start, min(start + size, num_tokens), self._make_key(digest.hex())
 
     def prefix_keys(
         self, tokens: TokensLike, *, cache_salt: str = ""
@@ -161,8 +171,5 @@ class ChunkedTokenDatabase(TokenDatabase):
         A lookup walks this until the first missing key; `end` of the last hit is the
         number of cached prefix tokens.
         """
-        token_bytes = tokens_to_bytes(tokens)
-        num_tokens = len(token_bytes) // 4
-        size = self.chunk_size
-        for i, digest in enumerate(rolling_chunk_hashes(token_bytes, size, cache_salt)):
-            yield min((i + 1) * size, num_tokens), self._make_key(digest)
+        for end, chunk_hash in prefix_chunk_hashes(tokens, self.chunk_size, cache_salt):
+            yield end, self._make_key(chunk_hash)

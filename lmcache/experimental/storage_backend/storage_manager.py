@@ -61,6 +61,20 @@ class StorageManager:
     def tiers(self) -> List[StorageBackendInterface]:
         return list(self._tiers)
 
+    def listed_keys(self) -> Dict[str, List[CacheEngineKey]]:
+        """The keys each tier that can list them holds now (the CPU and disk tiers; a remote store
+        is shared and cannot), by tier name."""
+        return {t.tier_name: t.keys() for t in self._tiers if hasattr(t, "keys")}
+
+    def clear_tier(self, name: str) -> int:
+        """Drop every chunk of the tier named `name`; how many were dropped. ValueError naming
+        the tiers that can be cleared when `name` is none of them."""
+        tier = {t.tier_name: t for t in self._tiers if hasattr(t, "keys")}.get(name)
+        if tier is None:
+            listable = sorted(t.tier_name for t in self._tiers if hasattr(t, "keys"))
+            raise ValueError(f"tier={name!r}: expected one of {listable}")
+        return sum(1 for key in tier.keys() if tier.remove(key))
+
     def usage_bytes(self) -> Dict[str, int]:
         """Bytes each tier that can tell holds now, by tier name."""
         usage = ((t.tier_name, t.used_bytes) for t in self._tiers)

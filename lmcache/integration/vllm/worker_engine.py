@@ -3,8 +3,8 @@
 Both doors (v0 `v0.connector.init_lmcache_engine`, v1 `LMCacheWorkerSide.from_vllm_config`) call
 `open_worker_engine`; it builds the engine's metadata, finds the paged KV layout, creates the
 connector and registers the engine under `ENGINE_NAME` (an engine that exists already is reused),
-starts its status API and KV events publisher when the config asks for them (`api_server.py`,
-`kv_events.py`), then has
+starts its status API, KV events publisher and controller client when the config asks for them
+(`api_server.py`, `kv_events.py`, `lmcache/controller/worker.py`), then has
 `close_worker_engine` run when the process exits (`close_at_exit`). vLLM has no shutdown hook
 for either door, and it runs workers in children it starts itself: `multiprocessing.util.Finalize`
 runs in the main process and in those children alike.
@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, List, Mapping, Optional
 
 from lmcache.background_threads import at_thread_shutdown
+from lmcache.controller.worker import ControllerClient, start_controller_client
 from lmcache.experimental.api_server import StatusAPI, start_status_api
 from lmcache.experimental.cache_engine import LMCacheEngine, LMCacheEngineBuilder
 from lmcache.experimental.config import LMCacheEngineConfig
@@ -56,6 +57,8 @@ _status_api: Optional[StatusAPI] = None
 # 0.32), the translator vLLM's connector hook drains each step (`take_step_kv_events`).
 _kv_events: Optional[KVEventsPublisher] = None
 _step_kv_events: Optional[KVEventsTranslator] = None
+# This process's controller client (`enable_controller`); closed after the engine for the same reason.
+_controller: Optional[ControllerClient] = None
 # Whether threading's exit hook runs our exit closes (`close_at_exit`), once per process.
 _exit_hooked = False
 # How long an exit close in a process vLLM started waits for the tiers' queued writes: vLLM kills
@@ -88,10 +91,11 @@ def open_worker_engine(vllm_config: "VllmConfig", config: LMCacheEngineConfig, d
     check_kv_events_config(config)
     connector = create_gpu_connector(vllm_config, metadata, layout)
     engine = LMCacheEngineBuilder.get_or_create(ENGINE_NAME, config, metadata, connector)
-    global _status_api, _kv_events, _step_kv_events
+    global _status_api, _kv_events, _step_kv_events, _controller
     _step_kv_events = connector_kv_events(engine)
     _status_api = start_status_api(engine, rank)
     _kv_events = start_kv_events(engine, rank)
+    _controller = start_controller_client(engine)
     close_at_exit(door)
     logger.info(
         "LMCache %s: engine ready (worker %d of %d, layout %s, chunk size %d, KV %s %s)",
@@ -156,7 +160,7 @@ def exit_close_timeout() -> Optional[float]:
 def close_worker_engine(door: str, timeout_s: Optional[float] = None) -> bool:
     """Close this process's engine, waiting for its pending writes (at most `timeout_s`; None:
     each tier's own bound); False when there is none."""
-    global _status_api, _kv_events
+    global _status_api, _kv_events, _controller
     if _status_api is not None:
         _status_api.close()
         _status_api = None
@@ -166,5 +170,8 @@ def close_worker_engine(door: str, timeout_s: Optional[float] = None) -> bool:
     if _kv_events is not None:
         _kv_events.close()
         _kv_events = None
+    if _controller is not None:
+        _controller.close()
+        _controller = None
     logger.info("LMCache %s: engine closed", door)
     return True
