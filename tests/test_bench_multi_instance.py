@@ -5,6 +5,7 @@ plan, and the numbers the report derives from records and scrapes."""
 from __future__ import annotations
 
 import asyncio
+import json
 import sys
 import time
 
@@ -223,6 +224,8 @@ def test_summary_targets_and_figure(tmp_path):
                                          5.0, [none, none], {"bytes_used": 5000.0, "entries": 3.0}),
         "lmcache-mooncake": summarize_kind([rec("lmcache-mooncake", u, r, 1.0) for u in range(2) for r in range(2)],
                                            5.0, [none, none], {"bytes_used": 6000.0, "entries": 3.0}),
+        "lmcache-routed": summarize_kind([rec("lmcache-routed", u, r, 0.54) for u in range(2) for r in range(2)],
+                                         4.0, [inst, inst], None),
     }
     cpu = summary["lmcache-cpu"]
     assert cpu["ttft_mean_s"] == pytest.approx(1.5) and cpu["rounds"]["1"]["ttft_mean_s"] == pytest.approx(2.0)
@@ -233,13 +236,19 @@ def test_summary_targets_and_figure(tmp_path):
     assert ttft_targets[0]["measured"] == pytest.approx(0.5 / 1.5) and ttft_targets[0]["met"] is True
     assert ttft_targets[1]["measured"] == pytest.approx(0.5 / 0.8) and ttft_targets[1]["met"] is True
     assert ttft_targets[2]["measured"] == pytest.approx(1.0 / 0.8) and ttft_targets[2]["met"] is True
+    assert ttft_targets[3]["measured"] == pytest.approx(0.54 / 1.5) and ttft_targets[3]["met"] is True
+    assert ttft_targets[4]["measured"] == pytest.approx(0.54 / 0.5) and ttft_targets[4]["met"] is True
     assert by_name["memory"]["measured"] == pytest.approx(5000 / 8192) and by_name["memory"]["met"] is True
     # Slower than private tiers by half, or holding a private copy: missed.
     summary["lmcache-pool"] = summarize_kind([rec("lmcache-pool", 0, 0, 1.4)], 1.0, [inst], {"bytes_used": 1.0,
                                                                                              "entries": 1.0})
     summary["lmcache-mooncake"] = summarize_kind([rec("lmcache-mooncake", 0, 0, 1.3)], 1.0, [none], None)
-    assert [t["met"] for t in targets(summary)] == [False, False, False, False]
-    assert [t["met"] for t in targets({"vllm": summary["vllm"]})] == [None, None, None]
+    # Routed: 0.93 s is over 0.6x round robin's 1.5 s, and 1.6 s over 1.1x the pool's 1.4 s.
+    summary["lmcache-routed"] = summarize_kind([rec("lmcache-routed", 0, 0, 0.93)], 1.0, [inst], None)
+    assert [t["met"] for t in targets(summary)] == [False, False, False, False, True, False]
+    summary["lmcache-routed"] = summarize_kind([rec("lmcache-routed", 0, 0, 1.6)], 1.0, [inst], None)
+    assert [t["met"] for t in targets(summary)][3:5] == [False, False]
+    assert [t["met"] for t in targets({"vllm": summary["vllm"]})] == [None] * 5
     fig = figure(summary, "t")
     fig.savefig(tmp_path / "f.png")
     assert (tmp_path / "f.png").stat().st_size > 10_000
@@ -266,3 +275,47 @@ def test_the_committed_figures_have_no_text_over_text_or_axes(run):
 
     result = json.loads((ROOT / "bench" / "results" / f"{run}.json").read_text())
     assert text_clashes(figure(result["summary"], plot_title(result))) == []
+
+
+# ---- routing by the controller's /lookup ----
+
+def test_kv_aware_router_sends_a_prompt_to_its_longest_prefix_and_falls_back_to_round_robin(tiny_model):
+    """A real controller answers `/lookup` for chunks one instance reported; the router sends a
+    prompt it holds there, and round robins one nobody holds, one whose held prefix leaves more
+    than the threshold to compute, an unreadable body and a lookup that fails."""
+    from kv_aware_router import KvAwareRouter
+    from redis_fixture import free_port
+
+    from lmcache.controller.messages import Register, Snapshot
+    from lmcache.controller.server import Controller, ControllerSettings
+    from lmcache.experimental.token_database import prefix_chunk_hashes
+
+    chunk = 16
+    held = [{"role": "user", "content": " ".join(["alpha beta gamma"] * 40)}]
+    longer = held + [{"role": "assistant", "content": "delta " * 30}, {"role": "user", "content": "epsilon " * 60}]
+    other = [{"role": "user", "content": "zeta eta theta " * 20}]
+    controller = Controller(ControllerSettings(port=0, pull_port=free_port(), reply_port=free_port())).start()
+    try:
+        base = "http://%s:%d" % controller.http_address
+        router = KvAwareRouter(base, ["i0", "i1", "i2"], tiny_model, threshold=32)
+        tokens = router.tokens(json.dumps({"messages": held}).encode())
+        assert len(tokens) > 3 * chunk
+        controller.index.apply(Register("i2", 0, 1, "b1", "vllm", "m", chunk, heartbeat_s=5.0))
+        controller.index.apply(Snapshot("i2", 0, "b1", 1, {"Hot": [h for _, h in prefix_chunk_hashes(tokens, chunk)]}))
+        turn = iter(range(100))
+
+        async def go(bodies, router):
+            async with aiohttp.ClientSession() as session:
+                return [await router.choose(session, body, lambda: next(turn) % 3) for body in bodies]
+
+        bodies = [json.dumps({"messages": m}).encode() for m in (held, other, longer, held)] + [b"{not json"]
+        chosen = asyncio.run(go(bodies, router))
+        assert chosen == [2, 0, 1, 2, 2], router.stats
+        assert (router.stats.by_cache, router.stats.no_match, router.stats.short_match,
+                router.stats.unreadable) == (2, 1, 1, 1)
+        dead = KvAwareRouter(f"http://127.0.0.1:{free_port()}", ["i0", "i1", "i2"], tiny_model, threshold=32)
+        assert asyncio.run(go(bodies[:1], dead)) == [0] and dead.stats.lookup_failed == 1
+        with pytest.raises(ValueError, match="threshold"):
+            KvAwareRouter(base, ["i0"], tiny_model, threshold=-1)
+    finally:
+        controller.close()

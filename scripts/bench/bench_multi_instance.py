@@ -7,6 +7,13 @@ Kinds, one after another, each on N fresh instances started side by side and sen
 multi-round QA (`multi_round_qa.py`) through `round_robin_proxy.py`:
 - `vllm`: vLLM alone, each instance with its own prefix cache;
 - `lmcache-cpu`: ours with a private CPU tier per instance;
+- `lmcache-routed`: the same private tiers, each instance reporting to one `lmcache_controller`,
+  and the proxy routing each request by the controller's `/lookup` to the instance holding its
+  longest prefix (`kv_aware_router.py`, production-stack's `kvaware` rule), round robin otherwise.
+  `--kv-aware-threshold` is 512 tokens, not production-stack's 2000: with this workload's ~2k-token
+  prompts 2000 would send every request to the instance that served the first one (any match
+  leaves under 2000 tokens to compute), so that N instances would be one; 512 sends a user's later
+  turns (its history plus under two chunks) to its holder and spreads first turns round robin;
 - `lmcache-pool`: ours sharing the node pool (`lm+shm://`, no CPU tier: one copy per machine);
 - `lmcache-remote`: ours sharing one `lm://` server over TCP (no CPU tier either);
 - `lmcache-mooncake`: ours sharing one Mooncake Store (`mooncakestore://`): a `mooncake_master` and
@@ -43,14 +50,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # make_tiny_model
 
 from bench_multi_instance_report import (  # noqa: E402
-    KIND_LABELS, MOONCAKE_KIND, instance_counters, plot, plot_title, store_gauges, summarize_kind, targets,
+    KIND_LABELS, MOONCAKE_KIND, PRIVATE_KIND, ROUTED_KIND, instance_counters, plot, plot_title, store_gauges,
+    summarize_kind, targets,
 )
 from bench_serving import add_model_args, apply_quick, model_spec, run_header, shown  # noqa: E402
 from bench_serving_client import RequestFailed, parse_prefix_counters  # noqa: E402
 from bench_serving_servers import (  # noqa: E402
-    POOL_KIND, VLLM_KIND, CpuMeter, LaunchSpec, ManagedProcess, ServerError, ServerSettings, describe, free_port,
-    launch, mooncake_launches, remote_server_launch, server_launch, stop_all,
+    POOL_KIND, VLLM_KIND, CpuMeter, LaunchSpec, ManagedProcess, ServerError, ServerSettings, controller_env,
+    controller_launch, describe, free_port, launch, mooncake_launches, remote_server_launch, server_launch, stop_all,
 )
+from kv_aware_router import KvAwareRouter  # noqa: E402
 from make_tiny_model import make_tiny_model  # noqa: E402
 from multi_round_qa import QARecord, QARunner, QASizes, next_turn_moves, qa_plan, run_plan, warm_up  # noqa: E402
 from round_robin_proxy import ProxyThread  # noqa: E402
@@ -59,8 +68,10 @@ from lmcache.experimental.metrics import lmcache_samples  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 SCHEMA = "lmcache-bench-multi-instance/1"
-KINDS = (VLLM_KIND, "lmcache-cpu", POOL_KIND, "lmcache-remote", MOONCAKE_KIND)
+KINDS = (VLLM_KIND, PRIVATE_KIND, ROUTED_KIND, POOL_KIND, "lmcache-remote", MOONCAKE_KIND)
 SHARED_KINDS = (POOL_KIND, "lmcache-remote", MOONCAKE_KIND)  # kinds with one cache store for all instances
+# The routed kind's instances: ids as each reports to the controller, in backend order.
+ROUTED_INSTANCE = "bench-instance-{}"
 FAILURES = (ServerError, RequestFailed, aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError)
 # --quick: the test suite's tiny model, 3 users x 2 short rounds, vLLM eager.
 QUICK = dict(model_dir=".cache/tiny-model", hidden=128, layers=4, heads=4, kv_heads=2, max_position=4096,
@@ -85,6 +96,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--chunk-size", type=int, default=256, help="LMCache chunk size in tokens")
     p.add_argument("--tier-gb", type=float, default=2.0,
                    help="each private CPU tier's size, and the shared server's")
+    p.add_argument("--kv-aware-threshold", type=int, default=512,
+                   help=f"{ROUTED_KIND}: route to the holder of the longest prefix when it leaves at most this "
+                        "many tokens to compute (production-stack's kv_aware_threshold; see the docstring)")
     p.add_argument("--out-dir", default="bench/results")
     p.add_argument("--startup-timeout", type=float, default=900)
     args = p.parse_args(argv)
@@ -135,14 +149,30 @@ def start_shared(kind: str, settings: ServerSettings, log_dir: Path,
     return port, metrics_port, [spec]
 
 
+def start_controller(log_dir: Path, running: list[ManagedProcess]) -> tuple[str, tuple[int, int], LaunchSpec]:
+    """Start an `lmcache_controller` (appended to `running`) and wait until it answers: (its HTTP
+    base URL, its (pull, reply) ports, how it was started)."""
+    http, pull, reply = free_port(), free_port(), free_port()
+    spec = controller_launch(http, pull, reply, log_dir / "controller.log")
+    proc = launch(spec, ROOT)
+    running.append(proc)
+    for port in (http, pull, reply):
+        proc.wait_listening(port, 60)
+    return f"http://127.0.0.1:{http}", (pull, reply), spec
+
+
 def start_instances(kind: str, n: int, settings: ServerSettings, log_dir: Path, remote_port: Optional[int],
-                    running: list[ManagedProcess], timeout_s: float) -> tuple[list[str], list[ManagedProcess]]:
+                    running: list[ManagedProcess], timeout_s: float,
+                    controller_ports: Optional[tuple[int, int]] = None) -> tuple[list[str], list[ManagedProcess]]:
     """Start `n` vLLM instances of `kind` side by side (startup is mostly compiling), appended to
-    `running`, and wait until each is healthy: (their base URLs, their processes)."""
+    `running`, and wait until each is healthy: (their base URLs, their processes). With
+    `controller_ports`, instance i reports to that controller as `ROUTED_INSTANCE.format(i)`."""
     urls, instances = [], []
     for i in range(n):
         port = free_port()
         spec = server_launch(kind, settings, port, log_dir / f"{kind}-{i}.log", remote_port)
+        if controller_ports is not None:
+            spec.env.update(controller_env(ROUTED_INSTANCE.format(i), *controller_ports))
         instances.append(launch(spec, ROOT))
         running.append(instances[-1])
         urls.append(f"http://127.0.0.1:{port}")
@@ -178,16 +208,24 @@ class MultiBench:
         started = time.monotonic()
         running: list[ManagedProcess] = []
         proxy: Optional[ProxyThread] = None
+        router: Optional[KvAwareRouter] = None
         try:
             remote_port, metrics_port = self._start_shared(kind, running)
+            controller_url, controller_ports = None, None
+            if kind == ROUTED_KIND:
+                controller_url, controller_ports, spec = start_controller(self.log_dir, running)
+                self.processes.setdefault(kind, []).append({"role": "controller", **describe(spec)})
             urls, instances = start_instances(kind, self.args.multi_instance, self.settings, self.log_dir,
-                                              remote_port, running, self.args.startup_timeout)
+                                              remote_port, running, self.args.startup_timeout, controller_ports)
             for proc in instances:
                 self.processes.setdefault(kind, []).append({"role": "instance", **describe(proc.spec),
                                                             "ready_s": proc.ready_s})
             warm = asyncio.run(warm_up(urls, self.args.model_dir, self.sizes, self.clock_zero))
             meter = CpuMeter({p.pid for p in running})
-            proxy = ProxyThread(urls)
+            if controller_url is not None:
+                ids = [ROUTED_INSTANCE.format(i) for i in range(len(urls))]
+                router = KvAwareRouter(controller_url, ids, self.args.model_dir, self.args.kv_aware_threshold)
+            proxy = ProxyThread(urls, router=router)
             base = proxy.start()
 
             def done(rec: QARecord) -> None:
@@ -209,6 +247,8 @@ class MultiBench:
                 shared = store_gauges(scrape_text(f"http://127.0.0.1:{metrics_port}/metrics"))
             self.summary[kind] = {**summarize_kind(runner.records, runner.wall_s, counters, shared),
                                   "warmup_ttft_s": warm, "cpu_while_measured": meter.read()}
+            if router is not None:
+                self.summary[kind]["routing"] = {"kv_aware_threshold": router.threshold, **asdict(router.stats)}
         except FAILURES as err:
             self.errors[kind] = f"{type(err).__name__}: {err}"
             print(f"bench_multi_instance: {kind} failed: {str(err)[:3000]}", file=sys.stderr)

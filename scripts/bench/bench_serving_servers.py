@@ -70,6 +70,8 @@ MODE_KINDS = {
 }
 # Our cache on the node pool (`lm+shm://`).
 POOL_KIND = "lmcache-pool"
+# Private CPU tiers reporting to an `lmcache_controller` (the multi-instance benchmark's routed kind).
+ROUTED_KIND = "lmcache-routed"
 # Kinds whose lm:// server answers slowly: they run the `interference` workload and nothing else.
 SLOW_REMOTE_KINDS = ("lmcache-remote-slow", "lmcache-remote-slow-async")
 OUR_KINDS = ("lmcache-cpu", "lmcache-disk", "lmcache-remote", "lmcache-mooncake", POOL_KIND, *MODE_KINDS)
@@ -79,7 +81,7 @@ KIND_COLORS = {VLLM_KIND: "#7f7f7f", "lmcache-cpu": "#1f77b4", "lmcache-disk": "
                "lmcache-mooncake": "#8c564b",
                "lmcache-cpu-layerwise": "#17becf", "lmcache-disk-async": "#ff7f0e", "lmcache-remote-slow": "#ff9896",
                "lmcache-remote-slow-async": "#9467bd",
-               POOL_KIND: "#e377c2"}
+               POOL_KIND: "#e377c2", ROUTED_KIND: "#bcbd22"}
 # Kinds whose cache outlives the vLLM process, so the restart workload means something for them.
 PERSISTENT_KINDS = ("lmcache-disk", "lmcache-remote", "lmcache-mooncake", POOL_KIND, "lmcache-disk-async")
 # Kinds whose tier is a store this module starts beside the server: the `lm://` server (the node
@@ -176,6 +178,8 @@ def tier_env(kind: str, settings: ServerSettings, remote_port: Optional[int]) ->
     """The `LMCACHE_*` variables that put our cache in exactly one tier."""
     if kind == VLLM_KIND:
         return {}
+    if kind == ROUTED_KIND:  # the controller's keys come per instance: `controller_env`
+        return tier_env("lmcache-cpu", settings, remote_port)
     if kind in MODE_KINDS:
         tier, mode = MODE_KINDS[kind]
         # A disk of its own: the plain disk kind's chunks must not become this kind's hits.
@@ -267,6 +271,24 @@ def remote_server_launch(kind: str, port: Optional[int], settings: ServerSetting
         *(["--delay-ms", f"{settings.slow_remote_delay_ms:g}"] if kind in SLOW_REMOTE_KINDS else []),
     ]
     return LaunchSpec("lm-server", argv, {"LMCACHE_LOG_LEVEL": "INFO"}, log_path)
+
+
+def controller_launch(http_port: int, pull_port: int, reply_port: int, log_path: Path) -> LaunchSpec:
+    """How to start an `lmcache_controller` as upstream's docs do: HTTP on `http_port`, workers'
+    pushes on `pull_port`, their registrations on `reply_port`."""
+    argv = [sys.executable, "-m", "lmcache.controller", "--host", "127.0.0.1", "--port", str(http_port),
+            "--monitor-ports", json.dumps({"pull": pull_port, "reply": reply_port})]
+    return LaunchSpec("lmcache-controller", argv, {"LMCACHE_LOG_LEVEL": "INFO"}, log_path)
+
+
+def controller_env(instance_id: str, pull_port: int, reply_port: int) -> dict[str, str]:
+    """The `LMCACHE_*` variables that make an instance report what its tiers hold to the controller."""
+    return {
+        "LMCACHE_ENABLE_CONTROLLER": "true",
+        "LMCACHE_LMCACHE_INSTANCE_ID": instance_id,
+        "LMCACHE_CONTROLLER_PULL_URL": f"127.0.0.1:{pull_port}",
+        "LMCACHE_CONTROLLER_REPLY_URL": f"127.0.0.1:{reply_port}",
+    }
 
 
 def mooncake_launches(master_port: int, storage_port: int, settings: ServerSettings,

@@ -4,10 +4,11 @@
 
 Every POST to `/v1/...` goes to the next backend in turn (request k to backend k mod N), whatever
 it asks for: a user's next turn lands on another instance unless the turns in between add up to a
-multiple of N, which is the load the node pool is for. The answer is streamed through chunk by
-chunk as it arrives (server-sent events pass unchanged, so a client's TTFT is the backend's plus
-one local hop), with `X-Served-By: <backend index>` added so the benchmark can tell where each
-request ran. `GET /health` answers 200 once every backend's `/health` does.
+multiple of N, which is the load the node pool is for. With a `router` (`kv_aware_router.py`) a
+request goes where the router says, and round robin is what the router falls back to. The answer
+is streamed through chunk by chunk as it arrives (server-sent events pass unchanged, so a
+client's TTFT is the backend's plus one local hop), with `X-Served-By: <backend index>` added so
+the benchmark can tell where each request ran. `GET /health` answers 200 once every backend's `/health` does.
 
 Bounded: at most `max_in_flight` requests are forwarded at once (more wait their turn, no longer
 than `queue_timeout_s`, then get 503), the client session holds at most that many connections,
@@ -23,7 +24,7 @@ import collections
 import itertools
 import threading
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Callable, Optional, Protocol, Sequence
 
 import aiohttp
 from aiohttp import web
@@ -37,6 +38,12 @@ HOP_HEADERS = frozenset(h.lower() for h in ("Content-Length", "Transfer-Encoding
 
 
 ROUTED_KEPT = 100_000
+
+
+class Router(Protocol):
+    """Picks a request's backend; `fallback()` is the proxy's round robin."""
+
+    async def choose(self, session: aiohttp.ClientSession, body: bytes, fallback: Callable[[], int]) -> int: ...
 
 
 @dataclass(frozen=True)
@@ -53,11 +60,13 @@ class ProxyLimits:
 class RoundRobinProxy:
     """The proxy's routing and forwarding; `start`/`stop` run it on the current event loop."""
 
-    def __init__(self, backends: Sequence[str], limits: ProxyLimits = ProxyLimits()) -> None:
+    def __init__(self, backends: Sequence[str], limits: ProxyLimits = ProxyLimits(),
+                 router: Optional[Router] = None) -> None:
         if not backends:
             raise ValueError("round_robin_proxy: no backends")
         self.backends = [b.rstrip("/") for b in backends]
         self.limits = limits
+        self.router = router
         # The backend index of each forwarded request, in order: the latest ROUTED_KEPT (a proxy
         # run from the command line serves for as long as it is left running).
         self.routed: collections.deque[int] = collections.deque(maxlen=ROUTED_KEPT)
@@ -68,7 +77,15 @@ class RoundRobinProxy:
         self.port: Optional[int] = None
 
     def next_backend(self) -> int:
-        index = next(self._turn)
+        """The next backend in turn."""
+        return next(self._turn)
+
+    async def choose_backend(self, body: bytes) -> int:
+        assert self._session is not None
+        if self.router is None:
+            index = self.next_backend()
+        else:
+            index = await self.router.choose(self._session, body, self.next_backend)
         self.routed.append(index)
         return index
 
@@ -116,7 +133,7 @@ class RoundRobinProxy:
         except asyncio.TimeoutError:
             return web.Response(status=503, text="round_robin_proxy: too many requests in flight")
         try:
-            index = self.next_backend()
+            index = await self.choose_backend(body)
             headers = {h: request.headers[h] for h in FORWARDED_HEADERS if h in request.headers}
             url = f"{self.backends[index]}{request.path_qs}"
             try:
@@ -141,8 +158,9 @@ class RoundRobinProxy:
 class ProxyThread:
     """The proxy on an event loop of its own in a daemon thread (for a synchronous driver)."""
 
-    def __init__(self, backends: Sequence[str], limits: ProxyLimits = ProxyLimits()) -> None:
-        self.proxy = RoundRobinProxy(backends, limits)
+    def __init__(self, backends: Sequence[str], limits: ProxyLimits = ProxyLimits(),
+                 router: Optional[Router] = None) -> None:
+        self.proxy = RoundRobinProxy(backends, limits, router)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="round-robin-proxy", daemon=True)
 
