@@ -375,6 +375,33 @@ def test_mooncake_hit_target_is_its_hit_ttft_over_lm_s_in_the_same_run():
     assert row["measured"] == pytest.approx(1.2) and row["met"] is True and row["rule"] == "<= 1.5"
 
 
+def test_observed_cost_target_is_the_cpu_tiers_two_side_by_side_ratios():
+    """Issue 41's cost: the no-reuse ratio with KV events + controller over the one without."""
+    blank = {"beyond_query_ttft": None, "hit_over_limit": None, "hit_ttft_s": None}
+    r = {"lmcache-cpu": {**blank, "unique_throughput": 1.00},
+         "lmcache-cpu-observed": {**blank, "unique_throughput": 1.02}}
+    [row] = [t for t in targets(r) if t["server"] == "lmcache-cpu-observed" and "controller" in t["target"]]
+    assert row["measured"] == pytest.approx(1.02) and row["met"] is False and row["rule"] == "<= 1.01"
+    r["lmcache-cpu-observed"]["unique_throughput"] = 1.005
+    [row] = [t for t in targets(r) if t["server"] == "lmcache-cpu-observed" and "controller" in t["target"]]
+    assert row["met"] is True
+
+
+def test_observed_kind_reports_to_a_controller_and_publishes_kv_events():
+    from bench_serving_servers import OBSERVED_KIND, ServerSettings, controller_env, controller_launch, tier_env
+
+    settings = ServerSettings(model="m", max_model_len=1024, block_size=16, num_kv_blocks=8, chunk_size=256,
+                              cpu_tier_gb=1, disk_tier_gb=1, remote_tier_gb=1, disk_dir="/d")
+    env = tier_env(OBSERVED_KIND, settings, None)
+    assert env["LMCACHE_ENABLE_KV_EVENTS"] == "True" and env["LMCACHE_LOCAL_CPU"] == "True"
+    assert controller_env("i", 5, 6) == {"LMCACHE_ENABLE_CONTROLLER": "true", "LMCACHE_LMCACHE_INSTANCE_ID": "i",
+                                         "LMCACHE_CONTROLLER_PULL_URL": "127.0.0.1:5",
+                                         "LMCACHE_CONTROLLER_REPLY_URL": "127.0.0.1:6"}
+    spec = controller_launch(1, 2, 3, ROOT / "c.log")
+    assert spec.argv[1:] == ["-m", "lmcache.controller", "--host", "127.0.0.1", "--port", "1",
+                             "--monitor-ports", '{"pull": 2, "reply": 3}']
+
+
 def test_a_sigterm_to_the_benchmark_runs_its_cleanup():
     """The servers run in sessions of their own, so only the driver's `finally` blocks stop them:
     a SIGTERM must reach those blocks instead of killing the driver at once."""

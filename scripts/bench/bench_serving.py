@@ -53,9 +53,9 @@ from bench_serving_report import (  # noqa: E402
     attach_lmcache_hits, beside, hit_retrieve_gbps, interference, plot, plot_title, ratios, summarize, targets,
 )
 from bench_serving_servers import (  # noqa: E402
-    ALL_KINDS, PERSISTENT_KINDS, POOL_KIND, REMOTE_TIERS, SLOW_REMOTE_KINDS, VLLM_KIND, CpuMeter, ManagedProcess, ServerError,
-    ServerSettings, describe, free_port, launch, mooncake_launches, remote_server_launch, server_launch, stop_all,
-    stop_servers_on_sigterm, tier_of,
+    ALL_KINDS, OBSERVED_KIND, PERSISTENT_KINDS, POOL_KIND, REMOTE_TIERS, SLOW_REMOTE_KINDS, VLLM_KIND, CpuMeter,
+    ManagedProcess, ServerError, ServerSettings, controller_env, controller_launch, describe, free_port, launch,
+    mooncake_launches, remote_server_launch, server_launch, stop_all, stop_servers_on_sigterm, tier_of,
 )
 from bench_serving_client import RequestFailed  # noqa: E402
 from bench_serving_workloads import (  # noqa: E402
@@ -281,10 +281,24 @@ class Bench:
                 proc.wait_socket(self.settings.pool_socket, 60)
         return port
 
+    def _observer_env(self, tag: str, running: list[ManagedProcess]) -> dict[str, str]:
+        """For OBSERVED_KIND: a running `lmcache_controller` the server reports to, and the
+        endpoint it publishes KV events on (no subscriber: ZeroMQ drops what nobody reads, so
+        what is measured is building, encoding and sending them)."""
+        http, pull, reply = free_port(), free_port(), free_port()
+        spec = controller_launch(http, pull, reply, self.log_dir / f"controller-{tag}.log")
+        proc = launch(spec, ROOT)
+        running.append(proc)
+        for port in (http, pull, reply):
+            proc.wait_listening(port, 60)
+        return {**controller_env(f"bench-{tag}", pull, reply), "LMCACHE_KV_EVENTS_ENDPOINT": f"tcp://*:{free_port()}"}
+
     def _start(self, kind: str, tag: str, remote_port: Optional[int],
                running: list[ManagedProcess]) -> tuple[ManagedProcess, str]:
         port = free_port()
         spec = server_launch(kind, self.settings, port, self.log_dir / f"{kind}-{tag}.log", remote_port)
+        if kind == OBSERVED_KIND:
+            spec.env.update(self._observer_env(tag, running))
         self.bar.set_postfix_str(f"{kind}: starting")
         proc = launch(spec, ROOT)
         running.append(proc)

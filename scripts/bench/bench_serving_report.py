@@ -276,6 +276,11 @@ def targets(r: Mapping[str, Mapping[str, Optional[float]]], itl: Optional[Mappin
         # Layer-wise hit TTFT / whole-chunk hit TTFT in one run (no vLLM-alone run needed).
         row("repeat: layer-wise hit TTFT / without", "lmcache-cpu-layerwise",
             _div(r["lmcache-cpu-layerwise"]["hit_ttft_s"], r["lmcache-cpu"]["hit_ttft_s"]), "<=", 1.0)
+    if "lmcache-cpu" in r and "lmcache-cpu-observed" in r:
+        # Issue 41: KV events and controller messages cost <= 1% of no-reuse throughput: the CPU
+        # tier's side-by-side ratio with them over the one without (each against its own vLLM alone).
+        row("unique: throughput ratio with KV events + controller / without (CPU tier)", "lmcache-cpu-observed",
+            _div(r["lmcache-cpu-observed"]["unique_throughput"], r["lmcache-cpu"]["unique_throughput"]), "<=", 1.01)
     if "lmcache-remote" in r and "lmcache-mooncake" in r:
         # Issue 32: a hit through Mooncake Store within 1.5x of one through our lm:// server, same run.
         row("repeat: hit TTFT through Mooncake Store / through lm://", "lmcache-mooncake",

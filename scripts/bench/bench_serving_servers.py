@@ -67,7 +67,10 @@ MODE_KINDS = {
     "lmcache-disk-async": ("lmcache-disk", {"LMCACHE_ENABLE_ASYNC_LOADING": "True"}),
     "lmcache-remote-slow": ("lmcache-remote", {}),
     "lmcache-remote-slow-async": ("lmcache-remote", {"LMCACHE_ENABLE_ASYNC_LOADING": "True"}),
+    # Issue 41: the CPU tier publishing KV events and reporting to a controller (`observer_env`).
+    "lmcache-cpu-observed": ("lmcache-cpu", {"LMCACHE_ENABLE_KV_EVENTS": "True"}),
 }
+OBSERVED_KIND = "lmcache-cpu-observed"
 # Our cache on the node pool (`lm+shm://`).
 POOL_KIND = "lmcache-pool"
 # Private CPU tiers reporting to an `lmcache_controller` (the multi-instance benchmark's routed kind).
@@ -81,7 +84,7 @@ KIND_COLORS = {VLLM_KIND: "#7f7f7f", "lmcache-cpu": "#1f77b4", "lmcache-disk": "
                "lmcache-mooncake": "#8c564b",
                "lmcache-cpu-layerwise": "#17becf", "lmcache-disk-async": "#ff7f0e", "lmcache-remote-slow": "#ff9896",
                "lmcache-remote-slow-async": "#9467bd",
-               POOL_KIND: "#e377c2", ROUTED_KIND: "#bcbd22"}
+               POOL_KIND: "#e377c2", ROUTED_KIND: "#bcbd22", OBSERVED_KIND: "#aec7e8"}
 # Kinds whose cache outlives the vLLM process, so the restart workload means something for them.
 PERSISTENT_KINDS = ("lmcache-disk", "lmcache-remote", "lmcache-mooncake", POOL_KIND, "lmcache-disk-async")
 # Kinds whose tier is a store this module starts beside the server: the `lm://` server (the node
