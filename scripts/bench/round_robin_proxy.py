@@ -1,6 +1,9 @@
 """A round-robin HTTP proxy in front of N OpenAI-compatible servers, for the multi-instance benchmark.
 
     .venv/bin/python scripts/bench/round_robin_proxy.py --port 9000 http://127.0.0.1:8001 http://127.0.0.1:8002
+    # routed by an lmcache_controller's /lookup (backend i is the instance named i-th):
+    .venv/bin/python scripts/bench/round_robin_proxy.py --port 9000 --controller-url http://127.0.0.1:9001 \
+        --instance-ids vllm-0,vllm-1 --tokenizer MODEL_DIR http://127.0.0.1:8001 http://127.0.0.1:8002
 
 Every POST to `/v1/...` goes to the next backend in turn (request k to backend k mod N), whatever
 it asks for: a user's next turn lands on another instance unless the turns in between add up to a
@@ -30,6 +33,7 @@ import aiohttp
 from aiohttp import web
 
 from bench_serving_client import SERVED_BY_HEADER
+from kv_aware_router import DEFAULT_THRESHOLD, KvAwareRouter
 # Request headers passed on to the backend (the rest are hop-by-hop or aiohttp's own business).
 FORWARDED_HEADERS = ("Content-Type", "Accept", "Authorization", "X-Request-Id")
 # Answer headers not copied back (the proxy frames its own answer).
@@ -185,10 +189,23 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=9000)
     p.add_argument("--max-in-flight", type=int, default=ProxyLimits.max_in_flight)
+    p.add_argument("--controller-url", help="route by this lmcache_controller's /lookup (kv_aware_router.py)")
+    p.add_argument("--instance-ids", default="", help="with --controller-url: each backend's lmcache_instance_id, "
+                                                      "comma-separated, in backend order")
+    p.add_argument("--tokenizer", help="with --controller-url: the served model's directory (its tokenizer)")
+    p.add_argument("--kv-aware-threshold", type=int, default=DEFAULT_THRESHOLD,
+                   help="with --controller-url: route to the holder when it leaves at most this many tokens")
     args = p.parse_args(argv)
+    router = None
+    if args.controller_url:
+        ids = [x.strip() for x in args.instance_ids.split(",") if x.strip()]
+        if len(ids) != len(args.backends) or not args.tokenizer:
+            p.error(f"--controller-url needs --tokenizer and one --instance-ids entry per backend "
+                    f"({len(args.backends)} backends, {len(ids)} ids)")
+        router = KvAwareRouter(args.controller_url, ids, args.tokenizer, args.kv_aware_threshold)
 
     async def serve() -> None:
-        proxy = RoundRobinProxy(args.backends, ProxyLimits(max_in_flight=args.max_in_flight))
+        proxy = RoundRobinProxy(args.backends, ProxyLimits(max_in_flight=args.max_in_flight), router)
         port = await proxy.start(args.host, args.port)
         print(f"round_robin_proxy: http://{args.host}:{port} -> {', '.join(proxy.backends)}", flush=True)
         try:
