@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import random
+import signal
 import subprocess
 import sys
 import tempfile
@@ -143,7 +144,8 @@ def run_vllm_job(
         out_path, err_path = Path(tmp, "stdout"), Path(tmp, "stderr")
         with open(out_path, "w") as out, open(err_path, "w") as err:
             proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "vllm_job.py")], stdin=subprocess.PIPE,
-                                    stdout=out, stderr=err, text=True, env=full_env, cwd=str(ROOT))
+                                    stdout=out, stderr=err, text=True, env=full_env, cwd=str(ROOT),
+                                    start_new_session=True)
         try:
             proc.stdin.write(json.dumps(job))
             proc.stdin.close()
@@ -156,7 +158,8 @@ def run_vllm_job(
             proc.wait(max(0.0, deadline - time.monotonic()))
         finally:
             if proc.poll() is None:
-                proc.kill()
+                # The whole session: vLLM's engine-core process outlives its killed parent (~2 GB, spinning).
+                os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
         stdout, stderr = out_path.read_text(), err_path.read_text()
     log = stdout + stderr

@@ -279,6 +279,27 @@ def test_the_controller_binds_loopback_by_default_and_survives_unreadable_frames
         probe.bind(("127.0.0.1", controller.http_address[1]))
 
 
+def test_a_controller_restarted_at_once_on_the_same_ports_binds_them_and_answers() -> None:
+    """`close` returns with the workers' ports released (ZeroMQ closes sockets in the background),
+    so a controller started right after on the same ports, as a test or an embedding does, binds."""
+    settings = ControllerSettings(port=0, pull_port=free_port(), reply_port=free_port())
+    ctx = zmq.Context.instance()
+    push, dealer = ctx.socket(zmq.PUSH), ctx.socket(zmq.DEALER)  # connected workers keep the ports busy
+    push.connect(f"tcp://127.0.0.1:{settings.pull_port}")
+    dealer.connect(f"tcp://127.0.0.1:{settings.reply_port}")
+    controller = Controller(settings).start()
+    try:
+        for _ in range(5):  # each one failed to bind about every other time when it was not so
+            controller.close()
+            controller = Controller(settings).start()
+        dealer.send(encode(Heartbeat("A", 0, "b", beat=1, sent_seq=1)))
+        assert dealer.poll(10_000)
+    finally:
+        controller.close()
+        push.close(linger=0)
+        dealer.close(linger=0)
+
+
 def test_flags_as_upstream_spells_them_and_clear_errors_for_bad_ones(capsys, monkeypatch) -> None:
     s = parse_settings(["--host", "0.0.0.0", "--port", "9000", "--monitor-ports", '{"pull": 8300, "reply": 8400}'])
     assert (s.host, s.port, s.pull_port, s.reply_port, s.token) == ("0.0.0.0", 9000, 8300, 8400, None)

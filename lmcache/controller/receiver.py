@@ -39,7 +39,10 @@ class Receiver:
 
     def __init__(self, index: ControllerIndex, host: str, pull_port: int, reply_port: int) -> None:
         self._index = index
-        self._ctx = zmq.Context.instance()
+        # Its own context, terminated by `close`: ZeroMQ closes sockets in the background, and only
+        # the context's end waits for that, so a controller started right after (a restart in the
+        # same process) finds the ports free.
+        self._ctx = zmq.Context()
         self._pull = self._ctx.socket(zmq.PULL)
         self._reply = self._ctx.socket(zmq.ROUTER)
         self._pull.set_hwm(RECV_HWM)
@@ -51,6 +54,7 @@ class Receiver:
         except zmq.ZMQError:
             self._pull.close()
             self._reply.close()
+            self._ctx.term()
             raise
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="lmcache-controller-zmq", daemon=True)
@@ -120,3 +124,4 @@ class Receiver:
         else:
             self._pull.close()
             self._reply.close()
+        self._ctx.term()
