@@ -161,8 +161,8 @@ class Memcpy:
     """The limit: a torch copy of `nbytes` between two host buffers faulted in ahead."""
 
     def __init__(self, nbytes: int) -> None:
-        self.src = host_buffer(nbytes, prefault=False)
-        self.dst = host_buffer(nbytes, prefault=False)
+        self.src = host_buffer(nbytes)
+        self.dst = host_buffer(nbytes)
         self.src.copy_(torch.randint(0, 256, (nbytes,), dtype=torch.uint8))
         self.dst.zero_()
 
@@ -188,7 +188,7 @@ class FileLimit:
         total = sum(self.sizes)
         self.view = memoryview(data.view(torch.uint8)[:total].numpy())
         # The same kind of memory the tier reads into: huge pages, faulted in ahead.
-        self.back = memoryview(host_buffer(total, prefault=False).numpy())
+        self.back = memoryview(host_buffer(total).numpy())
         self.back[:] = self.view
 
     def write(self) -> float:
