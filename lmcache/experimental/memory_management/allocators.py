@@ -306,6 +306,10 @@ class MixedMemoryAllocator(MemoryAllocatorInterface):
     def pool(self) -> TensorMemoryAllocator:
         return self._pinned.pool
 
+    @property
+    def fault_ahead(self) -> Optional[BackgroundPrefault]:
+        return self._pinned.fault_ahead
+
     def allocate(
         self,
         shape: ShapeLike,
