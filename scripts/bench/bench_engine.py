@@ -136,7 +136,8 @@ def vllm_slots(s: Setup, seed: int) -> torch.Tensor:
     return (blocks[pos // s.block_size] * s.block_size + pos % s.block_size).to(torch.int64)
 
 
-def make_engine(s: Setup, cpu_gb: float, allocator: Optional[MixedMemoryAllocator] = None, **overrides) -> LMCacheEngine:
+def make_engine(s: Setup, cpu_gb: float, allocator: Optional[MixedMemoryAllocator] = None,
+                **overrides) -> LMCacheEngine:
     overrides.setdefault("remote_url", None)
     cfg = LMCacheEngineConfig.from_defaults(chunk_size=s.chunk_size, max_local_cpu_size=cpu_gb, **overrides)
     meta = LMCacheEngineMetadata("bench/model", 1, 0, "vllm", s.dtype, (s.layers, 2, s.chunk_size, s.heads, s.head_size))
@@ -497,7 +498,8 @@ def cpu_first_fill_rows(s: Setup, runs: int, memcpy: Memcpy, seeds, gap_s: float
     count = -(-CPU_FILL_BYTES // n)
     source, slots = make_caches(s, 1), vllm_slots(s, 3)
     kv = dict(kvcaches=source, slot_mapping=slots)
-    variants = {"fault-ahead": "faulted in ahead of its high-water mark", "front only": "only its front faulted in (as before)"}
+    variants = {"fault-ahead": "faulted in ahead of its high-water mark",
+                "front only": "only its front faulted in (as before)"}
     times: Dict[str, List[float]] = {name: [] for name in [*variants, "steady"]}
     limits: Dict[str, List[float]] = {name: [] for name in times}
     real_reached = BackgroundPrefault.reached
