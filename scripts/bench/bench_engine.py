@@ -520,10 +520,11 @@ def cpu_first_fill_rows(s: Setup, runs: int, memcpy: Memcpy, seeds, gap_s: float
                     limits[name].append(memcpy())
                     time.sleep(gap_s)
                 if name == "fault-ahead":
-                    for i in range(2 + STEADY_STORES):  # the first two fill the tier up: untimed
+                    fill_up = -(-(CPU_FILL_TIER_BYTES - count * n) // n) + 1  # untimed: the tier full, one evicting
+                    for i in range(fill_up + STEADY_STORES):
                         tokens = prompt(s, next(seeds))
                         took = timed(lambda: engine.store(tokens, **kv))
-                        if i >= 2:
+                        if i >= fill_up:
                             times["steady"].append(took)
                             limits["steady"].append(memcpy())
                 engine.close()
