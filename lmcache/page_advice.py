@@ -82,7 +82,11 @@ class BackgroundPrefault:
     mapped there now, changing no bytes. `stop()` ends it between steps; the interpreter's exit
     does so too (`background_threads.at_thread_shutdown`), waiting `EXIT_WAIT_S` at most for it.
     Unless stopped, `on_end(done, seconds)` runs on the thread at the end (`done` False: the
-    kernel refused)."""
+    kernel refused).
+
+    With `ahead`, it faults in only `ahead` bytes beyond the furthest offset the owner has `reached`
+    so far and waits for the next `reached` (a fault-ahead): memory nobody uses is never faulted
+    in, and a store that stays below the fault rate finds its memory faulted in before it."""
 
     EXIT_WAIT_S = 1.0
 
@@ -91,12 +95,18 @@ class BackgroundPrefault:
     _hooked = False
 
     def __init__(self, address: int, length: int, name: str, owner: object = None,
-                 on_end: Optional[Callable[[bool, float], None]] = None) -> None:
+                 on_end: Optional[Callable[[bool, float], None]] = None, ahead: Optional[int] = None) -> None:
+        self._length = length
+        self._ahead = ahead
+        self._target = length if ahead is None else min(length, ahead)  # fault in up to here
+        self.faulted = 0  # bytes from the front faulted in so far
         self._stop = threading.Event()
-        # Set by the owner's end (the callback holds the event, not the owner).
-        self._owner_gone = weakref.ref(owner, lambda _, stop=self._stop: stop.set()) if owner is not None else None
+        self._wake = threading.Event()  # set when the target moves or the thread is to stop
+        # Set by the owner's end (the callback holds the events, not the owner).
+        self._owner_gone = weakref.ref(owner, lambda _, stop=self._stop, wake=self._wake: (stop.set(), wake.set())) \
+            if owner is not None else None
         self._thread = threading.Thread(
-            target=prepared(self._run, "lmc-prefault", background=True), args=(address, length, on_end),
+            target=prepared(self._run, "lmc-prefault", background=True), args=(address, on_end),
             name=name, daemon=True,
         )
 
@@ -112,17 +122,39 @@ class BackgroundPrefault:
         self._thread.start()
         return self
 
+    def reached(self, offset: int) -> None:
+        """The owner uses its memory up to `offset` now: with `ahead`, fault in `ahead` bytes past it.
+        For an allocator, under its lock, as its highest offset handed out grows: it wakes the
+        thread once per huge page the target moves."""
+        if self._ahead is None:
+            return
+        target = min(self._length, -(-(offset + self._ahead) // HUGE_PAGE) * HUGE_PAGE)  # whole (huge) pages
+        if target > self._target:
+            self._target = target
+            self._wake.set()
+
     def stop(self, timeout_s: float = 5.0) -> None:
         """End the faulting between two steps and wait for the thread (at most `timeout_s`)."""
         self._stop.set()
+        self._wake.set()
         hurry(self._thread)  # at idle priority beside a busy engine it might not get a core soon
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout_s)
 
-    def _run(self, address: int, length: int, on_end: Optional[Callable[[bool, float], None]]) -> None:
+    def _run(self, address: int, on_end: Optional[Callable[[bool, float], None]]) -> None:
         started = time.monotonic()
         try:
-            done = prefault(address, length, self._stop)
+            done = True
+            while done and self.faulted < self._length and not self._stop.is_set():
+                target = self._target
+                if self.faulted < target:
+                    done = prefault(address + self.faulted, target - self.faulted, self._stop)
+                    if done:
+                        self.faulted = target
+                    continue
+                self._wake.clear()  # then look again, so a `reached` or `stop` meanwhile is not missed
+                if self._target == target and not self._stop.is_set():
+                    self._wake.wait()
             if on_end is not None and not self._stop.is_set():
                 on_end(done, time.monotonic() - started)
         finally:

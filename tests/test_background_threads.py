@@ -225,6 +225,7 @@ def test_prefault_thread_is_unpinned_at_background_priority(monkeypatch):
     monkeypatch.setattr(page_advice, "prefault", lambda address, length, stop: (seen.append(_state()), done.set()))
     with _pinned() as policy:
         buf = host_memory.host_buffer(4 * host_memory.HUGE_PAGE)
+        host_memory.fault_ahead(buf)
     assert done.wait(10)
     assert seen == [("lmc-prefault", process_cpus(), _expected(policy, True))]
     del buf

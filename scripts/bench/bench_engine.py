@@ -8,7 +8,11 @@ the rows with every round's time.
   number of bytes between two host buffers), for every KV layout the CPU backends use (vLLM 0.9.2's
   CPU_IPEX and CPU_PACKED, vLLM 0.32's CPU_ATTN, FLASH) and bfloat16 / float32; the slots are
   vLLM's (whole blocks, in a random block order). The first store into a fresh engine (its pool
-  still being faulted in) is reported apart from the steady state.
+  still being faulted in) is reported apart from the steady state. Then the first fill
+  (`--first-fill-runs` fresh engines per variant, `--cpu-first-fill-only` for just these): the first
+  2.5 GB stored into a fresh 3 GB tier, `--first-fill-gap-s` apart, its front faulted in first (as
+  during vLLM's start), with the pool faulted in ahead of its high-water mark and with only the front
+  faulted in (as before); and the steady state of that tier, full, every store evicting.
 - Disk tier (CPU tier off, so every retrieve reads files): store GB/s until the background writes
   landed (copy out of the KV cache, checksum, write) vs writing files of the same sizes, and the
   writer's share alone (filled chunks into new files: checksum, header, write); retrieve
@@ -32,7 +36,7 @@ the rows with every round's time.
 
 The geometry is Llama-8B-like by default; the disk rows use the CPU_IPEX bfloat16 case.
 Usage: OMP_NUM_THREADS=2 .venv/bin/python scripts/bench/bench_engine.py [--tokens 2048] [--rounds 7]
-       [--pool | --pool-only] [--json bench/results/engine.json]
+       [--pool | --pool-only | --cpu-first-fill-only] [--json bench/results/engine.json]
 """
 
 import argparse
@@ -58,11 +62,12 @@ from lmcache.experimental.config import LMCacheEngineConfig
 from lmcache.experimental.gpu_connector import VLLMPagedMemGPUConnectorV2
 from lmcache.experimental.kv_layout import KVLayout, layout_shape
 from lmcache.experimental.memory_management import MixedMemoryAllocator
-from lmcache.experimental.memory_management.host_memory import host_buffer
+from lmcache.experimental.memory_management.host_memory import PREFAULT_AHEAD, host_buffer
 from lmcache.experimental.remote.pool_connector import PoolArena
 from lmcache.experimental.storage_backend import GB
 from lmcache.experimental.storage_backend.chunk_format import payload_checksum
 from lmcache.experimental.token_database import ChunkedTokenDatabase
+from lmcache.page_advice import BackgroundPrefault
 
 GIB = 1024**3
 CASES = [(KVLayout.CPU_IPEX, 16), (KVLayout.CPU_PACKED, 16), (KVLayout.CPU_ATTN, 32), (KVLayout.FLASH, 16)]
@@ -131,12 +136,14 @@ def vllm_slots(s: Setup, seed: int) -> torch.Tensor:
     return (blocks[pos // s.block_size] * s.block_size + pos % s.block_size).to(torch.int64)
 
 
-def make_engine(s: Setup, cpu_gb: float, **overrides) -> LMCacheEngine:
+def make_engine(s: Setup, cpu_gb: float, allocator: Optional[MixedMemoryAllocator] = None,
+                **overrides) -> LMCacheEngine:
     overrides.setdefault("remote_url", None)
     cfg = LMCacheEngineConfig.from_defaults(chunk_size=s.chunk_size, max_local_cpu_size=cpu_gb, **overrides)
     meta = LMCacheEngineMetadata("bench/model", 1, 0, "vllm", s.dtype, (s.layers, 2, s.chunk_size, s.heads, s.head_size))
     conn = VLLMPagedMemGPUConnectorV2(s.hidden, s.layers, layout=s.layout, num_kv_heads=s.heads)
-    return LMCacheEngine(cfg, meta, MixedMemoryAllocator(int(cpu_gb * GB)), ChunkedTokenDatabase(cfg, meta), conn)
+    allocator = allocator or MixedMemoryAllocator(int(cpu_gb * GB))
+    return LMCacheEngine(cfg, meta, allocator, ChunkedTokenDatabase(cfg, meta), conn)
 
 
 def prompt(s: Setup, seed: int) -> torch.Tensor:
@@ -161,8 +168,8 @@ class Memcpy:
     """The limit: a torch copy of `nbytes` between two host buffers faulted in ahead."""
 
     def __init__(self, nbytes: int) -> None:
-        self.src = host_buffer(nbytes, prefault=False)
-        self.dst = host_buffer(nbytes, prefault=False)
+        self.src = host_buffer(nbytes)
+        self.dst = host_buffer(nbytes)
         self.src.copy_(torch.randint(0, 256, (nbytes,), dtype=torch.uint8))
         self.dst.zero_()
 
@@ -188,7 +195,7 @@ class FileLimit:
         total = sum(self.sizes)
         self.view = memoryview(data.view(torch.uint8)[:total].numpy())
         # The same kind of memory the tier reads into: huge pages, faulted in ahead.
-        self.back = memoryview(host_buffer(total, prefault=False).numpy())
+        self.back = memoryview(host_buffer(total).numpy())
         self.back[:] = self.view
 
     def write(self) -> float:
@@ -471,8 +478,74 @@ def shared_tier_rows(s: Setup, rounds: int, memcpy: Memcpy, seeds) -> List[Row]:
     return rows
 
 
-# How long a first-fill run waits for a fresh mapping's background prefault: vLLM starts for
-# 15 s or more after its connector maps the pool, so a user's first request finds it done.
+# The private CPU tier's first fill: the first 2.5 GB of a fresh 3 GB tier, well past the part
+# faulted in at start (`host_memory.PREFAULT_AHEAD`).
+CPU_FILL_TIER_BYTES = 3 * GB
+CPU_FILL_BYTES = int(2.5 * GB)
+# Memory a process just freed comes back cheap for a few seconds on this VM (populating 1 GiB took
+# 0.09 s right after a free, 0.4-2.4 s otherwise), so each fresh tier waits this long first.
+FRESH_MEMORY_PAUSE_S = 5.0
+STEADY_STORES = 5  # per run, once the first-fill tier is full
+
+
+def cpu_first_fill_rows(s: Setup, runs: int, memcpy: Memcpy, seeds, gap_s: float) -> List[Row]:
+    """The first 2.5 GB stored into a fresh 3 GB CPU tier (a new engine each run), per prompt beside
+    memcpy, `gap_s` apart (a GPU engine's forward pass between two stores, the cores idle), with the
+    tier's front faulted in first as during vLLM's start: with the pool faulted in ahead of its
+    high-water mark, and with only the front faulted in (as before). Then the steady state of the
+    same tier: full, every store evicting and reusing blocks (no gap)."""
+    n = s.kv_bytes
+    count = -(-CPU_FILL_BYTES // n)
+    source, slots = make_caches(s, 1), vllm_slots(s, 3)
+    kv = dict(kvcaches=source, slot_mapping=slots)
+    variants = {"fault-ahead": "faulted in ahead of its high-water mark",
+                "front only": "only its front faulted in (as before)"}
+    times: Dict[str, List[float]] = {name: [] for name in [*variants, "steady"]}
+    limits: Dict[str, List[float]] = {name: [] for name in times}
+    real_reached = BackgroundPrefault.reached
+    for _ in range(runs):
+        for name in variants:
+            BackgroundPrefault.reached = real_reached if name == "fault-ahead" else lambda self, offset: None
+            try:
+                time.sleep(FRESH_MEMORY_PAUSE_S)
+                allocator = MixedMemoryAllocator(CPU_FILL_TIER_BYTES)
+                engine = make_engine(s, cpu_gb=CPU_FILL_TIER_BYTES / GB, allocator=allocator)
+                ahead = allocator.fault_ahead
+                deadline = time.monotonic() + PREFAULT_WAIT_S
+                while ahead is not None and ahead.faulted < PREFAULT_AHEAD and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                for _ in range(count):
+                    tokens = prompt(s, next(seeds))
+                    times[name].append(timed(lambda: engine.store(tokens, **kv)))
+                    limits[name].append(memcpy())
+                    time.sleep(gap_s)
+                if name == "fault-ahead":
+                    fill_up = -(-(CPU_FILL_TIER_BYTES - count * n) // n) + 1  # untimed: the tier full, one evicting
+                    for i in range(fill_up + STEADY_STORES):
+                        tokens = prompt(s, next(seeds))
+                        took = timed(lambda: engine.store(tokens, **kv))
+                        if i >= fill_up:
+                            times["steady"].append(took)
+                            limits["steady"].append(memcpy())
+                engine.close()
+                del engine, allocator, ahead
+            finally:
+                BackgroundPrefault.reached = real_reached
+    tag = f"{s.layout.name} {str(s.dtype).replace('torch.', '')}"
+    rows: List[Row] = []
+    for name, what in variants.items():
+        limit = f"memcpy (CPU tier first fill, {name})"
+        rows += [Row(limit, n, limits[name]),
+                 Row(f"CPU tier first fill: {count} prompts into a fresh {CPU_FILL_TIER_BYTES / GB:g} GB tier "
+                     f"{gap_s:g} s apart, {what}, {tag}", n, times[name], limit)]
+    limit = "memcpy (CPU tier steady state)"
+    rows += [Row(limit, n, limits["steady"]),
+             Row(f"CPU tier steady state: the same tier full, every store evicting, {tag}", n, times["steady"], limit)]
+    return rows
+
+
+# How long a first-fill run waits for a fresh mapping's (or tier's front's) background prefault:
+# vLLM starts for 15 s or more after its connector maps the pool, so a user's first request finds it done.
 PREFAULT_WAIT_S = 60.0
 FIRST_FILL_BYTES = int(1.5 * GB)
 
@@ -523,6 +596,19 @@ def pool_first_fill_rows(s: Setup, runs: int, memcpy: Memcpy, seeds) -> List[Row
     return rows
 
 
+def checksum_rows(s: Setup, rounds: int) -> List[Row]:
+    """The payload checksum of one prompt's chunks on one thread, beside memcpy."""
+    checksum_src = memoryview(torch.randint(0, 256, (s.kv_bytes,), dtype=torch.uint8).numpy())
+    step = s.chunk_size * s.kv_bytes // s.tokens
+    memcpy = Memcpy(s.kv_bytes)
+    times = interleaved(rounds, {
+        "memcpy": memcpy,
+        "checksum": lambda: timed(lambda: [payload_checksum(checksum_src[o : o + step]) for o in range(0, s.kv_bytes, step)]),
+    })
+    return [Row("memcpy (checksum round)", s.kv_bytes, times["memcpy"]),
+            Row("payload checksum, one thread", s.kv_bytes, times["checksum"], "memcpy (checksum round)")]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, default=2048)
@@ -537,7 +623,10 @@ def main() -> None:
     ap.add_argument("--disk-only", action="store_true", help="only the disk tier rows")
     ap.add_argument("--pool", action="store_true", help="add the node pool rows (and lm:// to the same server)")
     ap.add_argument("--pool-only", action="store_true", help="only the node pool rows")
-    ap.add_argument("--first-fill-runs", type=int, default=3, help="fresh pools per first-fill variant")
+    ap.add_argument("--first-fill-runs", type=int, default=3, help="fresh pools / CPU tiers per first-fill variant")
+    ap.add_argument("--first-fill-gap-s", type=float, default=1.0,
+                    help="seconds between two prompts of the CPU tier's first fill (the engine's forward pass)")
+    ap.add_argument("--cpu-first-fill-only", action="store_true", help="only the CPU tier's first-fill rows")
     ap.add_argument("--dir", default=None, help="directory for the disk tier (default: a temp dir)")
     ap.add_argument("--json", default=None, help="write the rows (every round's seconds) here")
     args = ap.parse_args()
@@ -549,7 +638,10 @@ def main() -> None:
     if args.pool or args.pool_only:
         rows += shared_tier_rows(base, args.rounds, Memcpy(base.kv_bytes), seeds)
         rows += pool_first_fill_rows(base, args.first_fill_runs, Memcpy(base.kv_bytes), seeds)
-    for layout_name in [] if args.disk_only or args.pool_only else args.layouts.split(","):
+    if not (args.disk_only or args.pool_only):
+        rows += cpu_first_fill_rows(base, args.first_fill_runs, Memcpy(base.kv_bytes), seeds, args.first_fill_gap_s)
+    only = args.disk_only or args.pool_only or args.cpu_first_fill_only
+    for layout_name in [] if only else args.layouts.split(","):
         layout = KVLayout[layout_name]
         for dtype_name in args.dtypes.split(","):
             s = Setup(args.layers, args.heads, args.head_size, block_sizes[layout], args.chunk_size, args.tokens,
@@ -557,16 +649,9 @@ def main() -> None:
             print(f"{layout.name} {dtype_name}: {s.layers} layers x {s.heads} kv heads x {s.head_size}, block "
                   f"{s.block_size}, chunk {s.chunk_size}, {s.tokens} tokens = {s.kv_bytes / GIB:.2f} GiB", flush=True)
             rows += cpu_tier_rows(s, args.rounds, Memcpy(s.kv_bytes), seeds)
-    checksum_src = memoryview(torch.randint(0, 256, (base.kv_bytes,), dtype=torch.uint8).numpy())
-    step = base.chunk_size * base.kv_bytes // base.tokens
-    memcpy = Memcpy(base.kv_bytes)
-    times = interleaved(args.rounds, {
-        "memcpy": memcpy,
-        "checksum": lambda: timed(lambda: [payload_checksum(checksum_src[o : o + step]) for o in range(0, base.kv_bytes, step)]),
-    })
-    rows += [Row("memcpy (checksum round)", base.kv_bytes, times["memcpy"]),
-             Row("payload checksum, one thread", base.kv_bytes, times["checksum"], "memcpy (checksum round)")]
-    if not args.no_disk and not args.pool_only:
+    if not args.cpu_first_fill_only:
+        rows += checksum_rows(base, args.rounds)
+    if not (args.no_disk or args.pool_only or args.cpu_first_fill_only):
         rows += disk_rows(base, args.rounds, args.dir, seeds)
 
     by_name = {row.name: row for row in rows}
@@ -579,7 +664,8 @@ def main() -> None:
         print(f"{row.name:{width}} {rate:8.2f}  {'' if ratio is None else f'{ratio:.2f}'}")
         out.append({"name": row.name, "bytes": row.nbytes, "seconds": row.times, "gbps": rate, "limit": row.limit,
                     "ratio": ratio})
-    lookup_line(args.chunk_size)
+    if not args.cpu_first_fill_only:
+        lookup_line(args.chunk_size)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({

@@ -5,17 +5,19 @@ there is no room (the caller evicts and retries, or skips). Tensor-backed alloca
 carve objects out of one preallocated byte buffer with an explicit free list
 (`TensorMemoryAllocator` over `lmcache.free_list`): first fit, blocks rounded up to
 `ALIGN_BYTES`, neighbours coalesced on free. A second free of the same object raises.
+First fit hands out the front first, so the highest offset ever handed out (the high-water mark)
+grows only as the pool fills: host pools are faulted in a window ahead of it (`host_memory`).
 """
 
 from __future__ import annotations
 
 import threading
 from abc import ABC, abstractmethod
-from typing import Optional, Union
+from typing import Callable, Optional, Union
 
 import torch
 
-from lmcache.experimental.memory_management.host_memory import host_buffer
+from lmcache.experimental.memory_management.host_memory import fault_ahead, host_buffer
 from lmcache.experimental.memory_management.objects import (
     BytesBufferMemoryObj,
     MemoryFormat,
@@ -27,6 +29,7 @@ from lmcache.experimental.memory_management.objects import (
 )
 from lmcache.free_list import FreeBlock, FreeList
 from lmcache.logging import init_logger
+from lmcache.page_advice import BackgroundPrefault
 
 logger = init_logger(__name__)
 
@@ -70,12 +73,13 @@ class TensorMemoryAllocator(MemoryAllocatorInterface):
 
     First fit over a free list sorted by start; every block is a multiple of
     `ALIGN_BYTES`, so every object starts 512-byte aligned within the buffer. A tail of
-    the buffer shorter than `ALIGN_BYTES` is not used. Thread-safe.
+    the buffer shorter than `ALIGN_BYTES` is not used. Thread-safe. `on_high_water(end)` runs
+    under the lock whenever a block ends further into the buffer than any before.
     """
 
     ALIGN_BYTES = 512
 
-    def __init__(self, tensor: torch.Tensor) -> None:
+    def __init__(self, tensor: torch.Tensor, on_high_water: Optional[Callable[[int], None]] = None) -> None:
         if not tensor.is_contiguous():
             raise ValueError("TensorMemoryAllocator needs a contiguous tensor")
         flat = tensor.reshape(-1).view(torch.uint8)
@@ -92,6 +96,8 @@ class TensorMemoryAllocator(MemoryAllocatorInterface):
         # the object's (mutable) metadata.
         self._live: dict[int, tuple[MemoryObj, int, int]] = {}
         self._used = 0
+        self._high_water = 0
+        self._on_high_water = on_high_water
 
     @property
     def buffer(self) -> torch.Tensor:
@@ -136,6 +142,10 @@ class TensorMemoryAllocator(MemoryAllocatorInterface):
             obj = TensorMemoryObj(self._buffer[start : start + block], meta, allocator=self)
             self._live[id(obj)] = (obj, start, block)
             self._used += block
+            if start + block > self._high_water:
+                self._high_water = start + block
+                if self._on_high_water is not None:
+                    self._on_high_water(self._high_water)
         return obj
 
     def free(self, memory_obj: MemoryObj) -> None:
@@ -154,10 +164,12 @@ class TensorMemoryAllocator(MemoryAllocatorInterface):
 
 
 class _PooledAllocator(MemoryAllocatorInterface):
-    """An allocator that owns one buffer and delegates to a TensorMemoryAllocator."""
+    """An allocator that owns one buffer and delegates to a TensorMemoryAllocator; `fault_ahead`
+    (a host buffer's) is the thread that keeps it faulted in ahead of the high-water mark."""
 
-    def __init__(self, buffer: torch.Tensor) -> None:
-        self._pool = TensorMemoryAllocator(buffer)
+    def __init__(self, buffer: torch.Tensor, fault_ahead: Optional[BackgroundPrefault] = None) -> None:
+        self.fault_ahead = fault_ahead
+        self._pool = TensorMemoryAllocator(buffer, None if fault_ahead is None else fault_ahead.reached)
 
     @property
     def pool(self) -> TensorMemoryAllocator:
@@ -190,11 +202,12 @@ def _check_size(size: int, who: str) -> int:
 
 
 class HostMemoryAllocator(_PooledAllocator):
-    """Allocates from one preallocated buffer of host memory (huge pages, faulted in ahead:
-    `host_memory.host_buffer`)."""
+    """Allocates from one preallocated buffer of host memory (huge pages, faulted in ahead of
+    its high-water mark: `host_memory`)."""
 
     def __init__(self, size: int) -> None:
-        super().__init__(host_buffer(_check_size(size, "HostMemoryAllocator")))
+        buf = host_buffer(_check_size(size, "HostMemoryAllocator"))
+        super().__init__(buf, fault_ahead(buf))
 
 
 class PinMemoryAllocator(_PooledAllocator):
@@ -207,11 +220,8 @@ class PinMemoryAllocator(_PooledAllocator):
     def __init__(self, size: int) -> None:
         self.pinned = torch.cuda.is_available()
         _check_size(size, "PinMemoryAllocator")
-        if self.pinned:
-            buf = torch.empty(size, dtype=torch.uint8, pin_memory=True)
-        else:
-            buf = host_buffer(size)
-        super().__init__(buf)
+        buf = torch.empty(size, dtype=torch.uint8, pin_memory=True) if self.pinned else host_buffer(size)
+        super().__init__(buf, None if self.pinned else fault_ahead(buf))
         logger.debug("PinMemoryAllocator: %d bytes, pinned=%s", size, self.pinned)
 
 
@@ -295,6 +305,10 @@ class MixedMemoryAllocator(MemoryAllocatorInterface):
     @property
     def pool(self) -> TensorMemoryAllocator:
         return self._pinned.pool
+
+    @property
+    def fault_ahead(self) -> Optional[BackgroundPrefault]:
+        return self._pinned.fault_ahead
 
     def allocate(
         self,
