@@ -59,8 +59,13 @@ def records(server: RedisServer) -> dict:
     return {k.decode(): client.get(k).decode() for k in client.scan_iter(CHUNK_PREFIX + "*")}
 
 
-def p2p_tier(engine: LMCacheEngine) -> P2PBackend:
-    return next(t for t in engine.storage_manager.tiers if isinstance(t, P2PBackend))
+def p2p_stats(engine: LMCacheEngine):
+    """The P2P tier's counters (chunks read, rejected, errors, auth refusals)."""
+    return engine.stats().tiers[P2PBackend.__name__]
+
+
+def served_at(engine: LMCacheEngine) -> str:
+    return engine.config.distributed_url  # worker 0: the port as configured
 
 
 class Pair:
@@ -103,8 +108,163 @@ def pair(lookup) -> Iterator[Pair]:
 
 def test_b_retrieves_exactly_what_a_stored(pair: Pair) -> None:
     pair.store()
-    assert set(records(pair.server).values()) == {f"{pair.a._p2p.recorder.holder.epoch} {pair.a._p2p.server.address[0]}:{pair.a._p2p.server.address[1]}"}
+    (value,) = set(records(pair.server).values())
+    epoch, url = value.split(" ")
+    assert url == served_at(pair.a) and len(epoch) == 16
     assert pair.b.lookup(pair.tokens) == TOKENS  # counted, so the v1 door promises it
     assert pair.retrieve() == TOKENS
-    assert p2p_tier(pair.b)._stats.snapshot().chunks_read == 5
-    assert pair.a._p2p.server.served == 5
+    assert p2p_stats(pair.b).chunks_read == 5
+
+
+def chunk_keys(engine: LMCacheEngine, tokens: torch.Tensor) -> list:
+    return [key for *_, key in engine.token_database.process_tokens(tokens)]
+
+
+def test_a_chunk_evicted_after_the_lookup_ends_the_hit_there(pair: Pair) -> None:
+    pair.store()
+    assert pair.b.lookup(pair.tokens) == TOKENS
+    third = chunk_keys(pair.a, pair.tokens)[2]
+    assert pair.a.storage_manager.remove(third) == 1  # gone from A between B's lookup and its read
+    assert pair.retrieve() == 2 * CHUNK
+    wait_for(lambda: len(records(pair.server)) == 4, "the evicted chunk's record withdrawn")
+
+
+def test_a_stale_record_is_a_miss_and_is_dropped(pair: Pair) -> None:
+    pair.store()
+    client = redis.Redis(port=pair.server.port)
+    client.set(LIVE_PREFIX + served_at(pair.a), "0123456789abcdef")  # A's run as a restarted A would name it
+    assert pair.b.lookup(pair.tokens) == 0
+    assert records(pair.server) == {}  # the lookup script dropped all five
+    # A notices its live key is not its own at its next heartbeat and records everything again.
+    pair.a._p2p.recorder._next_heartbeat = 0.0
+    wait_for(lambda: len(records(pair.server)) == 5, "A's records written again under a new epoch")
+    assert pair.retrieve() == TOKENS
+
+
+def test_a_corrupt_chunk_is_a_miss_and_its_record_is_deleted(pair: Pair) -> None:
+    from lmcache.experimental.storage_backend.chunk_format import memory_obj_payload
+
+    pair.store()
+    fourth = chunk_keys(pair.a, pair.tokens)[3]
+    obj = pair.a.storage_manager.get(fourth)
+    memory_obj_payload(obj)[100] ^= 0xFF  # a bit flip in A's memory after the checksum
+    obj.ref_count_down()
+    assert pair.retrieve() == 3 * CHUNK
+    assert p2p_stats(pair.b).rejected_chunks == 1
+    assert CHUNK_PREFIX + fourth.to_string() not in records(pair.server)
+
+
+def test_redis_down_is_a_miss_never_an_error_nor_a_wait(pair: Pair) -> None:
+    pair.store()
+    pair.server.stop()
+    started = time.monotonic()
+    assert pair.b.lookup(pair.tokens) == 0
+    assert pair.b.lookup(pair.tokens, request_id="r2", pin=True) == 0
+    assert time.monotonic() - started < 1.5  # one short timeout, then the backoff answers at once
+    pair.a.store(prompt(TOKENS, seed=9), kvcaches=pair.source, slot_mapping=pair.src_slots)  # stores go on
+
+
+def test_a_killed_peer_is_a_miss(lookup) -> None:
+    port = free_port()
+    job = {"role": "store", "lookup_url": f"127.0.0.1:{lookup.port}", "distributed_url": f"127.0.0.1:{port}"}
+    peer = run_job(job)
+    try:
+        assert json.loads(peer.stdout.readline()) == {"stored": True}
+        peer.kill()
+        peer.wait()
+        b = make_engine(GEO, p2p_config(lookup.url, free_port()))
+        try:
+            started = time.monotonic()
+            assert b.lookup(prompt(TOKENS, seed=3), request_id="r", pin=True) == 0  # records live, peer dead
+            assert time.monotonic() - started < 2.0
+            assert p2p_stats(b).errors == 1
+        finally:
+            b.close()
+    finally:
+        stop_process(peer)
+
+
+def test_a_peer_without_the_token_reads_nothing(lookup, tmp_path) -> None:
+    token = tmp_path / "p2p-token"
+    token.write_text("s3cret-p2p-token\n")
+    pair = Pair(lookup, p2p_token_file=str(token))
+    try:
+        pair.store()
+        outsider = make_engine(GEO, p2p_config(lookup.url, free_port()))
+        try:
+            assert outsider.lookup(pair.tokens, request_id="r", pin=True) == 0
+            assert p2p_stats(outsider).auth_refusals == 1
+        finally:
+            outsider.close()
+        assert pair.retrieve() == TOKENS  # with the token: everything
+    finally:
+        pair.close()
+
+
+def test_protected_mode_refuses_a_peer_server_beyond_loopback_without_a_token(lookup) -> None:
+    from lmcache.experimental.p2p.peer_server import PeerServer
+
+    with pytest.raises(ValueError, match=r"without a token.*LMCACHE_P2P_TOKEN"):
+        PeerServer(None, "198.18.0.1:8200", token=None, no_auth=False)  # type: ignore[arg-type]
+
+
+def run_job(job: dict, netns: str = "") -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{TESTS}", "OMP_NUM_THREADS": "1"}
+    prefix = ["ip", "netns", "exec", netns] if netns else []
+    return subprocess.Popen([*prefix, sys.executable, str(TESTS / "p2p_engine_job.py"), json.dumps(job)],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+
+
+@pytest.fixture
+def two_machines(tmp_path) -> Iterator[tuple]:
+    """Two network namespaces joined by a veth pair, 198.18.0.1 and 198.18.0.2 (the benchmarking
+    range, only inside them), removed at the end whatever happened."""
+    if os.geteuid() != 0:
+        pytest.skip("making network namespaces (ip netns) needs root")
+    tag = f"lmcp{os.getpid() % 100000}"
+    names = (f"{tag}a", f"{tag}b")
+    ends = (f"{tag}x", f"{tag}y")
+
+    def ip(*args: str) -> None:
+        subprocess.run(["ip", *args], check=True, capture_output=True)
+
+    try:
+        for ns in names:
+            ip("netns", "add", ns)
+        ip("link", "add", ends[0], "type", "veth", "peer", "name", ends[1])
+        for ns, end, address in zip(names, ends, ("198.18.0.1/30", "198.18.0.2/30")):
+            ip("link", "set", end, "netns", ns)
+            ip("-n", ns, "addr", "add", address, "dev", end)
+            ip("-n", ns, "link", "set", end, "up")
+            ip("-n", ns, "link", "set", "lo", "up")
+        yield names
+    finally:
+        for ns in names:
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)  # takes its veth end along
+
+
+def test_b_in_another_namespace_retrieves_what_a_stored(two_machines, tmp_path) -> None:
+    machine_a, machine_b = two_machines
+    token = tmp_path / "p2p-token"
+    token.write_text("s3cret-p2p-token\n")
+    port = free_port()
+    redis_proc = subprocess.Popen(
+        ["ip", "netns", "exec", machine_a, "redis-server", "--bind", "198.18.0.1", "--port", str(port),
+         "--requirepass", "redis-pw", "--save", "", "--appendonly", "no", "--dir", str(tmp_path)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    peer = None
+    try:
+        ping = ["ip", "netns", "exec", machine_a, "redis-cli", "-h", "198.18.0.1", "-p", str(port), "-a", "redis-pw",
+                "--no-auth-warning", "ping"]
+        wait_for(lambda: subprocess.run(ping, capture_output=True, text=True).stdout.strip() == "PONG", "Redis up")
+        lookup_url = f"redis://:redis-pw@198.18.0.1:{port}"  # beyond loopback, Redis takes a password
+        common = {"lookup_url": lookup_url, "config": {"p2p_token_file": str(token)}}
+        peer = run_job({"role": "store", "distributed_url": "198.18.0.1:8200", **common}, netns=machine_a)
+        assert json.loads(peer.stdout.readline()) == {"stored": True}
+        reader = run_job({"role": "retrieve", "distributed_url": "198.18.0.2:8200", **common}, netns=machine_b)
+        out, _ = reader.communicate(timeout=120)
+        assert json.loads(out.strip().splitlines()[-1]) == {"lookup": TOKENS, "loaded": TOKENS, "exact": True}
+    finally:
+        if peer is not None:
+            stop_process(peer)
+        stop_process(redis_proc)
