@@ -14,6 +14,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Callable, Iterator
@@ -182,6 +183,41 @@ def test_a_killed_peer_is_a_miss(lookup) -> None:
             b.close()
     finally:
         stop_process(peer)
+
+
+def test_a_peer_cut_off_mid_chunk_is_a_miss_and_frees_what_it_half_filled(lookup) -> None:
+    from lmcache.experimental.memory_management import MemoryFormat
+    from lmcache.experimental.storage_backend.chunk_format import encode_header
+    from lmcache.server.protocol import Op, Status, pack_header
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    url = f"127.0.0.1:{listener.getsockname()[1]}"
+    b = make_engine(GEO, p2p_config(lookup.url, free_port()))
+    tokens = prompt(TOKENS, seed=3)
+    payload = bytes(torch.zeros(b.gpu_connector.get_shape(CHUNK), dtype=GEO.dtype).numpy().tobytes())
+    head = encode_header(chunk_keys(b, tokens)[0], b.gpu_connector.get_shape(CHUNK), GEO.dtype, MemoryFormat.KV_BLOB,
+                         payload)
+
+    def half_a_chunk() -> None:  # a peer that dies in the middle of its first answer's payload
+        conn, _ = listener.accept()
+        conn.recv(65536)
+        conn.sendall(pack_header(Op.GET, Status.OK, 0, len(head) + len(payload)) + head + payload[:1000])
+        conn.close()
+
+    server = threading.Thread(target=half_a_chunk, daemon=True)
+    server.start()
+    try:
+        client = redis.Redis(port=lookup.port)
+        client.set(LIVE_PREFIX + url, "e1")
+        for key in chunk_keys(b, tokens):
+            client.set(CHUNK_PREFIX + key.to_string(), f"e1 {url}")
+        assert b.lookup(tokens, request_id="r", pin=True) == 0
+        assert b.storage_manager.usage_bytes().get("Hot", 0) == 0  # the half-filled object was freed
+        assert (p2p_stats(b).errors, p2p_stats(b).rejected_chunks) == (1, 0)
+    finally:
+        b.close()
+        server.join(timeout=5)
+        listener.close()
 
 
 def test_a_peer_without_the_token_reads_nothing(lookup, tmp_path) -> None:

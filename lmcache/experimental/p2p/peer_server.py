@@ -69,8 +69,6 @@ class PeerServer(LMCacheServer):
                                       max_connections=MAX_PEER_CONNECTIONS, token=token, no_auth=True))
         self._storage = storage
         self._local = storage.local_tier_names
-        self.served = 0  # chunks sent
-        self.missed = 0  # GETs answered NOT_FOUND
 
     def _handle(self, conn: socket.socket, header: FrameHeader, deadline: float, session: object = None) -> None:
         if header.op in (Op.PING, Op.INFO):
@@ -89,7 +87,6 @@ class PeerServer(LMCacheServer):
             return
         obj = self._storage.get(key, self._local)
         if obj is None:
-            self.missed += 1
             send_frame(conn, Op.GET, Status.NOT_FOUND)
             return
         try:
@@ -98,4 +95,3 @@ class PeerServer(LMCacheServer):
             conn.sendall(payload)
         finally:
             obj.ref_count_down()
-        self.served += 1
