@@ -20,7 +20,7 @@ import secrets
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Dict, Iterable, List, Optional, Sequence
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, TypeVar
 
 import redis
 from redis.backoff import NoBackoff
@@ -32,6 +32,8 @@ from lmcache.logging import init_logger
 from lmcache.utils import CacheEngineKey
 
 logger = init_logger(__name__)
+
+T = TypeVar("T")
 
 PREFIX = "lmcache:p2p:"
 CHUNK_PREFIX = PREFIX + "chunk:"
@@ -158,10 +160,11 @@ class LookupRecords:
         self._forget = client.register_script(_FORGET)
         self.health = Backoff(what)
 
-    def _call(self, fn: Any, *args: Any) -> Any:
+    def _call(self, fn: Callable[[], T]) -> T:
+        """`fn()` unless Redis is in its backoff; a failure starts (or extends) the backoff."""
         self.health.check()
         try:
-            result = fn(*args)
+            result = fn()
         except (RedisError, OSError) as err:
             self.health.failed(err)
             raise LookupDown(str(err)) from err
