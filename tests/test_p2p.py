@@ -237,6 +237,16 @@ def test_a_peer_without_the_token_reads_nothing(lookup, tmp_path) -> None:
         pair.close()
 
 
+def test_worker_n_serves_on_port_plus_n_and_the_token_comes_from_the_file_or_the_variable(tmp_path) -> None:
+    from lmcache.experimental.p2p.peer_server import P2P_TOKEN_ENV, p2p_token, served_address
+
+    cfg = config(enable_p2p=True, lookup_url="127.0.0.1:6379", distributed_url="[::1]:8200")
+    assert (served_address(cfg, 0), served_address(cfg, 3)) == ("[::1]:8200", "[::1]:8203")
+    assert p2p_token(cfg, {}) is None and p2p_token(cfg, {P2P_TOKEN_ENV: " abc\n"}) == b"abc"
+    (tmp_path / "t").write_text("from-file\n")
+    assert p2p_token(config(p2p_token_file=str(tmp_path / "t")), {P2P_TOKEN_ENV: "abc"}) == b"from-file"
+
+
 def test_protected_mode_refuses_a_peer_server_beyond_loopback_without_a_token(lookup) -> None:
     from lmcache.experimental.p2p.peer_server import PeerServer
 

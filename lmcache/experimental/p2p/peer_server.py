@@ -15,7 +15,6 @@ Protected mode: on an address other than loopback it takes a token (`p2p_token_f
 
 from __future__ import annotations
 
-import os
 import socket
 from typing import Mapping, Optional
 
@@ -24,7 +23,7 @@ from lmcache.experimental.storage_backend.chunk_format import encode_memory_obj_
 from lmcache.experimental.storage_backend.storage_manager import StorageManager
 from lmcache.logging import init_logger
 from lmcache.server.protocol import FrameHeader, Op, ProtocolError, Status, pack_header, send_frame
-from lmcache.server.security import is_loopback, read_token_file
+from lmcache.server.security import is_loopback, token_from
 from lmcache.server.server import LMCacheServer, ServerConfig
 from lmcache.utils import CacheEngineKey
 
@@ -40,10 +39,7 @@ _NO_STORE_BYTES = 4096
 
 def p2p_token(config: LMCacheEngineConfig, environ: Optional[Mapping[str, str]] = None) -> Optional[bytes]:
     """The peer servers' token: the file `p2p_token_file` names, else `LMCACHE_P2P_TOKEN`, else None."""
-    if config.p2p_token_file is not None:
-        return read_token_file(config.p2p_token_file, "p2p_token_file")
-    env = os.environ if environ is None else environ
-    return env.get(P2P_TOKEN_ENV, "").strip().encode() or None
+    return token_from(config.p2p_token_file, "p2p_token_file", P2P_TOKEN_ENV, environ)
 
 
 def served_address(config: LMCacheEngineConfig, worker_id: int) -> str:
