@@ -142,6 +142,13 @@ def test_a_stale_record_is_a_miss_and_is_dropped(pair: Pair) -> None:
     assert pair.retrieve() == TOKENS
 
 
+def test_a_closed_instance_is_a_miss_at_once_and_its_records_are_dropped(pair: Pair) -> None:
+    pair.store()
+    pair.a.close()  # deletes its live key first
+    assert pair.b.lookup(pair.tokens) == 0
+    assert records(pair.server) == {}
+
+
 def test_a_corrupt_chunk_is_a_miss_and_its_record_is_deleted(pair: Pair) -> None:
     from lmcache.experimental.storage_backend.chunk_format import memory_obj_payload
 
