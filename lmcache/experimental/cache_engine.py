@@ -21,7 +21,7 @@ missing connector kwargs) still raise.
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, Generator, Iterable, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Dict, Generator, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -33,13 +33,15 @@ from lmcache.experimental.holdings import CONTROLLER, KV_EVENTS, P2P, HoldingsSt
 from lmcache.experimental.layerwise import ChunkSpan, LayerCopier, paged_connector, request_slots
 from lmcache.experimental.memory_management import MemoryAllocatorInterface, MemoryFormat, MemoryObj, MixedMemoryAllocator
 from lmcache.experimental.metrics import EngineMetrics, EngineObservation
-from lmcache.experimental.p2p.service import P2PService
 from lmcache.experimental.stats import EngineStats, EngineStatsSnapshot
 from lmcache.experimental.storage_backend import GB, StorageManager, create_storage_manager
 from lmcache.experimental.storage_backend.remote_backend import RemoteBackend
 from lmcache.experimental.token_database import ChunkedTokenDatabase, TokenDatabase, tokens_to_bytes
 from lmcache.logging import init_logger
 from lmcache.utils import CacheEngineKey
+
+if TYPE_CHECKING:
+    from lmcache.experimental.p2p.service import P2PService
 
 logger = init_logger(__name__)
 
@@ -124,8 +126,10 @@ class LMCacheEngine:
             config, metadata, memory_allocator, self._stats, self.holdings
         )
         # With P2P on: the peer server over these tiers and the recorder of their holdings.
-        self._p2p: Optional[P2PService] = None
+        self._p2p: Optional["P2PService"] = None
         if config.enable_p2p:
+            from lmcache.experimental.p2p.service import P2PService  # its server and Redis only when on
+
             assert self.holdings is not None
             try:
                 self._p2p = P2PService(config, metadata, self.storage_manager, self.holdings).start()
