@@ -46,7 +46,9 @@ PEER_POOL_SIZE = 2
 # A peer that failed is not asked again for this long.
 PEER_DOWN_S = 5.0
 CONNECT_TIMEOUT_S = 1.0
-READ_TIMEOUT_S = 10.0
+# The longest a peer may stall (each socket read, not a whole transfer, which may take longer on
+# a slow link): a pinned lookup waits on it, and a stalled peer must cost a request little.
+READ_TIMEOUT_S = 2.0
 
 
 class P2PBackend(StorageBackendInterface):
