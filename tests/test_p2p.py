@@ -227,6 +227,27 @@ def test_a_peer_cut_off_mid_chunk_is_a_miss_and_frees_what_it_half_filled(lookup
         listener.close()
 
 
+def test_a_stalled_peer_costs_a_lookup_one_read_timeout(lookup) -> None:
+    from lmcache.experimental.storage_backend.p2p_backend import READ_TIMEOUT_S
+
+    listener = socket.create_server(("127.0.0.1", 0))  # accepts (the kernel does), never answers
+    url = f"127.0.0.1:{listener.getsockname()[1]}"
+    b = make_engine(GEO, p2p_config(lookup.url, free_port()))
+    try:
+        tokens = prompt(TOKENS, seed=3)
+        client = redis.Redis(port=lookup.port)
+        client.set(LIVE_PREFIX + url, "e1")
+        for key in chunk_keys(b, tokens):
+            client.set(CHUNK_PREFIX + key.to_string(), f"e1 {url}")
+        started = time.monotonic()
+        assert b.lookup(tokens, request_id="r", pin=True) == 0
+        assert b.lookup(tokens) == 0  # the peer is skipped now: not even counted
+        assert time.monotonic() - started < READ_TIMEOUT_S + 1.0
+    finally:
+        b.close()
+        listener.close()
+
+
 def test_a_peer_without_the_token_reads_nothing(lookup, tmp_path) -> None:
     token = tmp_path / "p2p-token"
     token.write_text("s3cret-p2p-token\n")

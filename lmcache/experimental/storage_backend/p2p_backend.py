@@ -87,7 +87,8 @@ class P2PBackend(StorageBackendInterface):
         return False  # a store never skips a chunk because a peer has it
 
     def _holders(self, keys: Sequence[CacheEngineKey]) -> List[Optional[Holder]]:
-        """Each key's holder (None: a miss), remembered ones first, the rest from Redis."""
+        """Each key's holder (None: a miss), remembered ones first, the rest from Redis; a peer
+        that failed lately holds nothing (a lookup must not promise what it cannot read)."""
         now = time.monotonic()
         found: List[Optional[Holder]] = [None] * len(keys)
         with self._lock:
@@ -96,12 +97,10 @@ class P2PBackend(StorageBackendInterface):
                 if entry is not None and now - entry[1] < HOLDER_AGE_S:
                     found[i] = entry[0]
         ask = [i for i, holder in enumerate(found) if holder is None]
-        if not ask:
-            return found
         try:
-            answers = self._records.holders([keys[i] for i in ask])
+            answers = self._records.holders([keys[i] for i in ask]) if ask else []
         except LookupDown:
-            return found
+            answers = [None] * len(ask)
         with self._lock:
             for i, holder in zip(ask, answers):
                 if holder is None or holder.url == self._own_url:
@@ -111,7 +110,7 @@ class P2PBackend(StorageBackendInterface):
                 self._remembered.move_to_end(keys[i])
             while len(self._remembered) > MAX_REMEMBERED:
                 self._remembered.popitem(last=False)
-        return found
+            return [h if h is not None and self._down_until.get(h.url, 0.0) <= now else None for h in found]
 
     # ---- reads -----------------------------------------------------------------------------
 
@@ -125,9 +124,8 @@ class P2PBackend(StorageBackendInterface):
             for key in keys:
                 self._remembered.pop(key, None)
         by_peer: Dict[str, List[int]] = defaultdict(list)
-        now = time.monotonic()
         for i, holder in enumerate(holders):
-            if holder is not None and self._down_until.get(holder.url, 0.0) <= now:
+            if holder is not None:
                 by_peer[holder.url].append(i)
         results: List[Optional[MemoryObj]] = [None] * len(keys)
         stale: List[int] = []
