@@ -45,7 +45,6 @@ class HoldingsRecorder:
         self._next_refresh = 0.0
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
-        self.resyncs = 0  # how many times every record was written again (tests read it)
 
     def start(self) -> None:
         self._thread = threading.Thread(target=prepared(self._run, "lmc-p2p-record", background=True),
@@ -83,7 +82,6 @@ class HoldingsRecorder:
         self._records.publish(dict.fromkeys(keys), self.holder)
         self._resync_due = False
         self._next_refresh = time.monotonic() + RECORD_TTL_S / 2
-        self.resyncs += 1
         logger.debug("peer-to-peer records of %s: epoch %s, %d chunks", self.holder.url, self.holder.epoch, len(keys))
 
     def _apply(self, events: Sequence[HoldingEvent]) -> None:
