@@ -172,6 +172,20 @@ def test_redis_down_is_a_miss_never_an_error_nor_a_wait(pair: Pair) -> None:
     pair.a.store(prompt(TOKENS, seed=9), kvcaches=pair.source, slot_mapping=pair.src_slots)  # stores go on
 
 
+def test_after_redis_comes_back_everything_held_is_recorded_again(pair: Pair, tmp_path) -> None:
+    pair.store()
+    pair.server.stop()  # its records are gone with it (nothing persisted)
+    other = prompt(TOKENS, seed=9)
+    pair.a.store(other, kvcaches=pair.source, slot_mapping=pair.src_slots)  # admitted while Redis is down
+    time.sleep(0.3)
+    pair.server = RedisServer(tmp_path / "redis-again", port=pair.server.port).start()
+    try:
+        wait_for(lambda: len(records(pair.server)) == 10, "both prompts' chunks recorded again", timeout=8.0)
+        assert pair.retrieve() == TOKENS
+    finally:
+        pair.server.stop()
+
+
 def test_a_killed_peer_is_a_miss(lookup) -> None:
     port = free_port()
     job = {"role": "store", "lookup_url": f"127.0.0.1:{lookup.port}", "distributed_url": f"127.0.0.1:{port}"}
