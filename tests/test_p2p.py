@@ -22,7 +22,7 @@ from typing import Callable, Iterator
 import pytest
 import redis
 import torch
-from helpers import CHUNK, check_loaded, config, geometry, make_engine, prompt, slots_for
+from helpers import CHUNK, check_loaded, chunk_bytes, config, geometry, make_engine, prompt, slots_for
 from kv_reference import make_kvcaches
 from redis_fixture import RedisServer, free_port, stop_process
 
@@ -160,6 +160,18 @@ def test_a_corrupt_chunk_is_a_miss_and_its_record_is_deleted(pair: Pair) -> None
     assert pair.retrieve() == 3 * CHUNK
     assert p2p_stats(pair.b).rejected_chunks == 1
     assert CHUNK_PREFIX + fourth.to_string() not in records(pair.server)
+
+
+def test_no_memory_to_read_into_shortens_the_hit_but_keeps_the_peers_records(lookup) -> None:
+    pair = Pair(lookup)
+    pair.b.close()
+    pair.b = make_engine(GEO, p2p_config(lookup.url, free_port()), cpu_bytes=2 * chunk_bytes(GEO))
+    try:
+        pair.store()
+        assert pair.retrieve() == 2 * CHUNK  # room for two chunks
+        assert len(records(lookup)) == 5 and p2p_stats(pair.b).rejected_chunks == 0
+    finally:
+        pair.close()
 
 
 def test_redis_down_is_a_miss_never_an_error_nor_a_wait(pair: Pair) -> None:

@@ -19,14 +19,15 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict, defaultdict
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 
-from lmcache.experimental.memory_management import MemoryObj
+from lmcache.experimental.memory_management import MemoryFormat, MemoryObj
 from lmcache.experimental.p2p.records import Holder, LookupDown, LookupRecords
 from lmcache.experimental.remote.connector import RemoteAuthError, RemoteUnavailableError
 from lmcache.experimental.remote.lm_connector import LMServerConnector
+from lmcache.experimental.remote.serde.base import AllocateFn
 from lmcache.experimental.remote.serde.naive import NaiveSerde
 from lmcache.experimental.remote.value_reader import ValueReader
 from lmcache.experimental.stats import TierStats
@@ -133,9 +134,10 @@ class P2PBackend(StorageBackendInterface):
             answered = self._read_peer(url, [keys[i] for i in slots])
             if answered is None:
                 continue  # the peer is unreachable: its records go stale with its live key
-            for i, obj in zip(slots, answered):
+            objs, no_memory = answered
+            for n, (i, obj) in enumerate(zip(slots, objs)):
                 results[i] = obj
-                if obj is None:
+                if obj is None and n not in no_memory:  # our memory being full says nothing of the peer
                     stale.append(i)
         if stale:
             try:
@@ -144,13 +146,27 @@ class P2PBackend(StorageBackendInterface):
                 pass
         return results
 
-    def _read_peer(self, url: str, keys: Sequence[CacheEngineKey]) -> Optional[List[Optional[MemoryObj]]]:
-        """The chunks from the peer at `url` (None where it answered a miss or a bad chunk), or
-        None when the peer could not be read at all."""
+    def _read_peer(
+        self, url: str, keys: Sequence[CacheEngineKey]
+    ) -> Optional[Tuple[List[Optional[MemoryObj]], Set[int]]]:
+        """The chunks from the peer at `url` (None where it answered a miss, sent a bad chunk, or
+        this instance had no memory to read it into: those indexes come in the set), or None
+        when the peer could not be read at all."""
         got: List[Optional[MemoryObj]] = [None] * len(keys)
+        no_memory: Set[int] = set()
 
         def receive(n: int, reader: ValueReader) -> None:
-            got[n] = self._decode(keys[n], reader)
+            def allocate(shape: torch.Size, dtype: Optional[torch.dtype], fmt: MemoryFormat) -> Optional[MemoryObj]:
+                obj = self._cpu.allocate(shape, dtype, fmt)
+                if obj is None:
+                    no_memory.add(n)
+                return obj
+
+            got[n] = obj = self._decode(keys[n], reader, allocate)
+            if obj is not None:
+                self._stats.record_read(obj.get_size())
+            elif n not in no_memory:
+                self._stats.record_rejected()
 
         try:
             self._peer(url).batched_get_into([key.to_string() for key in keys], receive)
@@ -160,21 +176,16 @@ class P2PBackend(StorageBackendInterface):
                 if obj is not None:
                     obj.ref_count_down()
             return None
-        return got
+        return got, no_memory
 
-    def _decode(self, key: CacheEngineKey, reader: ValueReader) -> Optional[MemoryObj]:
+    def _decode(self, key: CacheEngineKey, reader: ValueReader, allocate: AllocateFn) -> Optional[MemoryObj]:
         try:
-            obj = self._serde.receive(key, reader, self._cpu.allocate, dtype=self._dtype)
+            return self._serde.receive(key, reader, allocate, dtype=self._dtype)
         except RemoteUnavailableError:
             raise  # the connection broke: the peer failed, not this chunk
         except Exception as err:  # a chunk we cannot read is a miss, whatever went wrong
             logger.warning("peer chunk %s could not be decoded: %r", key.chunk_hash, err)
-            obj = None
-        if obj is None:
-            self._stats.record_rejected()
-        else:
-            self._stats.record_read(obj.get_size())
-        return obj
+            return None
 
     def _peer(self, url: str) -> LMServerConnector:
         with self._lock:
