@@ -56,8 +56,9 @@ def wait_for(cond: Callable[[], bool], what: str, timeout: float = 5.0) -> None:
 
 
 def records(server: RedisServer) -> dict:
-    client = redis.Redis(port=server.port)
-    return {k.decode(): client.get(k).decode() for k in client.scan_iter(CHUNK_PREFIX + "*")}
+    """Every chunk record: its Redis key -> {holder url: epoch}."""
+    client = redis.Redis(port=server.port, decode_responses=True)
+    return {k: client.hgetall(k) for k in client.scan_iter(CHUNK_PREFIX + "*")}
 
 
 def p2p_stats(engine: LMCacheEngine):
@@ -109,8 +110,8 @@ def pair(lookup) -> Iterator[Pair]:
 
 def test_b_retrieves_exactly_what_a_stored(pair: Pair) -> None:
     pair.store()
-    (value,) = set(records(pair.server).values())
-    epoch, url = value.split(" ")
+    (holders,) = {tuple(r.items()) for r in records(pair.server).values()}  # one holder, one run, every chunk
+    ((url, epoch),) = holders
     assert url == served_at(pair.a) and len(epoch) == 16
     assert pair.b.lookup(pair.tokens) == TOKENS  # counted, so the v1 door promises it
     assert pair.retrieve() == TOKENS
@@ -119,6 +120,15 @@ def test_b_retrieves_exactly_what_a_stored(pair: Pair) -> None:
 
 def chunk_keys(engine: LMCacheEngine, tokens: torch.Tensor) -> list:
     return [key for *_, key in engine.token_database.process_tokens(tokens)]
+
+
+def test_a_reader_becomes_a_second_holder_and_dropping_its_copy_hides_nothing(pair: Pair) -> None:
+    pair.store()
+    assert pair.retrieve() == TOKENS
+    a, b = served_at(pair.a), served_at(pair.b)
+    wait_for(lambda: all(set(r) == {a, b} for r in records(pair.server).values()), "B recorded beside A")
+    assert pair.b.storage_manager.clear_tier("Hot") == 5
+    wait_for(lambda: all(set(r) == {a} for r in records(pair.server).values()), "B's copies withdrawn, A's kept")
 
 
 def test_a_chunk_evicted_after_the_lookup_ends_the_hit_there(pair: Pair) -> None:
@@ -243,7 +253,7 @@ def test_a_peer_cut_off_mid_chunk_is_a_miss_and_frees_what_it_half_filled(lookup
         client = redis.Redis(port=lookup.port)
         client.set(LIVE_PREFIX + url, "e1")
         for key in chunk_keys(b, tokens):
-            client.set(CHUNK_PREFIX + key.to_string(), f"e1 {url}")
+            client.hset(CHUNK_PREFIX + key.to_string(), url, "e1")
         assert b.lookup(tokens, request_id="r", pin=True) == 0
         assert b.storage_manager.usage_bytes().get("Hot", 0) == 0  # the half-filled object was freed
         assert (p2p_stats(b).errors, p2p_stats(b).rejected_chunks) == (1, 0)
@@ -264,7 +274,7 @@ def test_a_stalled_peer_costs_a_lookup_one_read_timeout(lookup) -> None:
         client = redis.Redis(port=lookup.port)
         client.set(LIVE_PREFIX + url, "e1")
         for key in chunk_keys(b, tokens):
-            client.set(CHUNK_PREFIX + key.to_string(), f"e1 {url}")
+            client.hset(CHUNK_PREFIX + key.to_string(), url, "e1")
         started = time.monotonic()
         assert b.lookup(tokens, request_id="r", pin=True) == 0
         assert b.lookup(tokens) == 0  # the peer is skipped now: not even counted

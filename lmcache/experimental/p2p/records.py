@@ -1,17 +1,19 @@
-"""The lookup records in Redis: which instance serves which chunk.
+"""The lookup records in Redis: which instances serve which chunk.
 
-Layout (all strings; `P` = `lmcache:p2p:`):
-- `P chunk:<CacheEngineKey string>` -> `"<epoch> <url>"`: the peer server at `url` (host:port)
-  holds the chunk, as of its run `epoch` (random hex, new at each start and each resync). Set
-  with a TTL of `RECORD_TTL_S`, renewed by the recorder's periodic refresh.
-- `P live:<url>` -> `"<epoch>"`, with a TTL of `LIVE_TTL_S` renewed by a heartbeat: the run that
-  serves at `url` now. A record whose epoch is not the live one (the instance died, restarted,
-  or resynced) is stale: the lookup script drops it and answers a miss, in the same round trip.
+Layout (`P` = `lmcache:p2p:`):
+- `P chunk:<CacheEngineKey string>`: a hash, one field per holder: `<url>` (host:port of its
+  peer server) -> `<epoch>` (that server's run: random hex, new at each start and each resync).
+  Its TTL (`RECORD_TTL_S`) is renewed by every write, and each recorder rewrites its own
+  records twice per TTL.
+- `P live:<url>` -> `<epoch>`, with a TTL of `LIVE_TTL_S` renewed by a heartbeat: the run that
+  serves at `url` now. A holder whose epoch is not the live one (the instance died, restarted,
+  or resynced) is stale: the lookup script drops it and looks no further at it, in the same
+  round trip.
 
-Last writer wins: two instances holding a chunk share one record, and a withdraw deletes the
-record only if it is still the withdrawer's own (compare-and-delete), so one instance's eviction
-never removes another's record. Every Redis call has a short timeout; a failure marks Redis down
-for a backoff during which the read side answers misses without asking (`Backoff`).
+Each holder has its own field, so one instance evicting a chunk never hides another's copy, and
+a withdraw deletes a field only if it still names the withdrawer's run (compare-and-delete).
+Every Redis call has a short timeout; a failure marks Redis down for a backoff during which
+calls fail at once (`Backoff`), which the read side answers as misses.
 """
 
 from __future__ import annotations
@@ -48,29 +50,37 @@ REDIS_TIMEOUT_S = 0.5
 # Keys per pipeline or script call, so one call never holds Redis (or our memory) long.
 BATCH_KEYS = 1024
 
-# KEYS: chunk records; ARGV[1]: the live-key prefix. Returns each live record, or false.
+# KEYS: chunk records; ARGV[1]: the live-key prefix, ARGV[2]: a url to pass over (the asker's).
+# Returns, per key, "<epoch> <url>" of its first live holder, or false; stale holders are dropped.
 _LOOKUP = """
 local out = {}
 for i, k in ipairs(KEYS) do
-  local v = redis.call('GET', k)
-  if v then
-    local epoch, url = string.match(v, '^(%S+) (%S+)$')
-    if not epoch or redis.call('GET', ARGV[1] .. url) ~= epoch then
-      redis.call('DEL', k)
-      v = false
+  local found = false
+  local fields = redis.call('HGETALL', k)
+  for j = 1, #fields, 2 do
+    local url, epoch = fields[j], fields[j + 1]
+    if redis.call('GET', ARGV[1] .. url) ~= epoch then
+      redis.call('HDEL', k, url)
+    elseif not found and url ~= ARGV[2] then
+      found = epoch .. ' ' .. url
     end
   end
-  out[i] = v
+  out[i] = found
 end
 return out
 """
-# KEYS: records; ARGV[i]: the value KEYS[i] must still have to be deleted. Returns the count.
+# KEYS: records; ARGV: url, epoch per key. Deletes each holder still at that epoch; the count.
 _FORGET = """
 local n = 0
 for i, k in ipairs(KEYS) do
-  if redis.call('GET', k) == ARGV[i] then n = n + redis.call('DEL', k) end
+  if redis.call('HGET', k, ARGV[2 * i - 1]) == ARGV[2 * i] then n = n + redis.call('HDEL', k, ARGV[2 * i - 1]) end
 end
 return n
+"""
+# KEYS[1]: a live key; ARGV[1]: the epoch it must still have to be deleted.
+_RETIRE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
 """
 
 
@@ -84,10 +94,6 @@ class Holder:
 
     url: str  # host:port of its peer server
     epoch: str  # the run of that server that recorded it
-
-    @property
-    def value(self) -> str:
-        return f"{self.epoch} {self.url}"
 
     @staticmethod
     def parse(raw: Any) -> Optional["Holder"]:
@@ -158,6 +164,7 @@ class LookupRecords:
         self._client = client
         self._lookup = client.register_script(_LOOKUP)
         self._forget = client.register_script(_FORGET)
+        self._retire = client.register_script(_RETIRE)
         self.health = Backoff(what)
 
     def _call(self, fn: Callable[[], T]) -> T:
@@ -171,22 +178,23 @@ class LookupRecords:
         self.health.succeeded()
         return result
 
-    def holders(self, keys: Sequence[CacheEngineKey]) -> List[Optional[Holder]]:
-        """The live holder of each chunk (None: no record, or a stale one, which is dropped)."""
+    def holders(self, keys: Sequence[CacheEngineKey], other_than: str = "") -> List[Optional[Holder]]:
+        """A live holder of each chunk other than the server at `other_than` (None: none; stale
+        holders met on the way are dropped)."""
         found: List[Optional[Holder]] = []
         for start in range(0, len(keys), BATCH_KEYS):
             names = [record_key(k) for k in keys[start : start + BATCH_KEYS]]
-            replies = self._call(lambda: self._lookup(keys=names, args=[LIVE_PREFIX]))
+            replies = self._call(lambda: self._lookup(keys=names, args=[LIVE_PREFIX, other_than]))
             found.extend(Holder.parse(raw) if raw else None for raw in replies)
         return found
 
     def forget(self, keys: Sequence[CacheEngineKey], holders: Sequence[Holder]) -> int:
-        """Delete each record that still names its holder; how many were deleted."""
+        """Delete each key's holder, if the record still names that run; how many were deleted."""
         deleted = 0
         for start in range(0, len(keys), BATCH_KEYS):
             names = [record_key(k) for k in keys[start : start + BATCH_KEYS]]
-            values = [h.value for h in holders[start : start + BATCH_KEYS]]
-            deleted += int(self._call(lambda: self._forget(keys=names, args=values)))
+            args = [part for h in holders[start : start + BATCH_KEYS] for part in (h.url, h.epoch)]
+            deleted += int(self._call(lambda: self._forget(keys=names, args=args)))
         return deleted
 
     def publish(self, keys: Iterable[CacheEngineKey], holder: Holder) -> None:
@@ -204,7 +212,8 @@ class LookupRecords:
         def run() -> None:
             pipe = self._client.pipeline(transaction=False)
             for key in keys:
-                pipe.set(record_key(key), holder.value, ex=RECORD_TTL_S)
+                pipe.hset(record_key(key), holder.url, holder.epoch)
+                pipe.expire(record_key(key), RECORD_TTL_S)
             pipe.execute()
 
         self._call(run)
@@ -217,7 +226,7 @@ class LookupRecords:
 
     def retire(self, holder: Holder) -> None:
         """Drop `holder`'s live key if it is still its own: all its records go stale at once."""
-        self._call(lambda: self._forget(keys=[LIVE_PREFIX + holder.url], args=[holder.epoch]))
+        self._call(lambda: self._retire(keys=[LIVE_PREFIX + holder.url], args=[holder.epoch]))
 
     def close(self) -> None:
         self._client.close()

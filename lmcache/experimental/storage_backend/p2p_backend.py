@@ -99,13 +99,13 @@ class P2PBackend(StorageBackendInterface):
                     found[i] = entry[0]
         ask = [i for i, holder in enumerate(found) if holder is None]
         try:
-            answers = self._records.holders([keys[i] for i in ask]) if ask else []
+            answers = self._records.holders([keys[i] for i in ask], other_than=self._own_url) if ask else []
         except LookupDown:
             answers = [None] * len(ask)
         with self._lock:
             for i, holder in zip(ask, answers):
-                if holder is None or holder.url == self._own_url:
-                    continue  # our own record: our local tiers answer for it, or it is gone
+                if holder is None:
+                    continue
                 found[i] = holder
                 self._remembered[keys[i]] = (holder, now)
                 self._remembered.move_to_end(keys[i])
