@@ -9,8 +9,8 @@ to the stream.
 Whenever the records may have drifted from the truth - events dropped (the queue was full),
 Redis unreachable while events went by, a local tier cleared, the live key lapsed - the
 recorder resyncs: it starts a new epoch (setting the live key first makes every old record
-stale at once) and records every chunk the local tiers list. It also resyncs every half
-`RECORD_TTL_S`, which renews the records' TTLs.
+stale at once) and records every chunk the local tiers list. Every half `RECORD_TTL_S` it
+records them all again under the same epoch, which renews the records' TTLs.
 """
 
 from __future__ import annotations
@@ -68,19 +68,27 @@ class HoldingsRecorder:
                     logger.info("peer-to-peer live key of %s had lapsed: recording every chunk again", self.holder.url)
                     self._resync_due = True
                 self._next_heartbeat = now + HEARTBEAT_S
-            if self._resync_due or now >= self._next_refresh:
+            if self._resync_due:
                 self._resync()
-            elif events:
+                return
+            if events:
                 self._apply(events)
+            if now >= self._next_refresh:
+                self._record_all()
         except LookupDown:
             self._resync_due = True  # what went by meanwhile is lost: start over when Redis is back
 
     def _resync(self) -> None:
+        """A new epoch (every record of the old one is stale at once), then everything held."""
         self.holder = Holder(self.holder.url, new_epoch())
-        self._records.heartbeat(self.holder)  # old records are stale from here on
+        self._records.heartbeat(self.holder)
+        self._record_all()
+        self._resync_due = False
+
+    def _record_all(self) -> None:
+        """Record every chunk the local tiers list (which renews the records' TTLs)."""
         keys = [key for keys in self._storage.listed_keys().values() for key in keys]
         self._records.publish(dict.fromkeys(keys), self.holder)
-        self._resync_due = False
         self._next_refresh = time.monotonic() + RECORD_TTL_S / 2
         logger.debug("peer-to-peer records of %s: epoch %s, %d chunks", self.holder.url, self.holder.epoch, len(keys))
 
