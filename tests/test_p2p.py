@@ -159,6 +159,17 @@ def test_a_closed_instance_is_a_miss_at_once_and_its_records_are_dropped(pair: P
     assert records(pair.server) == {}
 
 
+def test_the_periodic_renewal_renews_the_ttls_under_the_same_epoch(pair: Pair) -> None:
+    pair.store()
+    client = redis.Redis(port=pair.server.port)
+    for name in records(pair.server):
+        client.expire(name, 100)
+    before = records(pair.server)
+    pair.a._p2p.recorder._next_refresh = 0.0  # due now instead of in 12 h
+    wait_for(lambda: all(client.ttl(name) > 1000 for name in before), "TTLs renewed")
+    assert records(pair.server) == before
+
+
 def test_a_corrupt_chunk_is_a_miss_and_its_record_is_deleted(pair: Pair) -> None:
     from lmcache.experimental.storage_backend.chunk_format import memory_obj_payload
 
