@@ -7,9 +7,10 @@ their peer servers (`lmcache/experimental/p2p/`).
 - `batched_get_blocking` (what a pinned lookup and a retrieve read) groups the keys by peer and
   reads each peer's chunks in one pipelined exchange, each chunk straight into a CPU-tier object
   and checked on the way (`NaiveSerde.receive`: header, key, dtype, payload checksum).
-- Every failure is a miss, never an error: no record, Redis down, a peer unreachable (skipped for
-  `PEER_DOWN_S`; its records go stale with its live key), a chunk the peer no longer has, or one
-  that fails its checks (whose record is then deleted, if it still names that peer's run).
+- Every failure is a miss, never an error: no record, Redis down, a peer unreachable or stalled
+  (which then holds nothing for `PEER_DOWN_S`, lookups included; its records go stale with its
+  live key), no memory to read into, a chunk the peer no longer has, or one that fails its checks
+  (those two have the peer's record deleted, if it still names that peer's run).
 - It writes nothing: records are the recorder's job (`p2p/recorder.py`), from the holdings of
   the local tiers; a hit is promoted into the CPU tier by the storage manager like any other.
 """
