@@ -13,7 +13,6 @@ from lmcache.experimental.config import (
     LEGACY_DISK_SIZE_GB,
     NON_FIELD_ENV_VARS,
     LMCacheEngineConfig,
-    UNSUPPORTED_WHEN_ON,
     RemoteUrl,
     env_var_name,
     field_names,
@@ -43,6 +42,7 @@ EXTRA_DEFAULTS = {
     "enable_kv_events": False, "kv_events_endpoint": None, "kv_events_topic": "",
     "enable_controller": False, "lmcache_instance_id": "lmcache_default_instance", "controller_pull_url": None,
     "controller_reply_url": None, "lmcache_worker_ports": None, "lmcache_worker_heartbeat_time": 5.0,
+    "p2p_token_file": None, "p2p_no_auth": False,
 }
 SPEC_FROM_LEGACY = {
     "chunk_size": 256, "backend": "cpu", "remote_url": "lm://localhost:65432", "remote_serde": "naive",
@@ -71,6 +71,7 @@ NON_DEFAULT: Dict[str, Any] = {
     "kv_events_topic": "lmcache", "enable_controller": True, "lmcache_instance_id": "vllm-1",
     "controller_pull_url": "tcp://controller.example:8300", "controller_reply_url": "tcp://controller.example:8400",
     "lmcache_worker_ports": (8500, 8501), "lmcache_worker_heartbeat_time": 2.5,
+    "p2p_token_file": "/etc/lmcache/p2p-token", "p2p_no_auth": True,
 }
 
 
@@ -161,14 +162,14 @@ def test_enable_pd_is_no_longer_refused() -> None:
     config = LMCacheEngineConfig.from_defaults(
         enable_pd=True, pd_role="sender", pd_peer_host="127.0.0.1", pd_peer_init_port=7300
     )
-    config.check_supported()
+    assert config.enable_pd
 
 
 def test_pd_sender_refuses_layerwise_naming_it() -> None:
     pd = {"enable_pd": True, "pd_peer_host": "127.0.0.1", "pd_peer_init_port": 7300}
     with pytest.raises(ValueError, match=r"use_layerwise=True: a PD sender"):
         LMCacheEngineConfig.from_defaults(pd_role="sender", use_layerwise=True, **pd)
-    LMCacheEngineConfig.from_defaults(pd_role="receiver", use_layerwise=True, **pd).check_supported()
+    assert LMCacheEngineConfig.from_defaults(pd_role="receiver", use_layerwise=True, **pd).use_layerwise
 
 
 @pytest.mark.parametrize("key,value", BAD_VALUES)
@@ -476,13 +477,14 @@ def test_prefixed_overrides_strip_prefix_and_feed_with_overrides() -> None:
         LMCacheEngineConfig.from_env({}).with_overrides(prefixed_overrides({"lmcache.bogus": 1}))
 
 
-@pytest.mark.parametrize("field", sorted(UNSUPPORTED_WHEN_ON))
-def test_switches_without_a_feature_are_refused_not_ignored(field):
-    extra = {"lookup_url": "localhost:8100", "distributed_url": "localhost:8200"} if field == "enable_p2p" else {}
-    cfg = LMCacheEngineConfig.from_defaults(**{field: True}, **extra)
-    with pytest.raises(ValueError, match=f"{field}=True"):
-        cfg.check_supported()
-    LMCacheEngineConfig.from_defaults().check_supported()  # all off: fine
+def test_p2p_urls_are_checked_and_enable_p2p_is_built():
+    config = LMCacheEngineConfig.from_defaults(enable_p2p=True, lookup_url="rediss://:pw@redis.lan:6380/2",
+                                               distributed_url="10.0.0.5:8200")
+    assert config.enable_p2p and "pw" not in repr(config)
+    with pytest.raises(ValueError, match=r"lookup_url=.*single Redis"):
+        LMCacheEngineConfig.from_defaults(lookup_url="lm://h:1")
+    with pytest.raises(ValueError, match=r"distributed_url='0.0.0.0:8200'.*wildcard"):
+        LMCacheEngineConfig.from_defaults(distributed_url="0.0.0.0:8200")
 
 
 def test_blending_needs_layerwise_and_a_separator():
@@ -493,7 +495,6 @@ def test_blending_needs_layerwise_and_a_separator():
     with pytest.raises(ValueError, match=r"LMCACHE_ENABLE_BLENDING|enable_blending"):
         LMCacheEngineConfig.from_env({"LMCACHE_ENABLE_BLENDING": "true"})
     config = LMCacheEngineConfig.from_env({"LMCACHE_ENABLE_BLENDING": "true", "LMCACHE_USE_LAYERWISE": "1"})
-    config.check_supported()  # CacheBlend is built; use_layerwise is its companion switch
     assert (config.blend_recompute_ratio, config.blend_min_tokens, config.blend_separator) == (0.15, 256, "[BLEND_SEP]")
 
 

@@ -216,15 +216,6 @@ def test_request_config_reads_only_lmcache_keys(caplog):
 # ----- start-up refusals --------------------------------------------------------------------------
 
 
-def test_an_unbuilt_switch_is_refused_at_worker_start(clean_env, vllm_config):
-    from lmcache.integration.vllm.v1.worker_side import LMCacheWorkerSide
-
-    config = utils.lmcache_get_config({"lmcache.enable_p2p": True, "lmcache.lookup_url": "localhost:8100",
-                                     "lmcache.distributed_url": "localhost:8200"})
-    with pytest.raises(ValueError, match="enable_p2p=True"):
-        LMCacheWorkerSide.from_vllm_config(vllm_config, config)
-
-
 def test_scheduler_without_a_worker_in_its_uni_process_is_a_clear_error(vllm_config):
     from lmcache.integration.vllm.v1.worker_channel import ChannelError
     from lmcache.integration.vllm.vllm_v1_adapter import connect_worker_channel

@@ -21,7 +21,7 @@ missing connector kwargs) still raise.
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, Generator, Iterable, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Dict, Generator, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -29,7 +29,7 @@ from lmcache.config import LMCacheEngineMetadata
 from lmcache.experimental.chunk_tokens import ChunkTokens
 from lmcache.experimental.config import LMCacheEngineConfig
 from lmcache.experimental.gpu_connector import GPUConnectorInterface
-from lmcache.experimental.holdings import CONTROLLER, KV_EVENTS, HoldingsStream
+from lmcache.experimental.holdings import CONTROLLER, KV_EVENTS, P2P, HoldingsStream
 from lmcache.experimental.layerwise import ChunkSpan, LayerCopier, paged_connector, request_slots
 from lmcache.experimental.memory_management import MemoryAllocatorInterface, MemoryFormat, MemoryObj, MixedMemoryAllocator
 from lmcache.experimental.metrics import EngineMetrics, EngineObservation
@@ -39,6 +39,9 @@ from lmcache.experimental.storage_backend.remote_backend import RemoteBackend
 from lmcache.experimental.token_database import ChunkedTokenDatabase, TokenDatabase, tokens_to_bytes
 from lmcache.logging import init_logger
 from lmcache.utils import CacheEngineKey
+
+if TYPE_CHECKING:
+    from lmcache.experimental.p2p.service import P2PService
 
 logger = init_logger(__name__)
 
@@ -105,7 +108,6 @@ class LMCacheEngine:
         token_database: TokenDatabase,
         gpu_connector: GPUConnectorInterface,
     ) -> None:
-        config.check_supported()
         self.config = config
         self.metadata = metadata
         self.memory_allocator = memory_allocator
@@ -117,12 +119,23 @@ class LMCacheEngine:
         # consumer (`holdings.py`); with KV events, also the tokens of the chunks stored (their
         # publisher drains both: `integration/vllm/kv_events.py`; the controller client needs keys only).
         consumers = [name for name, on in ((KV_EVENTS, config.enable_kv_events),
-                                           (CONTROLLER, config.enable_controller)) if on]
+                                           (CONTROLLER, config.enable_controller), (P2P, config.enable_p2p)) if on]
         self.holdings: Optional[HoldingsStream] = HoldingsStream(consumers=consumers) if consumers else None
         self.chunk_tokens: Optional[ChunkTokens] = ChunkTokens() if config.enable_kv_events else None
         self.storage_manager: StorageManager = create_storage_manager(
             config, metadata, memory_allocator, self._stats, self.holdings
         )
+        # With P2P on: the peer server over these tiers and the recorder of their holdings.
+        self._p2p: Optional["P2PService"] = None
+        if config.enable_p2p:
+            from lmcache.experimental.p2p.service import P2PService  # its server and Redis only when on
+
+            assert self.holdings is not None
+            try:
+                self._p2p = P2PService(config, metadata, self.storage_manager, self.holdings).start()
+            except BaseException:
+                self.storage_manager.close()
+                raise
         self._close_lock = threading.Lock()
         self._closed = False
 
@@ -583,6 +596,8 @@ class LMCacheEngine:
                 return
             self._closed = True
         pins, requests = self.storage_manager.pins.num_pins, self.storage_manager.pins.num_requests
+        if self._p2p is not None:
+            self._p2p.close()  # peers stop asking before the tiers go
         self.storage_manager.close(timeout_s)
         self.publish_metrics()
         # The serving engine unpins every request it looked up; pins left here are a leak (tests read this line).

@@ -54,6 +54,8 @@ NON_FIELD_ENV_VARS: Tuple[str, ...] = (
     "LMCACHE_SERVER_TOKEN",
     # The PD push channel's token when `pd_token_file` is not set (`lmcache/experimental/pd/auth.py`).
     "LMCACHE_PD_TOKEN",
+    # The peer servers' token when `p2p_token_file` is not set (`lmcache/experimental/p2p/`).
+    "LMCACHE_P2P_TOKEN",
     # The controller's token (`lmcache_controller --token`), also what a worker's command port asks for.
     "LMCACHE_CONTROLLER_TOKEN",
     # Where `lmcache server --port N` puts its node pool's socket (`lmcache/server/pool_address.py`).
@@ -385,15 +387,6 @@ def prefixed_overrides(extra: Mapping[str, Any], prefix: str = EXTRA_CONFIG_PREF
     return {key[len(prefix):]: value for key, value in extra.items() if isinstance(key, str) and key.startswith(prefix)}
 
 
-# Switches that exist so upstream configs parse, but whose features this engine does not have.
-# Turning one on is refused when an engine is built (see `check_supported`), never silently ignored.
-UNSUPPORTED_WHEN_ON: Mapping[str, str] = MappingProxyType(
-    {
-        "enable_p2p": "peer-to-peer sharing is not implemented; share through remote_url instead",
-    }
-)
-
-
 # Prefill/decode disaggregation: the roles and the transports `_check_pd` accepts.
 PD_ROLES: Tuple[str, ...] = ("sender", "receiver")
 PD_TRANSFER_CHANNELS: Tuple[Optional[str], ...] = (None, "zmq")
@@ -479,6 +472,11 @@ class LMCacheEngineConfig:
     controller_reply_url: Optional[str] = None
     lmcache_worker_ports: Optional[Tuple[int, ...]] = None  # worker N: the N-th port (one port: port + N)
     lmcache_worker_heartbeat_time: float = 5.0  # seconds; the controller drops a worker silent for 3 of them
+    # Peer-to-peer sharing (`enable_p2p`, `lmcache/experimental/p2p/`): a file holding the peer
+    # servers' shared secret (wins over `LMCACHE_P2P_TOKEN`); every instance needs the same one.
+    p2p_token_file: Optional[str] = None
+    # A peer server may listen beyond loopback without a token (protected mode off), as `--no-auth`.
+    p2p_no_auth: bool = False
 
     def shown_fields(self) -> Dict[str, Any]:
         """Every field as logs, dumps and the status API may show it (`shown_value`)."""
@@ -522,12 +520,7 @@ class LMCacheEngineConfig:
             raise ValueError("enable_blending=True needs use_layerwise=True (CacheBlend runs layer by layer)")
         if self.enable_blending and not self.blend_separator:
             raise ValueError("blend_separator='': enable_blending=True needs a non-empty separator")
-        for name in ("lookup_url", "distributed_url"):
-            value = getattr(self, name)
-            if value is not None:
-                _parse_host_port(value, name, value)
-            elif self.enable_p2p:
-                raise ValueError(f"{name}=None: enable_p2p=True needs {name} as host:port")
+        self._check_p2p()
         if not 0 < self.internal_api_server_port_start <= 65535:
             raise ValueError(
                 f"internal_api_server_port_start={self.internal_api_server_port_start!r}: must be in 1..65535"
@@ -538,6 +531,27 @@ class LMCacheEngineConfig:
         self._check_mooncake()
         self._check_kv_events()
         self._check_controller()
+
+    def _check_p2p(self) -> None:
+        """`lookup_url`: a Redis as host:port or a redis:// / rediss:// URL; `distributed_url`: the
+        host:port this instance serves on (a concrete address: peers dial what it says)."""
+        if self.lookup_url is not None:
+            if "://" in self.lookup_url:
+                parsed = parse_remote_url(self.lookup_url, "lookup_url")
+                if parsed.scheme not in DB_SCHEMES:
+                    raise ValueError(f"lookup_url={mask_url(self.lookup_url)!r}: expected host:port or "
+                                     f"a single Redis as one of {[s + '://' for s in DB_SCHEMES]}")
+            else:
+                _parse_host_port(self.lookup_url, "lookup_url", self.lookup_url)
+        if self.distributed_url is not None:
+            host, _ = _parse_host_port(self.distributed_url, "distributed_url", self.distributed_url)
+            if host in ("0.0.0.0", "::", "*"):
+                raise ValueError(f"distributed_url={self.distributed_url!r}: peers dial this address, so "
+                                 "name this machine's own address, not a wildcard")
+        if self.enable_p2p:
+            for name in ("lookup_url", "distributed_url"):
+                if getattr(self, name) is None:
+                    raise ValueError(f"{name}=None: enable_p2p=True needs {name} as host:port")
 
     def _check_controller(self) -> None:
         """The controller keys: URLs as tcp://HOST:PORT, ports in range, a positive heartbeat
@@ -669,6 +683,8 @@ class LMCacheEngineConfig:
         controller_reply_url: Optional[str] = None,
         lmcache_worker_ports: Optional[Tuple[int, ...]] = None,
         lmcache_worker_heartbeat_time: float = 5.0,
+        p2p_token_file: Optional[str] = None,
+        p2p_no_auth: bool = False,
         **unknown: Any,
     ) -> "LMCacheEngineConfig":
         """The spec's defaults with some fields replaced; an unknown keyword is a ValueError."""
@@ -770,12 +786,6 @@ class LMCacheEngineConfig:
         )
 
     # ----- variants -------------------------------------------------------------------------
-
-    def check_supported(self) -> None:
-        """Raise ValueError naming each switch that is on but whose feature this engine lacks."""
-        problems = [f"{name}=True: {why}" for name, why in UNSUPPORTED_WHEN_ON.items() if getattr(self, name)]
-        if problems:
-            raise ValueError("; ".join(problems) + " (set it to false)")
 
     def with_overrides(self, overrides: Mapping[str, Any], source: str = "override") -> "LMCacheEngineConfig":
         """A copy with `{field: value}` applied, checked like any other config; `source` names

@@ -26,10 +26,11 @@ from lmcache.utils import CacheEngineKey
 
 # Events held for a consumer that is late; beyond it they are dropped and a resync is asked for.
 DEFAULT_MAX_PENDING = 65536
-# The consumers' names: the KV events publisher (`integration/vllm/kv_events.py`) and the
-# controller client (`lmcache/controller/worker.py`).
+# The consumers' names: the KV events publisher (`integration/vllm/kv_events.py`), the
+# controller client (`lmcache/controller/worker.py`) and the peer-to-peer recorder (`p2p/recorder.py`).
 KV_EVENTS = "kv_events"
 CONTROLLER = "controller"
+P2P = "p2p"
 
 
 class Change(enum.Enum):

@@ -29,7 +29,7 @@ import os
 import secrets
 import socket
 import ssl
-from typing import Optional
+from typing import Mapping, Optional
 
 from lmcache.server.protocol import (
     HEADER_SIZE,
@@ -78,6 +78,15 @@ def read_token_file(path: str, key: str = "--token-file") -> bytes:
     if not token:
         raise ValueError(f"{key} {path!r} is empty")
     return token
+
+
+def token_from(path: Optional[str], key: str, env_var: str, environ: Optional[Mapping[str, str]] = None) -> Optional[bytes]:
+    """A channel's token: the file at `path` (the config key `key` names it) if set, else the
+    variable `env_var` (surrounding whitespace dropped), else None."""
+    if path is not None:
+        return read_token_file(path, key)
+    env = os.environ if environ is None else environ
+    return env.get(env_var, "").strip().encode() or None
 
 
 def is_loopback(host: str) -> bool:

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import os
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Mapping, Optional, Sequence, TypeVar
@@ -36,7 +35,7 @@ from zmq.utils import z85
 
 from lmcache.experimental.config import LMCacheEngineConfig
 from lmcache.experimental.pd.wire import PUSH_FRAMES, AuthStep, Frame, push_mac
-from lmcache.server.security import AuthRefused, ServerHandshake, is_loopback, read_token_file
+from lmcache.server.security import AuthRefused, ServerHandshake, is_loopback, token_from
 
 PD_TOKEN_ENV = "LMCACHE_PD_TOKEN"
 PD_AUTH_LABEL = b"lmcache-pd-auth-v1|"
@@ -62,10 +61,7 @@ class NoSession(AuthRefused):
 
 def pd_token(config: LMCacheEngineConfig, environ: Optional[Mapping[str, str]] = None) -> Optional[bytes]:
     """The push channel's token: the file `pd_token_file` names, else `LMCACHE_PD_TOKEN`, else None."""
-    if config.pd_token_file is not None:
-        return read_token_file(config.pd_token_file, "pd_token_file")
-    env = os.environ if environ is None else environ
-    return env.get(PD_TOKEN_ENV, "").strip().encode() or None
+    return token_from(config.pd_token_file, "pd_token_file", PD_TOKEN_ENV, environ)
 
 
 def check_protected_mode(host: str, port: int, token: Optional[bytes], no_auth: bool) -> None:

@@ -2,7 +2,8 @@
 
 `create_storage_manager` is the one place that decides which tiers exist and in which order
 (fastest first): the CPU tier ("Hot", when `local_cpu`), the local disk tier (when
-`local_disk` is set), then remote tiers, then a PD decoder's receive buffer. Everything else talks to tiers through
+`local_disk` is set), then remote tiers, then a PD decoder's receive buffer, then other
+instances' tiers (`enable_p2p`). Everything else talks to tiers through
 `StorageBackendInterface` and the `StorageManager`.
 """
 
@@ -68,7 +69,22 @@ def create_storage_backends(
         )
     if config.enable_pd and config.pd_role == "receiver":
         tiers.append(_pd_receive_buffer(config, metadata, local_cpu_backend, stats))
+    if config.enable_p2p:
+        tiers.append(_p2p_tier(config, metadata, local_cpu_backend, stats))
     return tiers
+
+
+def _p2p_tier(
+    config: LMCacheEngineConfig, metadata: LMCacheEngineMetadata, cpu: LocalCPUBackend, stats: EngineStats
+) -> StorageBackendInterface:
+    """Other instances' chunks, found in the lookup records (the slowest tier: last)."""
+    # Imported here: the peer tier pulls in remote connectors, which import this package.
+    from lmcache.experimental.p2p.peer_server import p2p_token, served_address
+    from lmcache.experimental.p2p.service import lookup_records
+    from lmcache.experimental.storage_backend.p2p_backend import P2PBackend
+
+    return P2PBackend(lookup_records(config), served_address(config, metadata.worker_id), cpu, metadata.kv_dtype,
+                      stats.tier(P2PBackend.__name__), p2p_token(config))
 
 
 def _pd_receive_buffer(

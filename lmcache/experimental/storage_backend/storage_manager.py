@@ -61,6 +61,12 @@ class StorageManager:
     def tiers(self) -> List[StorageBackendInterface]:
         return list(self._tiers)
 
+    @property
+    def local_tier_names(self) -> List[str]:
+        """The tiers that can list their keys: this instance's own (CPU, disk), not a shared
+        store nor a peer's; the ones its peer server serves."""
+        return [t.tier_name for t in self._tiers if hasattr(t, "keys")]
+
     def listed_keys(self) -> Dict[str, List[CacheEngineKey]]:
         """The keys each tier that can list them holds now (the CPU and disk tiers; a remote store
         is shared and cannot), by tier name."""

@@ -110,7 +110,6 @@ class LMCacheWorkerSide:
     def from_vllm_config(cls, vllm_config: "VllmConfig", config: LMCacheEngineConfig) -> "LMCacheWorkerSide":
         """Create (or reuse, by `ENGINE_NAME`) this process's engine for vLLM's model and layout;
         open the worker channel on rank 0 when the scheduler runs in another process."""
-        config.check_supported()
         worker = open_worker_engine(vllm_config, config, "v1 worker")
         side = cls(worker.engine, worker.layout, vllm_config.cache_config.block_size)
         if config.enable_pd and config.pd_role == "sender":

@@ -1,0 +1,190 @@
+"""Peer-to-peer retrieve throughput between two network namespaces, beside the raw link.
+
+    sudo .venv/bin/python scripts/bench/bench_p2p.py [--rate 10gbit|1gbit|none] [--tokens 1024]
+                                                     [--rounds 3] [--json PATH]
+
+Two "machines": network namespaces joined by a veth pair (198.18.0.1 and 198.18.0.2, the
+benchmarking range, only inside them; `tc ... tbf` at `--rate` on both ends), removed at the
+end. Redis and instance A (which stores a prompt's KV, 256-token chunks of a 32-layer, 8-KV-head,
+128-dim float16 model) in the first; B, with nothing of its own, in the second. Per round:
+- raw: one TCP connection from the first namespace to the second carries the same bytes
+  (received in 1 MiB pieces into memory already touched, as our readers do);
+- p2p: B's pinned lookup of the prompt: a Redis round trip, then A's peer server sends every
+  chunk in one pipelined exchange, each checked (checksum) into B's CPU tier. B's tier is
+  cleared between rounds, so each round reads from A again.
+Prints one JSON object: GB/s of each per round and the ratio of the medians (the issue's target:
+p2p >= 0.7 x raw). Needs root (ip netns, tc).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import List
+
+ROOT = Path(__file__).resolve().parents[2]
+A_ADDR, B_ADDR = "198.18.0.1", "198.18.0.2"
+REDIS_PORT, PEER_PORT, RAW_PORT = 6390, 8200, 8300
+PIECE = 1 << 20
+
+
+def _engine(role_addr: str, tokens: int):
+    import torch
+
+    from lmcache.config import LMCacheEngineMetadata
+    from lmcache.experimental.cache_engine import LMCacheEngine
+    from lmcache.experimental.config import LMCacheEngineConfig
+    from lmcache.experimental.gpu_connector import VLLMPagedMemGPUConnectorV2
+    from lmcache.experimental.kv_layout import KVLayout
+    from lmcache.experimental.memory_management import HostMemoryAllocator
+    from lmcache.experimental.token_database import ChunkedTokenDatabase
+
+    layers, heads, dim, block = 32, 8, 128, 16
+    config = LMCacheEngineConfig.from_defaults(
+        chunk_size=256, remote_url=None, max_local_cpu_size=2 * tokens * layers * heads * dim * 2 * 2 / 1024**3,
+        enable_p2p=True, lookup_url=f"{A_ADDR}:{REDIS_PORT}", distributed_url=f"{role_addr}:{PEER_PORT}",
+        p2p_no_auth=True)
+    meta = LMCacheEngineMetadata("bench/p2p", 1, 0, "vllm", torch.float16, (layers, 2, 256, heads, dim))
+    connector = VLLMPagedMemGPUConnectorV2(heads * dim, layers, layout=KVLayout.CPU_IPEX, num_kv_heads=heads)
+    engine = LMCacheEngine(config, meta, HostMemoryAllocator(int(config.max_local_cpu_size * 1024**3)),
+                           ChunkedTokenDatabase(config, meta), connector)
+    blocks = -(-tokens // block)
+    kv = [torch.randn(2, blocks, block * heads * dim).to(torch.float16) for _ in range(layers)]  # vLLM CPU's shape
+    return engine, kv, torch.arange(tokens, dtype=torch.long)
+
+
+def serve(tokens: int) -> None:
+    """In the first namespace: store the prompt, then serve it (peer server) and raw bytes."""
+    import torch
+
+    engine, kv, slots = _engine(A_ADDR, tokens)
+    engine.store(torch.arange(tokens) % 1000, kvcaches=kv, slot_mapping=slots)
+    nbytes = tokens * 32 * 8 * 128 * 2 * 2  # K and V, float16: what the prompt's chunks carry
+    listener = socket.create_server((A_ADDR, RAW_PORT))
+    time.sleep(1.0)  # the recorder writes the records
+    print(json.dumps({"ready": True, "bytes": nbytes}), flush=True)
+    conn, _ = listener.accept()
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    block = memoryview(bytes(8 << 20))
+    while conn.recv(1) == b"g":
+        sent = 0
+        while sent < nbytes:
+            conn.sendall(block[: min(len(block), nbytes - sent)])
+            sent += len(block)
+    engine.close()
+
+
+def read(tokens: int, rounds: int, nbytes: int) -> None:
+    """In the second namespace: per round, the raw link's time and a pinned P2P lookup's."""
+    import numpy
+    import torch
+
+    engine, _, _ = _engine(B_ADDR, tokens)
+    sock = socket.create_connection((A_ADDR, RAW_PORT))
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    buf = numpy.zeros(nbytes, dtype=numpy.uint8)
+    view = memoryview(buf)
+    raw: List[float] = []
+    p2p: List[float] = []
+    prompt = torch.arange(tokens) % 1000
+    for _ in range(rounds):
+        start = time.perf_counter()
+        sock.sendall(b"g")
+        got = 0
+        while got < nbytes:
+            got += sock.recv_into(view[got:], min(PIECE, nbytes - got))
+        raw.append(nbytes / (time.perf_counter() - start) / 1e9)
+        start = time.perf_counter()
+        hit = engine.lookup(prompt, request_id="bench", pin=True)
+        p2p.append(nbytes * hit / tokens / (time.perf_counter() - start) / 1e9)
+        engine.lookup_unpin(["bench"])
+        engine.storage_manager.clear_tier("Hot")
+        if hit != tokens:
+            print(f"round read {hit} of {tokens} tokens", file=sys.stderr)
+    sock.sendall(b"q")
+    engine.close()
+    print(json.dumps({"raw_gb_s": raw, "p2p_gb_s": p2p}), flush=True)
+
+
+class Machines:
+    """The two namespaces and their link; `close` removes them whatever happened."""
+
+    def __init__(self, rate: str) -> None:
+        tag = f"lmcb{os.getpid() % 100000}"
+        self.names = (f"{tag}a", f"{tag}b")
+        ends = (f"{tag}x", f"{tag}y")
+        for ns in self.names:
+            self._ip("netns", "add", ns)
+        self._ip("link", "add", ends[0], "type", "veth", "peer", "name", ends[1])
+        for ns, end, addr in zip(self.names, ends, (A_ADDR, B_ADDR)):
+            self._ip("link", "set", end, "netns", ns)
+            self._ip("-n", ns, "addr", "add", f"{addr}/30", "dev", end)
+            self._ip("-n", ns, "link", "set", end, "up")
+            self._ip("-n", ns, "link", "set", "lo", "up")
+            if rate != "none":
+                subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", end, "root", "tbf",
+                                "rate", rate, "burst", "4mb", "latency", "5ms"], check=True, capture_output=True)
+
+    @staticmethod
+    def _ip(*args: str) -> None:
+        subprocess.run(["ip", *args], check=True, capture_output=True)
+
+    def run(self, ns: str, *args: str, **kwargs) -> subprocess.Popen:
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+        return subprocess.Popen(["ip", "netns", "exec", ns, *args], env=env, **kwargs)
+
+    def close(self) -> None:
+        for ns in self.names:
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rate", default="10gbit", help="tbf rate of the link (tc syntax), or none")
+    parser.add_argument("--tokens", type=int, default=1024)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--json", type=Path)
+    parser.add_argument("--role", choices=["serve", "read"], help=argparse.SUPPRESS)
+    parser.add_argument("--bytes", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.role == "serve":
+        return serve(args.tokens)
+    if args.role == "read":
+        return read(args.tokens, args.rounds, args.bytes)
+    if os.geteuid() != 0:
+        sys.exit("bench_p2p needs root: it makes network namespaces (ip netns) and shapes their link (tc)")
+    machines = Machines(args.rate)
+    procs: List[subprocess.Popen] = []
+    try:
+        procs.append(machines.run(machines.names[0], "redis-server", "--bind", A_ADDR, "--port", str(REDIS_PORT),
+                                  "--protected-mode", "no", "--save", "", "--appendonly", "no",
+                                  stdout=subprocess.DEVNULL))
+        me = [sys.executable, str(Path(__file__).resolve()), "--tokens", str(args.tokens)]
+        server = machines.run(machines.names[0], *me, "--role", "serve", stdout=subprocess.PIPE, text=True)
+        procs.append(server)
+        ready = json.loads(server.stdout.readline())
+        reader = machines.run(machines.names[1], *me, "--role", "read", "--rounds", str(args.rounds),
+                              "--bytes", str(ready["bytes"]), stdout=subprocess.PIPE, text=True)
+        out, _ = reader.communicate(timeout=600)
+        result = json.loads(out.strip().splitlines()[-1])
+        result.update(rate=args.rate, tokens=args.tokens, bytes=ready["bytes"],
+                      ratio=statistics.median(result["p2p_gb_s"]) / statistics.median(result["raw_gb_s"]))
+        print(json.dumps(result, indent=1))
+        if args.json:
+            args.json.write_text(json.dumps(result, indent=1))
+    finally:
+        for proc in reversed(procs):
+            proc.terminate()
+            proc.wait(timeout=10)
+        machines.close()
+
+
+if __name__ == "__main__":
+    main()
