@@ -81,8 +81,9 @@ class ValueArena:
         """Fault the whole mapping in on an idle-priority thread (its bytes are left as they are,
         so puts may land meanwhile); logs when it is done."""
         logger.info("faulting in the store's %.2f GiB in the background (--prefault)", self.capacity / (1 << 30))
+        gib = self.capacity / (1 << 30)
         page_advice.BackgroundPrefault(self._address, self.capacity, "lmcache-server-prefault",
-                                       on_end=self._prefaulted).start()
+                                       on_end=lambda done, seconds: self._prefaulted(done, seconds, gib)).start()
 
     def close(self) -> None:
         """Close the memfd (mappings made from it stay valid)."""
@@ -91,9 +92,9 @@ class ValueArena:
             self.fd = None
 
     @staticmethod
-    def _prefaulted(done: bool, seconds: float) -> None:
+    def _prefaulted(done: bool, seconds: float, gib: float) -> None:
         if done:
-            logger.info("the store's memory is faulted in (%.1f s)", seconds)
+            logger.info("the store's memory is faulted in (%.1f s, %.2f s/GiB)", seconds, seconds / max(gib, 1e-9))
         else:
             logger.warning("could not fault the store's memory in ahead (needs Linux 5.14+): "
                            "pages fault in on first use")
