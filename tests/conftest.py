@@ -23,6 +23,7 @@ CACHE = ROOT / ".cache"
 sys.path.insert(0, str(ROOT / "scripts"))
 
 from make_tiny_model import TinyModelSpec, make_tiny_model  # noqa: E402
+from netns_fixture import in_netns  # noqa: E402
 
 from lmcache_vllm.compat import installed_vllm_release  # noqa: E402
 
@@ -131,19 +132,21 @@ def run_vllm_job(
     env: Optional[dict[str, str]] = None,
     timeout: float = 600,
     at_gate: Optional[Callable[[int, Callable[[], str]], None]] = None,
+    netns: str = "",
 ) -> VLLMJobResult:
     """Run tests/vllm_job.py in a fresh interpreter with `env` over VLLM_TEST_ENV; fail with its log.
 
     With `at_gate`, the job stops before each prompt index in `job["gate_before"]` and
     `at_gate(index, stderr_so_far)` runs meanwhile (kill a server, wait for a log line), so one
-    engine serves before and after a fault."""
+    engine serves before and after a fault. With `netns`, the job runs inside that network
+    namespace (`ip netns exec`: another simulated machine, tests/netns_fixture.py)."""
     full_env = {**os.environ, **VLLM_TEST_ENV, **(env or {})}
     with tempfile.TemporaryDirectory(prefix="vllm-job-") as tmp:
         gates = list(job.get("gate_before", [])) if at_gate else []
         job = {**job, "gate_dir": tmp} if gates else job
         out_path, err_path = Path(tmp, "stdout"), Path(tmp, "stderr")
         with open(out_path, "w") as out, open(err_path, "w") as err:
-            proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "vllm_job.py")], stdin=subprocess.PIPE,
+            proc = subprocess.Popen([*in_netns(netns), sys.executable, str(ROOT / "tests" / "vllm_job.py")], stdin=subprocess.PIPE,
                                     stdout=out, stderr=err, text=True, env=full_env, cwd=str(ROOT),
                                     start_new_session=True)
         try:

@@ -24,6 +24,7 @@ import redis
 import torch
 from helpers import CHUNK, check_loaded, chunk_bytes, config, geometry, make_engine, prompt, slots_for
 from kv_reference import make_kvcaches
+from netns_fixture import A_ADDRESS, B_ADDRESS, Machines, in_netns, two_machines  # noqa: F401 (fixture)
 from redis_fixture import RedisServer, free_port, stop_process
 
 from lmcache.experimental.cache_engine import LMCacheEngine
@@ -331,61 +332,19 @@ def test_protected_mode_refuses_a_peer_server_beyond_loopback_without_a_token(lo
 
 def run_job(job: dict, netns: str = "") -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{TESTS}", "OMP_NUM_THREADS": "1"}
-    prefix = ["ip", "netns", "exec", netns] if netns else []
-    return subprocess.Popen([*prefix, sys.executable, str(TESTS / "p2p_engine_job.py"), json.dumps(job)],
+    return subprocess.Popen([*in_netns(netns), sys.executable, str(TESTS / "p2p_engine_job.py"), json.dumps(job)],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
 
 
-@pytest.fixture
-def two_machines(tmp_path) -> Iterator[tuple]:
-    """Two network namespaces joined by a veth pair, 198.18.0.1 and 198.18.0.2 (the benchmarking
-    range, only inside them), removed at the end whatever happened."""
-    if os.geteuid() != 0:
-        pytest.skip("making network namespaces (ip netns) needs root")
-    tag = f"lmcp{os.getpid() % 100000}"
-    names = (f"{tag}a", f"{tag}b")
-    ends = (f"{tag}x", f"{tag}y")
-
-    def ip(*args: str) -> None:
-        subprocess.run(["ip", *args], check=True, capture_output=True)
-
-    try:
-        for ns in names:
-            ip("netns", "add", ns)
-        ip("link", "add", ends[0], "type", "veth", "peer", "name", ends[1])
-        for ns, end, address in zip(names, ends, ("198.18.0.1/30", "198.18.0.2/30")):
-            ip("link", "set", end, "netns", ns)
-            ip("-n", ns, "addr", "add", address, "dev", end)
-            ip("-n", ns, "link", "set", end, "up")
-            ip("-n", ns, "link", "set", "lo", "up")
-        yield names
-    finally:
-        for ns in names:
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True)  # takes its veth end along
-
-
-def test_b_in_another_namespace_retrieves_what_a_stored(two_machines, tmp_path) -> None:
-    machine_a, machine_b = two_machines
+def test_b_in_another_namespace_retrieves_what_a_stored(two_machines: Machines, tmp_path) -> None:
     token = tmp_path / "p2p-token"
     token.write_text("s3cret-p2p-token\n")
-    port = free_port()
-    redis_proc = subprocess.Popen(
-        ["ip", "netns", "exec", machine_a, "redis-server", "--bind", "198.18.0.1", "--port", str(port),
-         "--requirepass", "redis-pw", "--save", "", "--appendonly", "no", "--dir", str(tmp_path)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    peer = None
+    common = {"lookup_url": two_machines.lookup_url, "config": {"p2p_token_file": str(token)}}
+    peer = run_job({"role": "store", "distributed_url": f"{A_ADDRESS}:8200", **common}, netns=two_machines.a)
     try:
-        ping = ["ip", "netns", "exec", machine_a, "redis-cli", "-h", "198.18.0.1", "-p", str(port), "-a", "redis-pw",
-                "--no-auth-warning", "ping"]
-        wait_for(lambda: subprocess.run(ping, capture_output=True, text=True).stdout.strip() == "PONG", "Redis up")
-        lookup_url = f"redis://:redis-pw@198.18.0.1:{port}"  # beyond loopback, Redis takes a password
-        common = {"lookup_url": lookup_url, "config": {"p2p_token_file": str(token)}}
-        peer = run_job({"role": "store", "distributed_url": "198.18.0.1:8200", **common}, netns=machine_a)
         assert json.loads(peer.stdout.readline()) == {"stored": True}
-        reader = run_job({"role": "retrieve", "distributed_url": "198.18.0.2:8200", **common}, netns=machine_b)
+        reader = run_job({"role": "retrieve", "distributed_url": f"{B_ADDRESS}:8200", **common}, netns=two_machines.b)
         out, _ = reader.communicate(timeout=120)
         assert json.loads(out.strip().splitlines()[-1]) == {"lookup": TOKENS, "loaded": TOKENS, "exact": True}
     finally:
-        if peer is not None:
-            stop_process(peer)
-        stop_process(redis_proc)
+        stop_process(peer)

@@ -26,7 +26,8 @@ stat logging on for it).
 
 Before each prompt index in "gate_before" the job creates `ready-<index>` in "gate_dir" and waits
 for `go-<index>` there: the test acts on the world meanwhile (`run_vllm_job(..., at_gate=...)`),
-so one engine serves before, during and after a fault.
+so one engine serves before, during and after a fault. A gate at `len(prompts)` comes after the
+last prompt, before the engine exits: the engine (and what it serves to others) stays up meanwhile.
 """
 
 from __future__ import annotations
@@ -108,6 +109,8 @@ def run(job: dict) -> dict:
         outputs.append(round_out)
         latencies.append(round_lat)
         logprobs.append(round_lp)
+    if len(job["prompts"]) in gates:
+        wait_at_gate(job["gate_dir"], len(job["prompts"]))
     if job.get("close_engine", False):
         from lmcache_vllm import close_lmcache_engine
 
