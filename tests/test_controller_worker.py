@@ -265,10 +265,14 @@ def test_pins_stay_within_half_the_cpu_tier_and_clear_or_close_releases_them(clu
     first, *_ = store_prompt(engine, 24, seed=12)  # three whole chunks each
     second, *_ = store_prompt(engine, 24, seed=13)
     assert wait_for(lambda: cluster.layout(second) == {"A": ["Hot", 24]})
+    storage, asked = engine.storage_manager, []
+    real_pin_prefix = storage.pin_prefix
+    storage.pin_prefix = lambda request_id, keys, *rest: asked.append(len(keys)) or real_pin_prefix(request_id, keys, *rest)
     assert cluster.pin("/pin", first) == 24  # 3 chunks of the 4 the bound allows
     assert cluster.pin("/pin", first) == 24  # a repeated /pin replaces the last: counted once
     assert cluster.pin("/pin", second) == 8  # the one chunk that still fits
     assert cluster.pin("/pin", second) == 8
+    assert asked == [3, 3, 2, 2]  # never more chunks read than could fit, and one to find the bound
     assert client._pins.held_bytes == 4 * ENGINE_CHUNK_BYTES
     assert sum("reached the bound" in w for w in warnings_log()) == 1
     assert cluster.pin("/pin", first[:8]) == 8  # a shared chunk costs nothing more

@@ -36,14 +36,12 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from lmcache.controller.commands import CommandResult
 from lmcache.controller.index import ControllerIndex
-from lmcache.controller.messages import ClearCommand, CommandMessage, PinCommand, UnpinCommand
+from lmcache.controller.messages import MAX_BODY_BYTES, ClearCommand, CommandMessage, PinCommand, UnpinCommand
 from lmcache.experimental.api_server import bearer_matches, send_json
 from lmcache.logging import init_logger
 
 logger = init_logger(__name__)
 
-# Largest request body: a /lookup of ~1M tokens as JSON.
-MAX_BODY_BYTES = 16 << 20
 # Events `/check_finish` remembers, oldest forgotten first.
 MAX_EVENTS = 10_000
 # Paths that change state, and so need the token.

@@ -36,9 +36,11 @@ NonNegative = Annotated[int, msgspec.Meta(ge=0)]
 Positive = Annotated[int, msgspec.Meta(ge=1)]
 TokenId = Annotated[int, msgspec.Meta(ge=0, lt=2**31)]
 
-# Largest command: a /pin of the largest HTTP body the controller takes (msgpack is no larger than
-# its JSON), plus the envelope.
-MAX_COMMAND_BYTES = (16 << 20) + 4096
+# Largest body the controller's HTTP API takes: a /lookup or /pin of ~1M tokens as JSON.
+MAX_BODY_BYTES = 16 << 20
+# Largest command: a /pin of the largest body (its tokens take no more room in msgpack than in
+# JSON), plus the envelope.
+MAX_COMMAND_BYTES = MAX_BODY_BYTES + 4096
 
 ADMIT = "admit"  # the location holds the chunk now
 EVICT = "evict"  # it no longer does

@@ -11,8 +11,9 @@ Bounded: the controller's pins hold at most `PIN_SHARE` of the CPU tier's memory
 cannot be evicted, so pins that filled the tier would leave serving no room to store or load:
 every new prefix would be skipped, and the serving engine's own pins (lookup to load) would fail.
 Half leaves serving a working set as large as what the operator pinned. A `/pin` beyond the bound
-pins what fits and says so in its `num_tokens`; the first one is logged. The engine's close
-releases every pin.
+pins what fits and says so in its `num_tokens`; the first one is logged. It reads no more chunks
+than could fit (a chunk reserves at least its payload): a long prefix of the disk tier is not read
+whole for a few chunks' room. The engine's close releases every pin.
 
 Single-threaded: only the controller client's thread calls it.
 """
@@ -51,6 +52,8 @@ class WorkerPins:
         if total is None:  # an allocator without a fixed pool: the configured size
             total = int(engine.config.max_local_cpu_size * GIB)
         self.budget_bytes = int(total * PIN_SHARE)
+        shape = engine.gpu_connector.get_shape(engine.config.chunk_size)
+        self._chunk_payload = shape.numel() * engine.metadata.kv_dtype.itemsize
         self._pins: Dict[str, _Pin] = {}
         self._warned = False
 
@@ -62,13 +65,15 @@ class WorkerPins:
     def pin(self, location: str, tokens: Sequence[int], cache_salt: str = "") -> int:
         """Keep the longest prefix of `tokens` that `location` holds, in whole chunks and within
         the bound; the number of tokens pinned. ValueError for a location that is no tier."""
-        chunks = self._chunks(location, tokens, cache_salt)
-        if not chunks:
+        asked = self._chunks(location, tokens, cache_salt)
+        if not asked:
             return 0
-        request_id = _request_id(location, chunks[-1][1])
+        request_id = _request_id(location, asked[-1][1])
         self._pins.pop(request_id, None)  # the registry replaces this id's pins: so does the bound
         held = self._held()
         room = self.budget_bytes - sum(held.values())
+        # One chunk more than could fit, so that `fits` sees the bound (and logs it).
+        chunks = _at_most_new(asked, held, room // self._chunk_payload + 1)
         sizes: Dict[CacheEngineKey, int] = {}
 
         def fits(i: int, obj: MemoryObj) -> bool:
@@ -131,6 +136,17 @@ class WorkerPins:
                 "prefix that fits and answers that many tokens. /unpin releases room. (Logged once.)",
                 location, self.budget_bytes, int(PIN_SHARE * 100),
             )
+
+
+def _at_most_new(chunks: List[Tuple[int, CacheEngineKey]], held: Dict[CacheEngineKey, int],
+                 most: int) -> List[Tuple[int, CacheEngineKey]]:
+    """The leading `chunks` with at most `most` that `held` does not hold."""
+    new = 0
+    for n, (_, key) in enumerate(chunks):
+        new += key not in held
+        if new > most:
+            return chunks[:n]
+    return chunks
 
 
 def _request_id(location: str, last: CacheEngineKey) -> str:
