@@ -271,7 +271,8 @@ def test_pin_and_unpin_need_the_token_and_answer_the_prefix_every_worker_pinned(
         api.sent.clear()
     api.post("/pin", {"instance_id": "A", "location": "Hot", "tokens": tokens, "cache_salt": "lora-1"}, token=TOKEN)
     ((instance, command),) = api.sent
-    assert (instance, type(command).__name__, command.tokens, command.cache_salt) == ("A", "PinCommand", tokens, "lora-1")
+    assert (instance, type(command).__name__, command.tokens, command.cache_salt) == \
+        ("A", "PinCommand", tokens, "lora-1")
 
 
 def test_without_a_token_state_changing_calls_are_refused() -> None:

@@ -267,7 +267,8 @@ def test_pins_stay_within_half_the_cpu_tier_and_clear_or_close_releases_them(clu
     assert wait_for(lambda: cluster.layout(second) == {"A": ["Hot", 24]})
     storage, asked = engine.storage_manager, []
     real_pin_prefix = storage.pin_prefix
-    storage.pin_prefix = lambda request_id, keys, *rest: asked.append(len(keys)) or real_pin_prefix(request_id, keys, *rest)
+    storage.pin_prefix = lambda request_id, keys, *rest: asked.append(len(keys)) or \
+        real_pin_prefix(request_id, keys, *rest)
     assert cluster.pin("/pin", first) == 24  # 3 chunks of the 4 the bound allows
     assert cluster.pin("/pin", first) == 24  # a repeated /pin replaces the last: counted once
     assert cluster.pin("/pin", second) == 8  # the one chunk that still fits

@@ -74,7 +74,8 @@ def parse_settings(argv: Optional[List[str]] = None) -> ControllerSettings:
     parser.add_argument("--monitor-ports", default=None,
                         help='the workers\' sockets as JSON, e.g. \'{"pull": 8300, "reply": 8400}\' (the default)')
     parser.add_argument("--monitor-port", default=None, help="upstream's older flag: pull on this port, reply on the next")
-    parser.add_argument("--token", default=None, help=f"bearer token of /clear, /pin and /unpin (default: ${TOKEN_ENV}; none refuses them)")
+    parser.add_argument("--token", default=None,
+                        help=f"bearer token of /clear, /pin and /unpin (default: ${TOKEN_ENV}; none refuses them)")
     parser.add_argument("--missed-heartbeats", default=str(DEFAULT_MISSED_HEARTBEATS),
                         help=f"heartbeat periods a worker may miss before it is dropped (default {DEFAULT_MISSED_HEARTBEATS})")
     args = parser.parse_args(argv)

@@ -1,9 +1,10 @@
 """The controller's commands to workers, sent to the port each worker registered (`command_url`).
 
 One DEALER socket per command and worker, closed when the reply comes or `COMMAND_TIMEOUT_S`
-passes: commands are rare (an operator's `/clear`, `/pin`, `/unpin`), and a fresh socket never mixes a late reply
-with the next command's. A worker without a command port (no `lmcache_worker_ports`), one that
-does not answer, and one that answers with an error each yield a failed `CommandResult` saying so.
+passes: commands are rare (an operator's `/clear`, `/pin`, `/unpin`), and a fresh socket never
+mixes a late reply with the next command's. A worker without a command port (no
+`lmcache_worker_ports`), one that does not answer, and one that answers with an error each yield
+a failed `CommandResult` saying so.
 """
 
 from __future__ import annotations
