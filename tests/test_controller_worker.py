@@ -10,15 +10,7 @@ import pytest
 import zmq
 from helpers import post_json
 from redis_fixture import free_port
-from tier_helpers import (
-    ENGINE_CHUNK_BYTES,
-    flush,
-    keys_of,
-    retrieve_and_check,
-    small_engine,
-    store_prompt,
-    wait_for,
-)
+from tier_helpers import flush, keys_of, retrieve_and_check, small_engine, store_prompt, wait_for
 
 from lmcache.controller.messages import MAX_COMMAND_BYTES, Batch
 from lmcache.controller.server import Controller, ControllerSettings
@@ -261,7 +253,7 @@ def test_a_pin_of_the_disk_tier_holds_the_prefix_in_cpu_memory_when_the_disk_los
 
 def test_pins_stay_within_half_the_cpu_tier_and_clear_or_close_releases_them(cluster, warnings_log) -> None:
     engine = cluster.engine("A", num_chunks=8, lmcache_worker_ports=(free_port(),))
-    client = cluster.client(engine)
+    cluster.client(engine)
     first, *_ = store_prompt(engine, 24, seed=12)  # three whole chunks each
     second, *_ = store_prompt(engine, 24, seed=13)
     assert wait_for(lambda: cluster.layout(second) == {"A": ["Hot", 24]})
@@ -274,7 +266,7 @@ def test_pins_stay_within_half_the_cpu_tier_and_clear_or_close_releases_them(clu
     assert cluster.pin("/pin", second) == 8  # the one chunk that still fits
     assert cluster.pin("/pin", second) == 8
     assert asked == [3, 3, 2, 2]  # never more chunks read than could fit, and one to find the bound
-    assert client._pins.held_bytes == 4 * ENGINE_CHUNK_BYTES
+    assert engine.storage_manager.pins.num_pins == 4
     assert sum("reached the bound" in w for w in warnings_log()) == 1
     assert cluster.pin("/pin", first[:8]) == 8  # a shared chunk costs nothing more
     assert cluster.pin("/unpin", first) == 24

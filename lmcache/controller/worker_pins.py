@@ -57,11 +57,6 @@ class WorkerPins:
         self._pins: Dict[str, _Pin] = {}
         self._warned = False
 
-    @property
-    def held_bytes(self) -> int:
-        """Bytes the controller's pins hold (a chunk that two pins share counts once)."""
-        return sum(self._held().values())
-
     def pin(self, location: str, tokens: Sequence[int], cache_salt: str = "") -> int:
         """Keep the longest prefix of `tokens` that `location` holds, in whole chunks and within
         the bound; the number of tokens pinned. ValueError for a location that is no tier."""
@@ -125,6 +120,7 @@ class WorkerPins:
         return [(end, key) for _, end, key in self._engine.token_database.process_tokens(tokens, cache_salt=cache_salt)]
 
     def _held(self) -> Dict[CacheEngineKey, int]:
+        """The bytes each chunk the controller's pins hold reserves (a chunk two pins share: once)."""
         return {key: size for pin in self._pins.values() for key, size in pin.sizes.items()}
 
     def _bounded(self, location: str) -> None:
