@@ -58,7 +58,7 @@ class WorkerPins:
         self._warned = False
 
     def pin(self, location: str, tokens: Sequence[int], cache_salt: str = "") -> int:
-        """Keep the longest prefix of `tokens` that `location` holds, in whole chunks and within
+        """Keep the longest prefix of `tokens` that `location` holds, chunk by chunk and within
         the bound; the number of tokens pinned. ValueError for a location that is no tier."""
         asked = self._chunks(location, tokens, cache_salt)
         if not asked:
