@@ -22,6 +22,8 @@ from lmcache.controller.http_api import ControllerAPI
 from lmcache.controller.index import ControllerIndex
 from lmcache.controller.messages import (
     Batch,
+    ClearCommand,
+    CommandMessage,
     Deregister,
     Heartbeat,
     Operation,
@@ -164,18 +166,24 @@ def test_a_worker_silent_for_the_missed_heartbeats_is_dropped() -> None:
 # ---------------------------------------------------------------- the HTTP API
 
 class Api:
-    """A `ControllerAPI` on a free port, its index, and the clears it was asked for."""
+    """A `ControllerAPI` on a free port, its index, and the commands it sent: to two workers, of
+    which worker 1 pins at most one chunk; only "Hot" is a tier."""
 
     def __init__(self, token: Optional[str] = TOKEN) -> None:
         self.index = ControllerIndex()
-        self.cleared: list = []
-        self.api = ControllerAPI(self.index, self._clear, token)
+        self.sent: list = []
+        self.api = ControllerAPI(self.index, self._send, token)
         host, port = self.api.serve("127.0.0.1", 0)
         self.base = f"http://{host}:{port}"
 
-    def _clear(self, instance_id: str, location: str, event_id: str) -> List[CommandResult]:
-        self.cleared.append((instance_id, location))
-        return [CommandResult(0, True, 3)] if location == "Hot" else [CommandResult(0, False, error="no such tier")]
+    def _send(self, instance_id: str, command: CommandMessage) -> List[CommandResult]:
+        self.sent.append((instance_id, command))
+        if command.location != "Hot":
+            return [CommandResult(0, True), CommandResult(1, False, error="no such tier")]
+        if isinstance(command, ClearCommand):
+            return [CommandResult(0, True, 3), CommandResult(1, True, 3)]
+        return [CommandResult(0, True, num_tokens=len(command.tokens)),
+                CommandResult(1, True, num_tokens=min(len(command.tokens), CHUNK))]
 
     def post(self, path: str, body, token: Optional[str] = None, method: str = "POST") -> tuple:
         return post_json(self.base + path, body, token, method)
@@ -227,15 +235,44 @@ def test_clear_needs_the_token_and_its_event_can_be_checked(api) -> None:
     register(api.index, "A")
     assert api.post("/clear", {"instance_id": "A", "location": "Hot"})[0] == 401
     assert api.post("/clear", {"instance_id": "A", "location": "Hot"}, token="wrong-token")[0] == 403
-    assert api.cleared == []
+    assert api.sent == []
     status, body = api.post("/clear", {"instance_id": "A", "location": "Hot"}, token=TOKEN)
     assert status == 200 and (body["num_chunks"], body["num_tokens"]) == (3, 3 * CHUNK)
     assert api.post("/check_finish", {"event_id": body["event_id"]}) == (200, {"status": "finished"})
     status, body = api.post("/clear", {"instance_id": "A", "location": "Cold"}, token=TOKEN)
-    assert status == 502 and "no such tier" in body["error"]
+    assert status == 502 and "worker 1: no such tier" in body["error"] and "worker 0" not in body["error"]
     assert api.post("/check_finish", {"event_id": body["event_id"]}) == (200, {"status": "failed"})
     assert api.post("/check_finish", {"event_id": "nope"})[0] == 404
     assert api.post("/clear", {"instance_id": "B", "location": "Hot"}, token=TOKEN)[0] == 404
+
+
+def test_pin_and_unpin_need_the_token_and_answer_the_prefix_every_worker_pinned(api) -> None:
+    register(api.index, "A")
+    tokens = random_prompt(3 * CHUNK, seed=2)
+    for path in ("/pin", "/unpin"):
+        body = {"instance_id": "A", "location": "Hot", "tokens": tokens}
+        assert api.post(path, body)[0] == 401
+        assert api.post(path, body, token="wrong-token")[0] == 403
+        assert api.sent == []
+        status, answer = api.post(path, body, token=TOKEN)
+        assert (status, answer["num_tokens"]) == (200, CHUNK)  # worker 1 did one chunk: a load needs both
+        assert api.post("/check_finish", {"event_id": answer["event_id"]}) == (200, {"status": "finished"})
+        status, answer = api.post(path, {**body, "location": "Cold"}, token=TOKEN)
+        assert status == 502 and f"{path[1:]} of 'Cold' on 'A' failed: worker 1: no such tier" in answer["error"]
+        assert api.post("/check_finish", {"event_id": answer["event_id"]}) == (200, {"status": "failed"})
+        assert api.post(path, {**body, "instance_id": "B"}, token=TOKEN)[0] == 404
+        for bad, says in [({"instance_id": "A", "location": "Hot"}, "'tokens'"),
+                          ({"instance_id": "A", "location": "Hot", "tokens": [1, -2]}, "'tokens'"),
+                          ({"instance_id": "A", "tokens": tokens}, "'location'"),
+                          ({"location": "Hot", "tokens": tokens}, "'instance_id'"),
+                          ({**body, "cache_salt": 7}, "'cache_salt'")]:
+            status, answer = api.post(path, bad, token=TOKEN)
+            assert status == 400 and says in answer["error"], (path, bad, answer)
+        api.sent.clear()
+    api.post("/pin", {"instance_id": "A", "location": "Hot", "tokens": tokens, "cache_salt": "lora-1"}, token=TOKEN)
+    ((instance, command),) = api.sent
+    assert (instance, type(command).__name__, command.tokens, command.cache_salt) == \
+        ("A", "PinCommand", tokens, "lora-1")
 
 
 def test_without_a_token_state_changing_calls_are_refused() -> None:
@@ -243,7 +280,7 @@ def test_without_a_token_state_changing_calls_are_refused() -> None:
     try:
         register(served.index, "A")
         status, body = served.post("/clear", {"instance_id": "A", "location": "Hot"}, token="anything")
-        assert status == 403 and "--token" in body["error"] and served.cleared == []
+        assert status == 403 and "--token" in body["error"] and served.sent == []
         assert served.post("/lookup", {"tokens": [1, 2, 3]})[0] == 200  # reading needs none
     finally:
         served.api.close()

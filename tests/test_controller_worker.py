@@ -1,16 +1,18 @@
 """The instance side of the controller (`lmcache/controller/worker.py`) against a real controller
 in this process, with small engines on CPU tensors: what the tiers store and evict reaches
 `/lookup`, a lost batch, an overflowed queue, a restarted controller and a restarted instance
-are resynced, `/clear` reaches the tier, and a controller that is down costs one log line."""
+are resynced, `/clear` reaches the tier, `/pin` keeps a prefix through evictions within its bound
+and `/unpin` lets it go, and a controller that is down costs one log line."""
 
 from __future__ import annotations
 
 import pytest
+import zmq
 from helpers import post_json
 from redis_fixture import free_port
-from tier_helpers import keys_of, small_engine, store_prompt, wait_for
+from tier_helpers import flush, keys_of, retrieve_and_check, small_engine, store_prompt, wait_for
 
-from lmcache.controller.messages import Batch
+from lmcache.controller.messages import MAX_COMMAND_BYTES, Batch
 from lmcache.controller.server import Controller, ControllerSettings
 from lmcache.controller.worker import ControllerClient, command_port
 from lmcache.experimental.holdings import KV_EVENTS
@@ -49,6 +51,14 @@ class Cluster:
     def post(self, path: str, body: dict, token: str = None) -> tuple:
         host, port = self.controller.http_address
         return post_json(f"http://{host}:{port}{path}", body, token)
+
+    def pin(self, path: str, tokens, instance_id: str = "A", location: str = "Hot", **more) -> int:
+        """The `num_tokens` of a /pin or /unpin that must succeed."""
+        body = {"instance_id": instance_id, "location": location, "tokens": [int(t) for t in tokens], **more}
+        status, answer = self.post(path, body, token=TOKEN)
+        assert status == 200, answer
+        assert self.post("/check_finish", {"event_id": answer["event_id"]}) == (200, {"status": "finished"})
+        return answer["num_tokens"]
 
     def layout(self, tokens) -> dict:
         status, body = self.post("/lookup", {"tokens": [int(t) for t in tokens]})
@@ -199,3 +209,111 @@ def test_a_round_that_keeps_failing_is_one_log_line_and_serving_goes_on(cluster,
     assert wait_for(lambda: any("stream broke" in w for w in warnings_log()))
     wait_for(lambda: False, timeout=0.3)  # some 30 failing rounds
     assert sum("stream broke" in w for w in warnings_log()) == 1
+
+
+def churn(engine, seeds) -> None:
+    """Store a prompt of two chunks per seed: room the small CPU tier makes by evicting idle chunks."""
+    for seed in seeds:
+        store_prompt(engine, 16, seed=seed)
+
+
+def test_pin_keeps_a_prefix_through_evictions_and_unpin_lets_it_go(cluster) -> None:
+    engine = cluster.engine("A", num_chunks=8, lmcache_worker_ports=(free_port(),))
+    cluster.client(engine)
+    kept, source, slots = store_prompt(engine, 20, seed=10)  # chunks end at 8, 16, 20
+    other, *_ = store_prompt(engine, 16, seed=11)
+    assert wait_for(lambda: cluster.layout(kept) == {"A": ["Hot", 20]})
+    assert cluster.pin("/pin", kept, cache_salt="lora-1") == 0  # other keys: the salt is hashed in
+    assert cluster.pin("/pin", kept) == 20
+    churn(engine, range(20, 24))  # 8 chunks through a tier of 8: every idle chunk goes
+    assert wait_for(lambda: cluster.layout(other) == {})
+    assert cluster.layout(kept) == {"A": ["Hot", 20]}
+    retrieve_and_check(engine, kept, source, slots, 20)
+    assert cluster.pin("/unpin", kept) == 20
+    assert engine.storage_manager.pins.num_requests == 0
+    churn(engine, range(24, 28))  # the same churn, unpinned: it goes too
+    assert wait_for(lambda: cluster.layout(kept) == {})
+    assert cluster.pin("/unpin", kept) == 0  # nothing left to release
+
+
+def test_a_pin_of_the_disk_tier_holds_the_prefix_in_cpu_memory_when_the_disk_loses_it(cluster, tmp_path) -> None:
+    engine = cluster.engine("A", num_chunks=8, lmcache_worker_ports=(free_port(),), local_disk=str(tmp_path),
+                            max_local_disk_size=0.01)
+    cluster.client(engine)
+    kept, source, slots = store_prompt(engine, 16, seed=16)
+    flush(engine)
+    assert wait_for(lambda: cluster.layout(kept) == {"A": ["Hot", 16]})
+    assert cluster.post("/clear", {"instance_id": "A", "location": "Hot"}, token=TOKEN)[0] == 200
+    assert cluster.pin("/pin", kept, location="LocalDiskBackend") == 16  # read back into CPU memory
+    churn(engine, range(30, 34))
+    disk = engine.storage_manager.tiers[-1]
+    assert disk.tier_name == "LocalDiskBackend" and all(disk.remove(key) for key in keys_of(engine, kept))
+    retrieve_and_check(engine, kept, source, slots, 16)
+
+
+def test_pins_stay_within_half_the_cpu_tier_and_clear_or_close_releases_them(cluster, warnings_log) -> None:
+    engine = cluster.engine("A", num_chunks=8, lmcache_worker_ports=(free_port(),))
+    cluster.client(engine)
+    first, *_ = store_prompt(engine, 24, seed=12)  # three whole chunks each
+    second, *_ = store_prompt(engine, 24, seed=13)
+    assert wait_for(lambda: cluster.layout(second) == {"A": ["Hot", 24]})
+    storage, asked = engine.storage_manager, []
+    real_pin_prefix = storage.pin_prefix
+    storage.pin_prefix = lambda request_id, keys, *rest: asked.append(len(keys)) or \
+        real_pin_prefix(request_id, keys, *rest)
+    assert cluster.pin("/pin", first) == 24  # 3 chunks of the 4 the bound allows
+    assert cluster.pin("/pin", first) == 24  # a repeated /pin replaces the last: counted once
+    assert cluster.pin("/pin", second) == 8  # the one chunk that still fits
+    assert cluster.pin("/pin", second) == 8
+    assert asked == [3, 3, 2, 2]  # never more chunks read than could fit, and one to find the bound
+    assert engine.storage_manager.pins.num_pins == 4
+    assert sum("reached the bound" in w for w in warnings_log()) == 1
+    assert cluster.pin("/pin", first[:8]) == 8  # a shared chunk costs nothing more
+    assert cluster.pin("/unpin", first) == 24
+    assert cluster.pin("/pin", second) == 24
+    assert cluster.pin("/pin", first[:16]) == 8
+
+    status, body = cluster.post("/clear", {"instance_id": "A", "location": "Hot"}, token=TOKEN)
+    assert status == 200 and body["num_chunks"] == 6
+    assert engine.storage_manager.pins.num_requests == 0  # clear means empty: the pins went too
+    assert wait_for(lambda: cluster.layout(second) == {})
+    assert (cluster.pin("/unpin", second), cluster.pin("/pin", second)) == (0, 0)
+
+    third, *_ = store_prompt(engine, 16, seed=14)
+    assert cluster.pin("/pin", third) == 16
+    engine.close()  # the engine's close releases the controller's pins, and calls them no leak
+    assert engine.storage_manager.pins.num_pins == 0
+    assert not any("LMCache engine closed" in w for w in warnings_log())
+
+
+def test_pin_and_unpin_refuse_what_they_cannot_do(cluster, warnings_log) -> None:
+    engine = cluster.engine("A", num_chunks=8, lmcache_worker_ports=(free_port(),))
+    cluster.client(engine)
+    tokens, *_ = store_prompt(engine, 16, seed=15)
+    assert wait_for(lambda: cluster.layout(tokens) == {"A": ["Hot", 16]})
+    nocmd = cluster.engine("C", num_chunks=8)
+    cluster.client(nocmd)
+    assert wait_for(lambda: cluster.controller.index.workers("C") != [])
+    body = {"instance_id": "A", "location": "Hot", "tokens": tokens.tolist()}
+    for path in ("/pin", "/unpin"):
+        assert cluster.post(path, body)[0] == 401
+        assert cluster.post(path, body, token="wrong-token")[0] == 403
+        for bad in ({**body, "tokens": "1 2"}, {**body, "location": 3}, {"location": "Hot", "tokens": [1]}):
+            status, answer = cluster.post(path, bad, token=TOKEN)
+            assert status == 400 and "field" in answer["error"], answer
+        assert cluster.post(path, {**body, "instance_id": "nobody"}, token=TOKEN)[0] == 404
+        status, answer = cluster.post(path, {**body, "location": "Nowhere"}, token=TOKEN)
+        assert status == 502 and "tier='Nowhere'" in answer["error"]
+        assert cluster.post("/check_finish", {"event_id": answer["event_id"]}) == (200, {"status": "failed"})
+        status, answer = cluster.post(path, {**body, "instance_id": "C"}, token=TOKEN)
+        assert status == 502 and "lmcache_worker_ports" in answer["error"]
+    assert engine.storage_manager.pins.num_requests == 0  # nothing refused pinned anything
+
+    (info,) = cluster.controller.index.workers("A")
+    stranger = zmq.Context.instance().socket(zmq.DEALER)
+    stranger.connect(f"tcp://{info.ip}:{info.port}")
+    stranger.send(b"x" * (MAX_COMMAND_BYTES + 1))  # the worker's socket drops a frame that large unread
+    wait_for(lambda: False, timeout=1.0)
+    stranger.close(linger=0)
+    assert not any("unreadable command" in w for w in warnings_log())
+    assert cluster.pin("/pin", tokens) == 16  # and goes on taking commands

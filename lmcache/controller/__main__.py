@@ -3,7 +3,8 @@
     lmcache_controller --host 127.0.0.1 --port 9000 --monitor-ports '{"pull": 8300, "reply": 8400}'
 
 `--monitor-port P` (upstream's older flag) means pull on P and reply on P + 1. `--token`, or
-`LMCACHE_CONTROLLER_TOKEN`, is what state-changing calls (`/clear`) must send as a bearer token.
+`LMCACHE_CONTROLLER_TOKEN`, is what state-changing calls (`/clear`, `/pin`, `/unpin`) must send
+as a bearer token.
 A bad flag exits with status 2 and a message naming it.
 """
 
@@ -73,7 +74,8 @@ def parse_settings(argv: Optional[List[str]] = None) -> ControllerSettings:
     parser.add_argument("--monitor-ports", default=None,
                         help='the workers\' sockets as JSON, e.g. \'{"pull": 8300, "reply": 8400}\' (the default)')
     parser.add_argument("--monitor-port", default=None, help="upstream's older flag: pull on this port, reply on the next")
-    parser.add_argument("--token", default=None, help=f"bearer token of /clear (default: ${TOKEN_ENV}; none refuses it)")
+    parser.add_argument("--token", default=None,
+                        help=f"bearer token of /clear, /pin and /unpin (default: ${TOKEN_ENV}; none refuses them)")
     parser.add_argument("--missed-heartbeats", default=str(DEFAULT_MISSED_HEARTBEATS),
                         help=f"heartbeat periods a worker may miss before it is dropped (default {DEFAULT_MISSED_HEARTBEATS})")
     args = parser.parse_args(argv)

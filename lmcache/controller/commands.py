@@ -1,9 +1,10 @@
 """The controller's commands to workers, sent to the port each worker registered (`command_url`).
 
 One DEALER socket per command and worker, closed when the reply comes or `COMMAND_TIMEOUT_S`
-passes: commands are rare (an operator's `/clear`), and a fresh socket never mixes a late reply
-with the next command's. A worker without a command port (no `lmcache_worker_ports`), one that
-does not answer, and one that answers with an error each yield a failed `CommandResult` saying so.
+passes: commands are rare (an operator's `/clear`, `/pin`, `/unpin`), and a fresh socket never
+mixes a late reply with the next command's. A worker without a command port (no
+`lmcache_worker_ports`), one that does not answer, and one that answers with an error each yield
+a failed `CommandResult` saying so.
 """
 
 from __future__ import annotations
@@ -15,9 +16,10 @@ import msgspec
 import zmq
 
 from lmcache.controller.index import ControllerIndex
-from lmcache.controller.messages import COMMAND_REPLY_DECODER, ClearCommand, encode
+from lmcache.controller.messages import COMMAND_REPLY_DECODER, CommandMessage, encode
 
-# How long a worker has to carry out a command and answer (clearing a big disk tier takes a while).
+# How long a worker has to carry out a command and answer (clearing a big disk tier, or pinning a
+# long prefix read from it, takes a while).
 COMMAND_TIMEOUT_S = 30.0
 
 
@@ -26,6 +28,7 @@ class CommandResult:
     worker_id: int
     ok: bool
     num_chunks: int = 0
+    num_tokens: int = 0
     error: str = ""
 
 
@@ -38,10 +41,11 @@ class CommandSender:
         self._timeout_ms = int(timeout_s * 1000)
         self._ctx = zmq.Context.instance()
 
-    def clear(self, instance_id: str, location: str, event_id: str) -> List[CommandResult]:
-        """Have every worker of `instance_id` drop every chunk of `location`."""
-        command = encode(ClearCommand(event_id, location, self._token))
-        return [self._send(worker_id, url, command, event_id)
+    def send(self, instance_id: str, command: CommandMessage) -> List[CommandResult]:
+        """Have every worker of `instance_id` carry out `command` (sent with this controller's
+        token, whatever `command.token` says); one result per worker, by worker id."""
+        frame = encode(msgspec.structs.replace(command, token=self._token))
+        return [self._send(worker_id, url, frame, command.event_id)
                 for worker_id, url in sorted(self._index.command_urls(instance_id).items())]
 
     def _send(self, worker_id: int, url: Optional[str], command: bytes, event_id: str) -> CommandResult:
@@ -59,6 +63,6 @@ class CommandSender:
                 return CommandResult(worker_id, False, error=f"unreadable answer from {url}: {err}")
             if reply.event_id != event_id:
                 return CommandResult(worker_id, False, error=f"{url} answered event {reply.event_id!r}, not {event_id!r}")
-            return CommandResult(worker_id, reply.ok, reply.num_chunks, reply.error)
+            return CommandResult(worker_id, reply.ok, reply.num_chunks, reply.num_tokens, reply.error)
         finally:
             socket.close(linger=0)

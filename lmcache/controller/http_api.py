@@ -6,8 +6,17 @@
 - `/health {instance_id}` -> `{event_id, error_codes: {worker_id: 0}}` (0: heard from within
   its heartbeat period; 1: late; 2: stale, a resync under way).
 - `/clear {instance_id, location}` -> `{event_id, num_tokens, num_chunks}`: forwarded to each of
-  the instance's workers (`commands.py`); needs the token.
-- `/check_finish {event_id}` -> `{status}`: "finished" or "failed" for a `/clear`'s event.
+  the instance's workers (`commands.py`); needs the token. It releases the controller's pins of
+  that location too.
+- `/pin {instance_id, location, tokens, cache_salt?}` -> `{event_id, num_tokens}`: each worker
+  keeps the longest prefix of `tokens` that `location` holds from eviction (held in CPU memory,
+  `worker_pins.py`), within its bound; `num_tokens` is the prefix every worker pinned (a load
+  needs every worker's part). Needs the token.
+- `/unpin {instance_id, location, tokens, cache_salt?}` -> `{event_id, num_tokens}`: releases what
+  a `/pin` of the same tokens and location held (upstream lists it as work in progress). Needs
+  the token.
+- `/check_finish {event_id}` -> `{status}`: "finished" or "failed" for a `/clear`'s, `/pin`'s
+  or `/unpin`'s event.
 
 A state-changing call needs `Authorization: Bearer <token>`, compared in constant time; a
 controller started without a token refuses them. Errors answer `{"error": why}` with 400 (bad
@@ -27,21 +36,20 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from lmcache.controller.commands import CommandResult
 from lmcache.controller.index import ControllerIndex
+from lmcache.controller.messages import MAX_BODY_BYTES, ClearCommand, CommandMessage, PinCommand, UnpinCommand
 from lmcache.experimental.api_server import bearer_matches, send_json
 from lmcache.logging import init_logger
 
 logger = init_logger(__name__)
 
-# Largest request body: a /lookup of ~1M tokens as JSON.
-MAX_BODY_BYTES = 16 << 20
 # Events `/check_finish` remembers, oldest forgotten first.
 MAX_EVENTS = 10_000
 # Paths that change state, and so need the token.
-STATE_CHANGING = ("/clear",)
+STATE_CHANGING = ("/clear", "/pin", "/unpin")
 
 Reply = Tuple[int, Dict[str, Any]]
-# (instance_id, location, event_id) -> one result per worker
-ClearFn = Callable[[str, str, str], List[CommandResult]]
+# (instance_id, command) -> one result per worker of that instance (`CommandSender.send`)
+SendFn = Callable[[str, CommandMessage], List[CommandResult]]
 
 
 class BadRequest(ValueError):
@@ -62,12 +70,19 @@ def _tokens(body: Dict[str, Any]) -> List[int]:
     return tokens
 
 
+def _salt(body: Dict[str, Any]) -> str:
+    salt = body.get("cache_salt", "")
+    if not isinstance(salt, str):
+        raise BadRequest("field 'cache_salt': expected a string")
+    return salt
+
+
 class ControllerAPI:
     """The routes over one `ControllerIndex`; `serve(host, port)` starts the HTTP server."""
 
-    def __init__(self, index: ControllerIndex, clear: ClearFn, token: Optional[str]) -> None:
+    def __init__(self, index: ControllerIndex, send: SendFn, token: Optional[str]) -> None:
         self._index = index
-        self._clear = clear
+        self._send = send
         self._token = token
         self._events: "OrderedDict[str, str]" = OrderedDict()  # event_id -> status
         self._events_lock = threading.Lock()
@@ -77,6 +92,8 @@ class ControllerAPI:
             "/query_worker_info": self.query_worker_info,
             "/health": self.health,
             "/clear": self.clear,
+            "/pin": self.pin,
+            "/unpin": self.unpin,
             "/check_finish": self.check_finish,
         }
 
@@ -84,10 +101,7 @@ class ControllerAPI:
 
     def lookup(self, body: Dict[str, Any]) -> Reply:
         tokens = _tokens(body)
-        salt = body.get("cache_salt", "")
-        if not isinstance(salt, str):
-            raise BadRequest("field 'cache_salt': expected a string")
-        matches = self._index.lookup(tokens, salt)
+        matches = self._index.lookup(tokens, _salt(body))
         layout = {m.instance_id: [m.location, m.matched_prefix_len] for m in matches}
         return 200, {"event_id": _event_id(), "layout_info": layout}
 
@@ -112,20 +126,40 @@ class ControllerAPI:
         return 200, {"event_id": _event_id(), "error_codes": codes}
 
     def clear(self, body: Dict[str, Any]) -> Reply:
+        def cleared(instance_id: str, results: List[CommandResult]) -> Dict[str, Any]:
+            chunk_size = max((i.chunk_size for i in self._index.workers(instance_id)), default=0)
+            chunks = max(r.num_chunks for r in results)  # every worker holds its part of each chunk
+            return {"num_tokens": chunks * chunk_size, "num_chunks": chunks}
+
+        return self._forward("clear", body, lambda event_id, location: ClearCommand(event_id, location), cleared)
+
+    def pin(self, body: Dict[str, Any]) -> Reply:
+        tokens, salt = _tokens(body), _salt(body)
+        return self._forward("pin", body, lambda event_id, location: PinCommand(event_id, location, tokens, salt),
+                             _common_prefix)
+
+    def unpin(self, body: Dict[str, Any]) -> Reply:
+        tokens, salt = _tokens(body), _salt(body)
+        return self._forward("unpin", body, lambda event_id, location: UnpinCommand(event_id, location, tokens, salt),
+                             _common_prefix)
+
+    def _forward(self, what: str, body: Dict[str, Any], command: Callable[[str, str], CommandMessage],
+                 answer: Callable[[str, List[CommandResult]], Dict[str, Any]]) -> Reply:
+        """The state-changing calls' one path: `command(event_id, location)` to every worker of
+        the body's instance, its event remembered for /check_finish, 502 naming each worker that
+        failed, else `answer(instance_id, results)` beside the event id."""
         instance_id = _field(body, "instance_id", str, "an instance id")
         location = _field(body, "location", str, "a location (tier name, e.g. Hot or LocalDiskBackend)")
         if not self._index.command_urls(instance_id):
             return 404, {"error": f"instance {instance_id!r} has no registered worker"}
         event_id = _event_id()
-        results = self._clear(instance_id, location, event_id)
+        results = self._send(instance_id, command(event_id, location))
         failed = [r for r in results if not r.ok]
         self._remember(event_id, "failed" if failed else "finished")
         if failed:
             errors = "; ".join(f"worker {r.worker_id}: {r.error}" for r in failed)
-            return 502, {"event_id": event_id, "error": f"clear of {location!r} on {instance_id!r} failed: {errors}"}
-        chunk_size = max((i.chunk_size for i in self._index.workers(instance_id)), default=0)
-        chunks = max((r.num_chunks for r in results), default=0)  # every worker holds its part of each chunk
-        return 200, {"event_id": event_id, "num_tokens": chunks * chunk_size, "num_chunks": chunks}
+            return 502, {"event_id": event_id, "error": f"{what} of {location!r} on {instance_id!r} failed: {errors}"}
+        return 200, {"event_id": event_id, **answer(instance_id, results)}
 
     def check_finish(self, body: Dict[str, Any]) -> Reply:
         event_id = _field(body, "event_id", str, "an event id")
@@ -220,3 +254,8 @@ class ControllerAPI:
 
 def _event_id() -> str:
     return uuid.uuid4().hex
+
+
+def _common_prefix(instance_id: str, results: List[CommandResult]) -> Dict[str, Any]:
+    """A pin's or unpin's answer: the prefix every worker did (a load needs every worker's part)."""
+    return {"num_tokens": min(r.num_tokens for r in results)}

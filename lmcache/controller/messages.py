@@ -13,7 +13,12 @@ Worker <-> controller, on the controller's reply socket (DEALER/ROUTER, request 
   knows it (no: register again) and whether it wants a snapshot (a gap, or a lost last batch).
 
 Controller -> worker, on the worker's command port (`lmcache_worker_ports`):
-- `ClearCommand` -> `CommandReply`: drop every chunk of one location.
+- `ClearCommand` -> `CommandReply`: drop every chunk of one location (and the controller's pins
+  of it: clear means empty).
+- `PinCommand` -> `CommandReply`: keep the longest prefix of the tokens that the location holds
+  from eviction; `num_tokens` says how long a prefix.
+- `UnpinCommand` -> `CommandReply`: release what a `PinCommand` of those tokens held.
+A command is at most `MAX_COMMAND_BYTES` (a worker's socket drops a peer that sends more).
 
 No pickle: every frame is decoded into these types, and anything else is refused with a reason.
 """
@@ -29,6 +34,13 @@ ChunkHash = Annotated[str, msgspec.Meta(pattern=r"^[0-9a-f]{1,64}$")]
 Name = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
 NonNegative = Annotated[int, msgspec.Meta(ge=0)]
 Positive = Annotated[int, msgspec.Meta(ge=1)]
+TokenId = Annotated[int, msgspec.Meta(ge=0, lt=2**31)]
+
+# Largest body the controller's HTTP API takes: a /lookup or /pin of ~1M tokens as JSON.
+MAX_BODY_BYTES = 16 << 20
+# Largest command: a /pin of the largest body (its tokens take no more room in msgpack than in
+# JSON), plus the envelope.
+MAX_COMMAND_BYTES = MAX_BODY_BYTES + 4096
 
 ADMIT = "admit"  # the location holds the chunk now
 EVICT = "evict"  # it no longer does
@@ -98,16 +110,35 @@ class ClearCommand(msgspec.Struct, frozen=True, tag="clear"):
     token: Optional[str] = None  # the controller's token, checked by a worker that has one
 
 
+class _TokensCommand(msgspec.Struct, frozen=True):
+    """A pin or an unpin: `tokens` name a prefix as a /lookup's do, hashed by the worker."""
+
+    event_id: Name
+    location: Name
+    tokens: List[TokenId]
+    cache_salt: str = ""  # as in /lookup: what else shaped the KV (LoRA, multimodal inputs)
+    token: Optional[str] = None
+
+
+class PinCommand(_TokensCommand, frozen=True, tag="pin"):
+    pass
+
+
+class UnpinCommand(_TokensCommand, frozen=True, tag="unpin"):
+    pass
+
+
 class CommandReply(msgspec.Struct, frozen=True, tag="command_reply"):
     event_id: Name
     ok: bool
-    num_chunks: NonNegative = 0
+    num_chunks: NonNegative = 0  # a clear: the chunks dropped
+    num_tokens: NonNegative = 0  # a pin or unpin: the prefix pinned or released
     error: str = ""
 
 
 PullMessage = Union[Register, Batch, Snapshot, Deregister]
 ReplyMessage = Union[Heartbeat]
-CommandMessage = Union[ClearCommand]
+CommandMessage = Union[ClearCommand, PinCommand, UnpinCommand]
 
 ENCODER = msgspec.msgpack.Encoder()
 PULL_DECODER = msgspec.msgpack.Decoder(PullMessage)

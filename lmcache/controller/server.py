@@ -43,7 +43,7 @@ class Controller:
         self.settings = settings
         self.index = ControllerIndex(settings.missed_heartbeats)
         self._commands = CommandSender(self.index, settings.token)
-        self.api = ControllerAPI(self.index, self._commands.clear, settings.token)
+        self.api = ControllerAPI(self.index, self._commands.send, settings.token)
         self._receiver: Optional[Receiver] = None
         self.http_address: Optional[tuple] = None
 
@@ -58,7 +58,7 @@ class Controller:
         pull, reply = self._receiver.ports
         logger.info("LMCache controller: HTTP on %s:%d, workers' pull on %d and reply on %d%s",
                     s.host, self.http_address[1], pull, reply,
-                    "" if s.token else " (no token: /clear is refused)")
+                    "" if s.token else " (no token: /clear, /pin and /unpin are refused)")
         return self
 
     @property

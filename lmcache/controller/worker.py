@@ -7,7 +7,8 @@ stream. Every `lmcache_worker_heartbeat_time` it heartbeats over `controller_rep
 reply asks it to register again (the controller restarted or dropped it) or to send a snapshot
 (the controller saw a gap), which it sends from the mirror. When its own queue overflowed, the
 mirror is rebuilt from the tiers that can list their keys (CPU, disk) and a snapshot follows.
-With `lmcache_worker_ports`, it also takes the controller's `/clear` on its own port.
+With `lmcache_worker_ports`, it also takes the controller's `/clear`, `/pin` and `/unpin` on its
+own port (`worker_pins.py` holds the pins).
 
 Never on the request path: the store and the tiers only append to a bounded queue; sends never
 block (a full ZeroMQ queue drops the message, which the controller sees as a gap). A controller
@@ -35,15 +36,20 @@ from lmcache.controller.messages import (
     COMMAND_DECODER,
     EVICT,
     HEARTBEAT_REPLY_DECODER,
+    MAX_COMMAND_BYTES,
     Batch,
+    CommandMessage,
     CommandReply,
     Deregister,
     Heartbeat,
     Operation,
+    PinCommand,
     Register,
     Snapshot,
+    UnpinCommand,
     encode,
 )
+from lmcache.controller.worker_pins import WorkerPins
 from lmcache.experimental.cache_engine import LMCacheEngine
 from lmcache.experimental.holdings import CONTROLLER, Change, HoldingEvent
 from lmcache.logging import init_logger
@@ -146,6 +152,7 @@ class ControllerClient:
             "enable_controller is off"
         self._stream = engine.holdings
         self._storage = engine.storage_manager
+        self._pins = WorkerPins(engine)
         self._token = token
         self._boot_id = uuid.uuid4().hex
         self._who = dict(instance_id=config.lmcache_instance_id, worker_id=meta.worker_id, boot_id=self._boot_id)
@@ -194,6 +201,7 @@ class ControllerClient:
             return None, None
         sock = ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_COMMAND_BYTES)  # a peer that sends more is dropped
         url = f"tcp://{host}:{port}"
         try:
             sock.bind(url)
@@ -299,16 +307,29 @@ class ControllerClient:
             if self._token is not None and not hmac.compare_digest((command.token or "").encode(), self._token.encode()):
                 reply = CommandReply(command.event_id, False, error="wrong or missing controller token")
             else:
-                try:
-                    removed = self._storage.clear_tier(command.location)
-                    logger.warning("LMCache tier %s cleared by the controller: %d chunks", command.location, removed)
-                    reply = CommandReply(command.event_id, True, removed)
-                except ValueError as err:
-                    reply = CommandReply(command.event_id, False, error=str(err))
+                reply = self._carry_out(command)
             try:
                 self._commands.send_multipart((identity, encode(reply)), zmq.NOBLOCK)
             except zmq.ZMQError:
                 pass  # the controller gave up waiting
+
+    def _carry_out(self, command: CommandMessage) -> CommandReply:
+        """What `command` does to this worker's tiers and pins; a location that is none of them
+        fails it, saying which there are."""
+        try:
+            if isinstance(command, PinCommand):
+                return CommandReply(command.event_id, True,
+                                    num_tokens=self._pins.pin(command.location, command.tokens, command.cache_salt))
+            if isinstance(command, UnpinCommand):
+                return CommandReply(command.event_id, True,
+                                    num_tokens=self._pins.unpin(command.location, command.tokens, command.cache_salt))
+            removed = self._storage.clear_tier(command.location)
+            released = self._pins.release(command.location)  # clear means empty: no pin keeps a chunk of it
+            logger.warning("LMCache tier %s cleared by the controller: %d chunks, %d controller pins released",
+                           command.location, removed, released)
+            return CommandReply(command.event_id, True, num_chunks=removed)
+        except ValueError as err:
+            return CommandReply(command.event_id, False, error=str(err))
 
     def close(self) -> None:
         """Report what the tiers said up to now (the engine closed first), deregister, close."""

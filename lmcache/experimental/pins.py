@@ -17,6 +17,9 @@ Operations:
 - `unpin(request_ids)`: release those requests' pins; unknown ids are ignored.
 - `close()`: release everything; later `pin` calls release what they are given at once.
 
+Standing pins (the controller's `/pin`) outlive any request: their ids start with
+`STANDING_PREFIX`, and `num_standing_requests` tells them from pins a request left behind.
+
 Thread-safe: the scheduler side pins from its thread while the worker loads and unpins from
 another. References are dropped outside the lock (a last reference frees into the allocator).
 """
@@ -29,6 +32,11 @@ from lmcache.experimental.stats import EngineStats
 from lmcache.utils import CacheEngineKey
 
 Pinned = Tuple[CacheEngineKey, MemoryObj]
+
+# The start of a standing pin's request id. No serving engine's request id starts with a NUL
+# (vLLM makes its own, or takes one from an HTTP header, which cannot carry a NUL), so the two
+# never collide.
+STANDING_PREFIX = "\0standing:"
 
 
 def _release(pinned: Iterable[Pinned]) -> None:
@@ -59,6 +67,12 @@ class PinRegistry:
         """Request ids holding at least one pin right now."""
         with self._lock:
             return len(self._by_request)
+
+    @property
+    def num_standing_requests(self) -> int:
+        """Request ids of standing pins (`STANDING_PREFIX`) holding at least one pin right now."""
+        with self._lock:
+            return sum(1 for request_id in self._by_request if request_id.startswith(STANDING_PREFIX))
 
     def pin(self, request_id: str, pinned: Sequence[Pinned]) -> bool:
         """Hold `pinned` for `request_id` instead of whatever it held before.
