@@ -14,6 +14,9 @@ multi-round QA (`multi_round_qa.py`) through `round_robin_proxy.py`:
   prompts 2000 would send every request to the instance that served the first one (any match
   leaves under 2000 tokens to compute), so that N instances would be one; 512 sends a user's later
   turns (its history plus under two chunks) to its holder and spreads first turns round robin;
+- `lmcache-routed-p2p`: the same, and the instances read each other's tiers peer to peer
+  (`enable_p2p`, records in a Redis on loopback): a first turn routed round robin loads the
+  shared system prompt from the instance that holds it;
 - `lmcache-pool`: ours sharing the node pool (`lm+shm://`, no CPU tier: one copy per machine);
 - `lmcache-remote`: ours sharing one `lm://` server over TCP (no CPU tier either);
 - `lmcache-mooncake`: ours sharing one Mooncake Store (`mooncakestore://`): a `mooncake_master` and
@@ -50,14 +53,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # make_tiny_model
 
 from bench_multi_instance_report import (  # noqa: E402
-    KIND_LABELS, MOONCAKE_KIND, PRIVATE_KIND, ROUTED_KIND, instance_counters, plot, plot_title, store_gauges,
-    summarize_kind, targets,
+    KIND_LABELS, MOONCAKE_KIND, PRIVATE_KIND, ROUTED_KIND, ROUTED_P2P_KIND, instance_counters, plot, plot_title,
+    store_gauges, summarize_kind, targets,
 )
 from bench_serving import add_model_args, apply_quick, model_spec, run_header, shown  # noqa: E402
 from bench_serving_client import RequestFailed, parse_prefix_counters  # noqa: E402
 from bench_serving_servers import (  # noqa: E402
     POOL_KIND, VLLM_KIND, CpuMeter, LaunchSpec, ManagedProcess, ServerError, ServerSettings, controller_env,
-    controller_launch, describe, free_port, launch, mooncake_launches, remote_server_launch, server_launch, stop_all,
+    controller_launch, describe, free_port, launch, mooncake_launches, p2p_env, redis_launch, remote_server_launch,
+    server_launch, stop_all,
 )
 from kv_aware_router import KvAwareRouter  # noqa: E402
 from make_tiny_model import make_tiny_model  # noqa: E402
@@ -68,7 +72,8 @@ from lmcache.experimental.metrics import lmcache_samples  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 SCHEMA = "lmcache-bench-multi-instance/1"
-KINDS = (VLLM_KIND, PRIVATE_KIND, ROUTED_KIND, POOL_KIND, "lmcache-remote", MOONCAKE_KIND)
+KINDS = (VLLM_KIND, PRIVATE_KIND, ROUTED_KIND, ROUTED_P2P_KIND, POOL_KIND, "lmcache-remote", MOONCAKE_KIND)
+ROUTED_KINDS = (ROUTED_KIND, ROUTED_P2P_KIND)
 SHARED_KINDS = (POOL_KIND, "lmcache-remote", MOONCAKE_KIND)  # kinds with one cache store for all instances
 # The routed kind's instances: ids as each reports to the controller, in backend order.
 ROUTED_INSTANCE = "bench-instance-{}"
@@ -161,18 +166,32 @@ def start_controller(log_dir: Path, running: list[ManagedProcess]) -> tuple[str,
     return f"http://127.0.0.1:{http}", (pull, reply), spec
 
 
+def start_redis(log_dir: Path, running: list[ManagedProcess]) -> tuple[int, LaunchSpec]:
+    """Start the Redis peer-to-peer records live in (appended to `running`): (its port, how)."""
+    port = free_port()
+    spec = redis_launch(port, log_dir / "redis.log")
+    proc = launch(spec, ROOT)
+    running.append(proc)
+    proc.wait_listening(port, 60)
+    return port, spec
+
+
 def start_instances(kind: str, n: int, settings: ServerSettings, log_dir: Path, remote_port: Optional[int],
                     running: list[ManagedProcess], timeout_s: float,
-                    controller_ports: Optional[tuple[int, int]] = None) -> tuple[list[str], list[ManagedProcess]]:
+                    controller_ports: Optional[tuple[int, int]] = None,
+                    lookup_port: Optional[int] = None) -> tuple[list[str], list[ManagedProcess]]:
     """Start `n` vLLM instances of `kind` side by side (startup is mostly compiling), appended to
     `running`, and wait until each is healthy: (their base URLs, their processes). With
-    `controller_ports`, instance i reports to that controller as `ROUTED_INSTANCE.format(i)`."""
+    `controller_ports`, instance i reports to that controller as `ROUTED_INSTANCE.format(i)`; with
+    `lookup_port`, it shares its tiers peer to peer, recording them in the Redis there."""
     urls, instances = [], []
     for i in range(n):
         port = free_port()
         spec = server_launch(kind, settings, port, log_dir / f"{kind}-{i}.log", remote_port)
         if controller_ports is not None:
             spec.env.update(controller_env(ROUTED_INSTANCE.format(i), *controller_ports))
+        if lookup_port is not None:
+            spec.env.update(p2p_env(lookup_port, free_port()))
         instances.append(launch(spec, ROOT))
         running.append(instances[-1])
         urls.append(f"http://127.0.0.1:{port}")
@@ -211,12 +230,16 @@ class MultiBench:
         router: Optional[KvAwareRouter] = None
         try:
             remote_port, metrics_port = self._start_shared(kind, running)
-            controller_url, controller_ports = None, None
-            if kind == ROUTED_KIND:
+            controller_url, controller_ports, lookup_port = None, None, None
+            if kind in ROUTED_KINDS:
                 controller_url, controller_ports, spec = start_controller(self.log_dir, running)
                 self.processes.setdefault(kind, []).append({"role": "controller", **describe(spec)})
+            if kind == ROUTED_P2P_KIND:
+                lookup_port, spec = start_redis(self.log_dir, running)
+                self.processes.setdefault(kind, []).append({"role": "p2p lookup", **describe(spec)})
             urls, instances = start_instances(kind, self.args.multi_instance, self.settings, self.log_dir,
-                                              remote_port, running, self.args.startup_timeout, controller_ports)
+                                              remote_port, running, self.args.startup_timeout, controller_ports,
+                                              lookup_port)
             for proc in instances:
                 self.processes.setdefault(kind, []).append({"role": "instance", **describe(proc.spec),
                                                             "ready_s": proc.ready_s})

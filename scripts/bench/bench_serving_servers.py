@@ -73,8 +73,10 @@ MODE_KINDS = {
 OBSERVED_KIND = "lmcache-cpu-observed"
 # Our cache on the node pool (`lm+shm://`).
 POOL_KIND = "lmcache-pool"
-# Private CPU tiers reporting to an `lmcache_controller` (the multi-instance benchmark's routed kind).
+# Private CPU tiers reporting to an `lmcache_controller` (the multi-instance benchmark's routed kind),
+# and the same reading each other's tiers too (peer-to-peer, records in a Redis).
 ROUTED_KIND = "lmcache-routed"
+ROUTED_P2P_KIND = "lmcache-routed-p2p"
 # Kinds whose lm:// server answers slowly: they run the `interference` workload and nothing else.
 SLOW_REMOTE_KINDS = ("lmcache-remote-slow", "lmcache-remote-slow-async")
 OUR_KINDS = ("lmcache-cpu", "lmcache-disk", "lmcache-remote", "lmcache-mooncake", POOL_KIND, *MODE_KINDS)
@@ -84,7 +86,8 @@ KIND_COLORS = {VLLM_KIND: "#7f7f7f", "lmcache-cpu": "#1f77b4", "lmcache-disk": "
                "lmcache-mooncake": "#8c564b",
                "lmcache-cpu-layerwise": "#17becf", "lmcache-disk-async": "#ff7f0e", "lmcache-remote-slow": "#ff9896",
                "lmcache-remote-slow-async": "#9467bd",
-               POOL_KIND: "#e377c2", ROUTED_KIND: "#bcbd22", OBSERVED_KIND: "#aec7e8"}
+               POOL_KIND: "#e377c2", ROUTED_KIND: "#bcbd22", ROUTED_P2P_KIND: "#98df8a",
+               OBSERVED_KIND: "#aec7e8"}
 # Kinds whose cache outlives the vLLM process, so the restart workload means something for them.
 PERSISTENT_KINDS = ("lmcache-disk", "lmcache-remote", "lmcache-mooncake", POOL_KIND, "lmcache-disk-async")
 # Kinds whose tier is a store this module starts beside the server: the `lm://` server (the node
@@ -181,7 +184,7 @@ def tier_env(kind: str, settings: ServerSettings, remote_port: Optional[int]) ->
     """The `LMCACHE_*` variables that put our cache in exactly one tier."""
     if kind == VLLM_KIND:
         return {}
-    if kind == ROUTED_KIND:  # the controller's keys come per instance: `controller_env`
+    if kind in (ROUTED_KIND, ROUTED_P2P_KIND):  # the controller's and P2P's keys come per instance
         return tier_env("lmcache-cpu", settings, remote_port)
     if kind in MODE_KINDS:
         tier, mode = MODE_KINDS[kind]
@@ -291,6 +294,22 @@ def controller_env(instance_id: str, pull_port: int, reply_port: int) -> dict[st
         "LMCACHE_LMCACHE_INSTANCE_ID": instance_id,
         "LMCACHE_CONTROLLER_PULL_URL": f"127.0.0.1:{pull_port}",
         "LMCACHE_CONTROLLER_REPLY_URL": f"127.0.0.1:{reply_port}",
+    }
+
+
+def redis_launch(port: int, log_path: Path) -> LaunchSpec:
+    """How to start the Redis peer-to-peer instances record their chunks in: loopback, no disk."""
+    argv = ["redis-server", "--bind", "127.0.0.1", "--port", str(port), "--save", "", "--appendonly", "no"]
+    return LaunchSpec("redis", argv, {}, log_path)
+
+
+def p2p_env(lookup_port: int, serve_port: int) -> dict[str, str]:
+    """The `LMCACHE_*` variables that make an instance serve its tiers to its peers on `serve_port`
+    and read theirs, with the records in the Redis on `lookup_port` (loopback: no token needed)."""
+    return {
+        "LMCACHE_ENABLE_P2P": "true",
+        "LMCACHE_LOOKUP_URL": f"127.0.0.1:{lookup_port}",
+        "LMCACHE_DISTRIBUTED_URL": f"127.0.0.1:{serve_port}",
     }
 
 
