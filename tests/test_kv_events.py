@@ -11,7 +11,9 @@ import msgspec
 import pytest
 import torch
 import zmq
-from tier_helpers import keys_of, small_engine, store_prompt
+from helpers import prompt, slots_for
+from kv_reference import make_kvcaches
+from tier_helpers import ENGINE_GEO, keys_of, small_engine, store_prompt
 
 from lmcache.experimental.chunk_tokens import BlockNames, ChunkTokens
 from lmcache.integration.vllm.kv_events import (
@@ -76,6 +78,17 @@ def test_a_store_with_vllms_block_names_publishes_them_for_each_whole_chunk() ->
     store_prompt(engine, 24, seed=7)  # evicts all three
     removed = [e.block_hashes for e in translator.take() if isinstance(e, BlockRemoved)]
     assert sorted(removed, key=str) == sorted([[10, 11], [12, 13], [block_hash(keys[2])]], key=str)
+    engine.close()
+
+
+def test_a_layer_by_layer_store_names_its_chunks_too() -> None:
+    engine = events_engine(num_chunks=4)
+    translator = KVEventsTranslator(engine)
+    tokens, source, slots = prompt(16, seed=8), make_kvcaches(ENGINE_GEO, seed=8), slots_for(ENGINE_GEO, 16, seed=8)
+    names = BlockNames(block_size=4, first=0, hashes=(20, 21, 22, 23))
+    for _ in engine.store_layer(tokens, kvcaches=source, slot_mapping=slots, block_names=names):
+        pass
+    assert [e.block_hashes for e in translator.take()] == [[20, 21], [22, 23]]
     engine.close()
 
 
