@@ -9,10 +9,13 @@ import socket
 
 import msgspec
 import pytest
+import torch
 import zmq
-from tier_helpers import keys_of, small_engine, store_prompt
+from helpers import prompt, slots_for
+from kv_reference import make_kvcaches
+from tier_helpers import ENGINE_GEO, keys_of, small_engine, store_prompt
 
-from lmcache.experimental.chunk_tokens import ChunkTokens
+from lmcache.experimental.chunk_tokens import BlockNames, ChunkTokens
 from lmcache.integration.vllm.kv_events import (
     KVEventsPublisher,
     KVEventsTranslator,
@@ -51,6 +54,52 @@ def test_stores_evictions_and_tails_become_vllm_events() -> None:
     assert sum(isinstance(e, BlockStored) for e in later) == 2
     engine.close()
     assert translator.take() == []  # the CPU tier's close is logged, not an AllBlocksCleared
+
+
+def test_a_store_with_vllms_block_names_publishes_them_for_each_whole_chunk() -> None:
+    """vLLM 0.32 (blocks of 4 here): each chunk is its blocks' vLLM hashes, parented by the block
+    before it, stored and removed under them; a chunk whose blocks are not all named stays ours,
+    also when a later store names it (its events name it one way)."""
+    engine = events_engine(num_chunks=3)
+    translator = KVEventsTranslator(engine)
+    names = BlockNames(block_size=4, first=0, hashes=(10, 11, 12, 13))  # chunk 2's blocks unnamed
+    tokens, source, slots = store_prompt(engine, 24, seed=6, block_names=names)  # 3 chunks of 8
+    keys = keys_of(engine, tokens)
+    stored = translator.take()
+    assert [e.block_hashes for e in stored] == [[10, 11], [12, 13], [block_hash(keys[2])]]
+    assert [e.parent_block_hash for e in stored] == [None, 11, block_hash(keys[1])]
+    assert [e.block_size for e in stored] == [4, 4, CHUNK]
+    assert [e.token_ids for e in stored] == [tokens[i:i + CHUNK].tolist() for i in (0, 8, 16)]
+
+    mask = torch.arange(24) >= 8  # stored again from the second chunk: names from its parent's block
+    engine.store(tokens, mask, kvcaches=source, slot_mapping=slots,
+                 block_names=BlockNames(block_size=4, first=1, hashes=(11, 12, 13, 14, 15)))
+    assert translator.take() == []  # nothing new admitted
+    store_prompt(engine, 24, seed=7)  # evicts all three
+    removed = [e.block_hashes for e in translator.take() if isinstance(e, BlockRemoved)]
+    assert sorted(removed, key=str) == sorted([[10, 11], [12, 13], [block_hash(keys[2])]], key=str)
+    engine.close()
+
+
+def test_a_layer_by_layer_store_names_its_chunks_too() -> None:
+    engine = events_engine(num_chunks=4)
+    translator = KVEventsTranslator(engine)
+    tokens, source, slots = prompt(16, seed=8), make_kvcaches(ENGINE_GEO, seed=8), slots_for(ENGINE_GEO, 16, seed=8)
+    names = BlockNames(block_size=4, first=0, hashes=(20, 21, 22, 23))
+    for _ in engine.store_layer(tokens, kvcaches=source, slot_mapping=slots, block_names=names):
+        pass
+    assert [e.block_hashes for e in translator.take()] == [[20, 21], [22, 23]]
+    engine.close()
+
+
+def test_block_names_of_a_chunk_need_every_block_and_the_parent() -> None:
+    names = BlockNames(block_size=4, first=3, hashes=(3, 4, 5, 6, 7))  # blocks 3..7
+    assert names.of_chunk(16, 24) == ((4, 5), 3)
+    assert names.of_chunk(20, 32) == ((5, 6, 7), 4)
+    assert names.of_chunk(12, 20) is None  # its parent, block 2, is not named
+    assert names.of_chunk(24, 36) is None  # block 8 is not named
+    assert names.of_chunk(18, 26) is None  # not whole blocks
+    assert BlockNames(block_size=4, first=0, hashes=(0, 1)).of_chunk(0, 8) == ((0, 1), None)
 
 
 def test_an_admit_whose_tokens_were_forgotten_is_counted_not_published() -> None:

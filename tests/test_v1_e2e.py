@@ -340,7 +340,10 @@ def check_kv_events(model: str, baseline, skipped_prompt: list[int], env: dict, 
     """KV events from one engine: `BlockStored` per whole chunk stored (tokens, parent, size) on
     store, `BlockRemoved` for the chunks the small CPU tier evicted, nothing for a request that
     did not store (`lmcache.skip_save`); greedy output still equal to cache off. `through_vllm`
-    (vLLM 0.32): vLLM's own publisher (`--kv-events-config`) sends ours; otherwise LMCache's."""
+    (vLLM 0.32): vLLM's own publisher (`--kv-events-config`) sends ours beside vLLM's GPU blocks
+    (its prefix cache on), and ours name each chunk by vLLM's hashes of its blocks, so every hash
+    we publish is one vLLM published for the same tokens; otherwise LMCache's publisher, our
+    own hashes, one per chunk."""
     from vllm.distributed.kv_events import BlockRemoved, BlockStored
 
     sub = KVEventsSubscriber()
@@ -353,21 +356,32 @@ def check_kv_events(model: str, baseline, skipped_prompt: list[int], env: dict, 
         env["LMCACHE_KV_EVENTS_ENDPOINT"] = endpoint
     prompts = [P_LONG, P_OTHER, skipped_prompt]
     skip = {"kv_transfer_params": {"lmcache.skip_save": True}}
-    result = run(model, prompts, connector_kwargs(prefix_caching=False), env, prompt_extra_args=[None, None, skip],
+    result = run(model, prompts, connector_kwargs(prefix_caching=through_vllm), env, prompt_extra_args=[None, None, skip],
                  kv_events_config=vllm_events)
     assert_same_as_baseline(result, prompts, baseline)
+    received = sub.events()
     # Ours: 0.32's name the tier (`ownership`) and its medium; 0.9.2's have neither field.
-    events = [e for e in sub.events() if getattr(e, "ownership", "lmcache.Hot") == "lmcache.Hot"]
+    events = [e for e in received if getattr(e, "ownership", "lmcache.Hot") == "lmcache.Hot"]
     assert all(getattr(e, "medium", "CPU") == "CPU" for e in events)
     stored = [e for e in events if isinstance(e, BlockStored)]
     removed = [h for e in events if isinstance(e, BlockRemoved) for h in e.block_hashes]
-    # Whole chunks only (the tails of 220 and 76 tokens are no block), each a block of its own.
+    # Whole chunks only (the tails of 220 and 76 tokens are no block).
     expected = [p[i:i + CHUNK] for p in (P_LONG, P_OTHER) for i in range(0, len(p) - CHUNK + 1, CHUNK)]
     assert [e.token_ids for e in stored] == expected
-    assert all(len(e.block_hashes) == 1 and e.block_size == CHUNK for e in stored)
-    hashes = [e.block_hashes[0] for e in stored]
-    assert [e.parent_block_hash for e in stored] == [None, *hashes[:4], None, *hashes[5:8]]
-    assert removed and set(removed) <= set(hashes[:5]), "the evicted chunks are P_LONG's"
+    block_size = CHUNK
+    if through_vllm:  # vLLM's blocks: each hash ours also publishes, for the same tokens
+        gpu = [e for e in received if isinstance(e, BlockStored) and e.medium == "GPU"]
+        block_size = gpu[0].block_size
+        vllm_blocks = {h: e.token_ids[i * block_size:(i + 1) * block_size]
+                       for e in gpu for i, h in enumerate(e.block_hashes)}
+        for e in stored:
+            assert [vllm_blocks.get(h) for h in e.block_hashes] == [
+                e.token_ids[i:i + block_size] for i in range(0, CHUNK, block_size)]
+    assert all(len(e.block_hashes) == CHUNK // block_size and e.block_size == block_size for e in stored)
+    lasts = [e.block_hashes[-1] for e in stored]  # a chunk's parent: the block before its first
+    assert [e.parent_block_hash for e in stored] == [None, *lasts[:4], None, *lasts[5:8]]
+    hashes = {h for e in stored[:5] for h in e.block_hashes}
+    assert removed and set(removed) <= hashes, "the evicted chunks are P_LONG's"
     assert len(removed) == len(set(removed))
 
 

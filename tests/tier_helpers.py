@@ -171,10 +171,10 @@ def keys_of(engine: LMCacheEngine, tokens: torch.Tensor) -> list:
     return [key for _, _, key in engine.token_database.process_tokens(tokens)]
 
 
-def store_prompt(engine: LMCacheEngine, n: int, seed: int):
-    """Store a prompt of `n` tokens; its tokens, source caches and slots."""
+def store_prompt(engine: LMCacheEngine, n: int, seed: int, **store_kwargs):
+    """Store a prompt of `n` tokens (`store_kwargs`: `engine.store`'s); its tokens, source caches and slots."""
     tokens, source, slots = prompt(n, seed=seed), make_kvcaches(ENGINE_GEO, seed=seed), slots_for(ENGINE_GEO, n, seed=seed)
-    engine.store(tokens, kvcaches=source, slot_mapping=slots)
+    engine.store(tokens, kvcaches=source, slot_mapping=slots, **store_kwargs)
     return tokens, source, slots
 
 

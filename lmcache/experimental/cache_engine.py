@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Dict, Generator, Iterable, List, Optional
 import torch
 
 from lmcache.config import LMCacheEngineMetadata
-from lmcache.experimental.chunk_tokens import ChunkTokens
+from lmcache.experimental.chunk_tokens import BlockNames, ChunkTokens
 from lmcache.experimental.config import LMCacheEngineConfig
 from lmcache.experimental.gpu_connector import GPUConnectorInterface
 from lmcache.experimental.holdings import CONTROLLER, KV_EVENTS, P2P, HoldingsStream
@@ -145,13 +145,16 @@ class LMCacheEngine:
         mask: Optional[torch.Tensor] = None,
         *,
         cache_salt: Optional[str] = None,
+        block_names: Optional[BlockNames] = None,
         **kwargs,
     ) -> None:
         """Store the KV of the tokens the mask selects (mask FFF...TTT; None = all).
 
-        `kwargs` go to the GPU connector (e.g. `kvcaches`, `slot_mapping`). Chunks already cached
-        locally are skipped (a chunk only the remote store has is copied, and its put skipped by
-        the remote tier's put thread: asking the server here would cost a round trip per chunk).
+        `kwargs` go to the GPU connector (e.g. `kvcaches`, `slot_mapping`). `block_names`: the
+        serving engine's names of the prompt's blocks, which KV events then give the chunks.
+        Chunks already cached locally are skipped (a chunk only the remote store has is copied,
+        and its put skipped by the remote tier's put thread: asking the server here would cost a
+        round trip per chunk).
         When memory is full even after eviction, the rest is not stored (logged). Raises
         ValueError if the number of Falses in the mask is not a multiple of the chunk size.
         """
@@ -190,7 +193,7 @@ class LMCacheEngine:
         todo: List[Tuple[int, int, CacheEngineKey]] = []
         chunks = list(chunks)
         if self.chunk_tokens is not None and chunks:
-            self._record_tokens(tokens, chunks, cache_salt or "")
+            self._record_tokens(tokens, chunks, cache_salt or "", block_names)
         for start, end, key in chunks:
             if self.storage_manager.contains_locally(key):
                 skipped += end - start
@@ -242,7 +245,8 @@ class LMCacheEngine:
         )
 
     def _record_tokens(
-        self, tokens: torch.Tensor, chunks: List[Tuple[int, int, CacheEngineKey]], cache_salt: str
+        self, tokens: torch.Tensor, chunks: List[Tuple[int, int, CacheEngineKey]], cache_salt: str,
+        block_names: Optional[BlockNames],
     ) -> None:
         """Note each chunk's tokens and parent before the tiers admit it (their events name them);
         a masked prefix is hashed again for the first chunk's parent (a few microseconds)."""
@@ -251,7 +255,7 @@ class LMCacheEngine:
         parent = None
         if first > 0:
             *_, (_, _, parent) = self.token_database.process_tokens(tokens[:first], cache_salt=cache_salt)
-        self.chunk_tokens.record_prompt(chunks, tokens_to_bytes(tokens), parent, cache_salt)
+        self.chunk_tokens.record_prompt(chunks, tokens_to_bytes(tokens), parent, cache_salt, block_names)
 
     def retrieve(
         self,
@@ -447,6 +451,7 @@ class LMCacheEngine:
         offset: int = 0,
         sync: bool = True,
         cache_salt: Optional[str] = None,
+        block_names: Optional[BlockNames] = None,
     ) -> Generator[None, None, None]:
         """Like `store`, one layer per `next()`: the i-th `next()` copies layer i of every chunk out
         of `kvcaches` (so it may run as soon as layer i's KV is written); after the last layer the
@@ -454,7 +459,7 @@ class LMCacheEngine:
         reference's "this request finishes before the step goes on"; on CPU every `next()` has
         finished its copy when it returns. Mask and slot errors raise here, before any `next()`."""
         del sync
-        spans, plan = self._layer_store_plan(tokens, mask, cache_salt)
+        spans, plan = self._layer_store_plan(tokens, mask, cache_salt, block_names)
         try:
             copier = LayerCopier(
                 self.gpu_connector, kvcaches, request_slots(slot_mapping, offset, spans, True), spans, storing=True
@@ -466,7 +471,8 @@ class LMCacheEngine:
         return self._store_layers(copier, plan)
 
     def _layer_store_plan(
-        self, tokens: torch.Tensor, mask: Optional[torch.Tensor], cache_salt: Optional[str]
+        self, tokens: torch.Tensor, mask: Optional[torch.Tensor], cache_salt: Optional[str],
+        block_names: Optional[BlockNames],
     ) -> Tuple[List[ChunkSpan], "_LayerStorePlan"]:
         plan = _LayerStorePlan(requested=_num_selected(tokens, mask), clock=_RunningClock())
         chunks = list(self.token_database.process_tokens(tokens, mask, cache_salt=cache_salt or ""))
@@ -474,7 +480,7 @@ class LMCacheEngine:
             logger.warning("store on a closed engine: %d tokens not stored", plan.requested)
             chunks = []
         if self.chunk_tokens is not None and chunks:
-            self._record_tokens(tokens, chunks, cache_salt or "")
+            self._record_tokens(tokens, chunks, cache_salt or "", block_names)
         for start, end, key in chunks:
             n = end - start
             if self.storage_manager.contains_locally(key):

@@ -196,9 +196,8 @@ def git_state() -> dict:
     return {"commit": run("git", "rev-parse", "HEAD"), "dirty_files": len(run("git", "status", "--porcelain").splitlines())}
 
 
-def run_header(schema: str, started: float, argv: list[str], load_before: tuple, model_dir: str,
-               spec: TinyModelSpec, weights: str, script: str = "scripts/bench/bench_serving.py") -> dict:
-    """The fields every result JSON of this driver starts with: what ran, where, on what model."""
+def machine_header(schema: str, started: float, argv: list[str], load_before: tuple, script: str) -> dict:
+    """The fields every result JSON starts with: what ran, where, from which commit."""
     return {
         "schema": schema,
         "started": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(started)),
@@ -208,6 +207,14 @@ def run_header(schema: str, started: float, argv: list[str], load_before: tuple,
                     "platform": platform.platform()},
         "versions": versions(),
         "git": git_state(),
+    }
+
+
+def run_header(schema: str, started: float, argv: list[str], load_before: tuple, model_dir: str,
+               spec: TinyModelSpec, weights: str, script: str = "scripts/bench/bench_serving.py") -> dict:
+    """`machine_header` and the model the servers ran."""
+    return {
+        **machine_header(schema, started, argv, load_before, script),
         "model": {"dir": model_dir, "spec": asdict(spec), "weights_sha256": weights,
                   "kv_bytes_per_token": kv_bytes_per_token(spec)},
     }

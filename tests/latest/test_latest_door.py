@@ -15,8 +15,11 @@ from vllm import SamplingParams
 from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
 from vllm.pooling_params import PoolingParams
 from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+from vllm.utils.hashing import sha256
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.request import Request
 
+from lmcache.experimental.chunk_tokens import BlockNames
 from lmcache.integration.vllm import vllm_compat
 from lmcache.integration.vllm.v1.request_policy import request_identity, request_policy
 from lmcache.integration.vllm.v1.scheduler_side import LMCacheSchedulerSide
@@ -75,6 +78,35 @@ def test_running_request_without_new_blocks_and_resumed_with_new_ones():
     assert store.save_spec.num_tokens == 512
     assert store.slot_mapping[:BLOCK].tolist() == [300 * BLOCK + o for o in range(BLOCK)]
     assert store.slot_mapping[-1].item() == 331 * BLOCK + BLOCK - 1
+
+
+def test_stores_carry_vllms_block_hashes_from_the_block_before_their_first_chunk():
+    """With KV events on, each store names its chunks' blocks by vLLM's own hashes (as vLLM's
+    events carry them: the low 64 bits as an int), from the block before the first chunk it
+    stores (that chunk's parent); the worker's events are built from them."""
+    init_none_hash(sha256)
+    side = LMCacheSchedulerSide(make_settings(block_size=BLOCK, kv_events=True), RecordingChannel())
+    req = Request("h", PROMPT, SamplingParams(max_tokens=8), None, block_hasher=get_request_block_hasher(BLOCK, sha256))
+    vllm_hashes = [int.from_bytes(h, "big") & (2**64 - 1) for h in req.block_hashes]
+    assert len(vllm_hashes) == len(PROMPT) // BLOCK
+    side.get_num_new_matched_tokens(req, 0)
+    side.update_state_after_alloc(req, 0)
+    blocks = list(range(40))
+    meta = side.build_connector_meta(step([NewRequestData.from_request(req, (blocks,))], num_scheduled={"h": 300}))
+    (store,) = meta.requests
+    assert store.block_names == BlockNames(BLOCK, 0, tuple(vllm_hashes[:16]))  # chunk 0: blocks 0-15
+    req.num_computed_tokens = 300
+    meta = side.build_connector_meta(step(cached=cached_step(req, None, False), num_scheduled={"h": 300}))
+    (store,) = meta.requests
+    assert (store.save_spec.skip_leading_tokens, store.save_spec.num_tokens) == (256, 600)
+    assert store.block_names == BlockNames(BLOCK, 15, tuple(vllm_hashes[15:37]))  # 37: the tail's whole blocks
+    assert store.block_names.of_chunk(256, 512) == (tuple(vllm_hashes[16:32]), vllm_hashes[15])
+
+    quiet = LMCacheSchedulerSide(make_settings(block_size=BLOCK), RecordingChannel())  # KV events off
+    quiet.get_num_new_matched_tokens(req, 0)
+    quiet.update_state_after_alloc(req, 0)
+    meta = quiet.build_connector_meta(step([NewRequestData.from_request(req, (blocks,))], num_scheduled={"h": 300}))
+    assert meta.requests[0].block_names is None
 
 
 def _image(identifier: str) -> MultiModalFeatureSpec:

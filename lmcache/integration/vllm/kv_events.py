@@ -14,8 +14,14 @@ Operations:
   own turns `get_kv_events()` into `BlockStored` only), so vLLM's `--kv-events-config` publisher
   sends ours beside its own blocks.
 
-One block per chunk: its hash is the chunk's own (the first 8 bytes of its key, as an int),
-`block_size` the chunk size, `token_ids` its tokens, `parent_block_hash` the chunk before it,
+Each event is one chunk. On vLLM 0.32, where the store knew vLLM's hashes of the chunk's blocks
+(`chunk_tokens.BlockNames`, from the scheduler's `request.block_hashes`), it names the chunk as
+vLLM's OffloadingConnector names its CPU copies (self-describing events): `block_hashes` vLLM's
+hash of each of its blocks in the chunk, `parent_block_hash` vLLM's hash of the block before,
+`block_size` vLLM's block size; the removal names the same hashes. Otherwise (vLLM 0.9.2, a chunk
+stored without them, a chunk size that is not a multiple of vLLM's block size) the chunk is one
+block: its hash is the chunk's own (the first 8 bytes of its key, as an int), `block_size` the
+chunk size, `parent_block_hash` the chunk before it. Either way `token_ids` are its tokens,
 `medium` `CPU` (the CPU tier, the node pool) or `STORAGE` (disk, remote stores), `ownership`
 `lmcache.<tier name>`, and the request's `cache_salt` in the first block's `extra_keys`, where
 vLLM puts it. A chunk shorter than the chunk size (a prompt's tail) is no block, as vLLM
@@ -98,20 +104,26 @@ class KVEventsTranslator:
         record = self._chunk_tokens.get(event.key)
         if record is not None and record.num_tokens < self._chunk_size:
             return None  # a prompt's tail: never published as stored, so never as removed
+        named = record is not None and record.vllm_hashes is not None
+        hashes = list(record.vllm_hashes) if named else [block_hash(event.key)]
         if event.change is Change.LOST:
-            return self._removed(**self._known({"block_hashes": [block_hash(event.key)], **where}, self._removed_fields))
+            return self._removed(**self._known({"block_hashes": hashes, **where}, self._removed_fields))
         if record is None:
             self.undescribed += 1
             return None
+        if named:
+            parent = record.vllm_parent
+        else:
+            parent = block_hash(record.parent) if record.parent is not None else None
         first_with_salt = record.parent is None and record.cache_salt
         fields: Dict[str, Any] = {
-            "block_hashes": [block_hash(event.key)],
-            "parent_block_hash": block_hash(record.parent) if record.parent is not None else None,
+            "block_hashes": hashes,
+            "parent_block_hash": parent,
             "token_ids": record.token_ids(),
-            "block_size": self._chunk_size,
+            "block_size": self._chunk_size // len(hashes),
             "lora_id": None,
             "lora_name": None,
-            "extra_keys": [(record.cache_salt,)] if first_with_salt else None,
+            "extra_keys": [(record.cache_salt,)] + [None] * (len(hashes) - 1) if first_with_salt else None,
             **where,
         }
         return self._stored(**self._known(fields, self._stored_fields))

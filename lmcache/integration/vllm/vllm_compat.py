@@ -573,6 +573,22 @@ def kv_event_types() -> Tuple[type, type, type]:
     return BlockStored, BlockRemoved, KVEventBatch
 
 
+def request_block_hashes(request: Any, first: int, end: int) -> Optional[Tuple[Any, ...]]:
+    """vLLM's hashes of the request's blocks `[first, end)` as its KV events carry them
+    (`maybe_convert_block_hash`: 64-bit ints, or bytes with VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0),
+    the names its GPU blocks and its OffloadingConnector's CPU copies get. None on vLLM 0.9.2 (its
+    requests hold no hashes) or when blocks in the range are not hashed yet. A single KV cache
+    group (all LMCache serves) hashes at the block size, so `request.block_hashes[i]` is block i's."""
+    if is_legacy_vllm():
+        return None
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+    hashes = request.block_hashes
+    if end > len(hashes) or first >= end:
+        return None
+    return tuple(maybe_convert_block_hash(h) for h in hashes[first:end])
+
+
 def shell_kv_events(events: Sequence[Any]) -> Any:
     """`events` in the container vLLM 0.32's shell hands its scheduler side (`LMCacheKVEvents`
     of one worker; vLLM counts workers as it merges them and publishes what all of them sent)."""

@@ -196,7 +196,8 @@ class LayerwiseWorker:
                 tokens, mask, slots = store_arguments(req, side.chunk_size)
                 with side.engine_lock:
                     storer = side.engine.store_layer(
-                        tokens, mask, kvcaches=kv_caches, slot_mapping=slots, cache_salt=req.cache_salt
+                        tokens, mask, kvcaches=kv_caches, slot_mapping=slots, cache_salt=req.cache_salt,
+                        block_names=req.block_names,
                     )
                 self._saves.append(_Save(req, storer))
         if self._saves:

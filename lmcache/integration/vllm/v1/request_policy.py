@@ -54,6 +54,7 @@ class DoorSettings:
     model_name: str  # vLLM's model name (the metrics' `model_name` label)
     pd_sender_peer: Optional[str] = None  # PD prefiller: the receiver host it may push to
     async_loading: bool = False  # enable_async_loading: slow-tier hits load in the background
+    kv_events: bool = False  # enable_kv_events: stores carry vLLM's block hashes for the events
 
     @classmethod
     def from_vllm(cls, vllm_config: "VllmConfig", config: LMCacheEngineConfig) -> "DoorSettings":
@@ -83,6 +84,7 @@ class DoorSettings:
             model_name=vllm_config.model_config.model,
             pd_sender_peer=config.pd_peer_host if config.enable_pd and config.pd_role == "sender" else None,
             async_loading=config.enable_async_loading,
+            kv_events=config.enable_kv_events,
         )
 
 

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Optional, Sequence
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
+from lmcache.experimental.chunk_tokens import BlockNames
 from lmcache.experimental.pd.disagg_spec import DisaggSpec
 from lmcache.integration.vllm.v1.request_policy import DoorSettings
 
@@ -95,6 +96,8 @@ class ReqMeta:
     save_spec: Optional[SaveSpec]
     disagg_spec: Optional[DisaggSpec] = None  # PD prefiller: push what the save stores, to here
     blend: Optional["BlendStep"] = None  # CacheBlend's load and/or segment stores (enable_blending)
+    # vLLM 0.32: vLLM's hashes of the blocks the store covers (and the one before), for KV events
+    block_names: Optional[BlockNames] = None
 
 
 @dataclass

@@ -37,6 +37,7 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
+from lmcache.experimental.chunk_tokens import BlockNames
 from lmcache.experimental.metrics import record_vllm_hit_tokens
 from lmcache.integration.vllm.v1.pd_requests import PDRequests
 from lmcache.integration.vllm.blend.plan import BlendScheduler
@@ -47,12 +48,13 @@ from lmcache.integration.vllm.v1.request_state import (
     LoadSpec,
     ReqMeta,
     RequestTracker,
+    SaveSpec,
     async_load_meta,
     make_req_meta,
     plan_save,
 )
 from lmcache.integration.vllm.v1.worker_channel import ChannelError, WorkerChannel
-from lmcache.integration.vllm.vllm_compat import cached_request_step
+from lmcache.integration.vllm.vllm_compat import cached_request_step, request_block_hashes
 from lmcache.logging import init_logger
 
 if TYPE_CHECKING:
@@ -270,10 +272,25 @@ class LMCacheSchedulerSide:
         req_meta = make_req_meta(tracker, load_spec, save_spec, self.settings.block_size, blend)
         if save_spec is not None:
             tracker.num_saved_tokens = save_spec.num_tokens
+            if req_meta is not None and self.settings.kv_events:
+                req_meta = dataclasses.replace(req_meta, block_names=self._block_names(tracker.req_id, save_spec))
             if req_meta is not None and self._pd is not None:
                 req_meta = dataclasses.replace(req_meta, disagg_spec=self._pd.step_spec(tracker, save_spec))
         if req_meta is not None:
             meta.requests.append(req_meta)
+
+    def _block_names(self, req_id: str, save_spec: SaveSpec) -> Optional[BlockNames]:
+        """vLLM's hashes of the blocks this store's chunks cover and of the block before the first
+        (the worker stores from `skip_leading_tokens` rounded down to a chunk); None where vLLM
+        has none (0.9.2) or its blocks do not tile a chunk."""
+        request = self._requests.get(req_id)
+        block, chunk = self.settings.block_size, self.settings.chunk_size
+        if request is None or chunk % block:
+            return None
+        start = save_spec.skip_leading_tokens - save_spec.skip_leading_tokens % chunk
+        first = max(start // block - 1, 0)
+        hashes = request_block_hashes(request, first, save_spec.num_tokens // block)
+        return BlockNames(block, first, hashes) if hashes is not None else None
 
     # ----- at the end -----------------------------------------------------------------------------
 

@@ -355,7 +355,8 @@ class LMCacheWorkerSide:
         def store() -> None:
             for req, (tokens, mask, slots) in jobs:
                 with self._lock:
-                    self.engine.store(tokens, mask, kvcaches=kv_caches, slot_mapping=slots, cache_salt=req.cache_salt)
+                    self.engine.store(tokens, mask, kvcaches=kv_caches, slot_mapping=slots, cache_salt=req.cache_salt,
+                                      block_names=req.block_names)
                 if req.disagg_spec is not None and self.pd_sender is not None:
                     self._push(req, mask)
 
