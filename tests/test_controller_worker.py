@@ -203,7 +203,8 @@ def test_a_round_that_keeps_failing_is_one_log_line_and_serving_goes_on(cluster,
     def broken(consumer):
         raise RuntimeError("stream broke")
 
-    client._stream = type("Broken", (), {"take": staticmethod(broken)})()
+    client._stream = type("Broken", (), {"take": staticmethod(broken),
+                                         "wait": staticmethod(lambda consumer, timeout_s: True)})()
     client.start()
     store_prompt(engine, 16, seed=9)
     assert wait_for(lambda: any("stream broke" in w for w in warnings_log()))

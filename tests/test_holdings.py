@@ -80,6 +80,36 @@ def test_each_consumer_gets_every_event_and_its_own_overflow_and_resync() -> Non
         HoldingsStream(consumers=("a", "a"))
 
 
+def test_a_consumer_sleeps_until_its_queue_has_something_and_wakes_at_once() -> None:
+    """`wait` lets the controller client and the P2P recorder sleep while nothing changes, and
+    wakes only the consumer whose queue got an event (or a resync)."""
+    import threading
+    import time
+
+    stream = HoldingsStream(max_pending=1, consumers=("a", "b"))
+    started = time.monotonic()
+    assert stream.wait("a", 0.05) is False and time.monotonic() - started >= 0.05
+    woke = []
+    waiter = threading.Thread(target=lambda: woke.append((stream.wait("a", 5.0), time.monotonic())))
+    waiter.start()
+    time.sleep(0.05)
+    sent = time.monotonic()
+    stream.report(Change.ADMITTED, "Hot", Medium.CPU, key(1), "store")
+    waiter.join(5)
+    assert woke and woke[0][0] is True and woke[0][1] - sent < 0.5
+    assert stream.wait("a", 0.0) is True and stream.wait("b", 0.0) is True  # both queues hold it
+    stream.take("a")
+    assert stream.wait("a", 0.0) is False
+    stream.report(Change.ADMITTED, "Hot", Medium.CPU, key(2), "store")  # "b" is full: a drop and a resync
+    stream.take("a")
+    stream.take("b")
+    assert stream.wait("b", 0.0) is False
+    stream.report(Change.ADMITTED, "Hot", Medium.CPU, key(3), "store")
+    stream.report(Change.ADMITTED, "Hot", Medium.CPU, key(4), "store")  # dropped for "b": resync asked
+    b = stream.take("b")
+    assert b.resync and stream.wait("b", 0.0) is False
+
+
 def test_the_controller_alone_gets_a_stream_without_token_records() -> None:
     engine = small_engine(num_chunks=4, enable_controller=True, controller_pull_url="127.0.0.1:1",
                           controller_reply_url="127.0.0.1:2")

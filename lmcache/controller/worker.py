@@ -57,8 +57,12 @@ from lmcache.utils import CacheEngineKey
 
 logger = init_logger(__name__)
 
-# Upstream's batching: a batch leaves every 10 ms, with at most 50 operations per message.
+# Upstream's batching: a batch leaves within 10 ms of the first admit in it, at most 50 operations
+# per message.
 FLUSH_INTERVAL_S = 0.01
+# With nothing admitted or lost, commands and heartbeat replies are read (and a heartbeat sent
+# when due) this often: the thread sleeps on the holdings stream instead of a 10 ms timer.
+IDLE_TICK_S = 0.1
 OPS_PER_MESSAGE = 50
 # Messages ZeroMQ queues for a controller that is slow or not there yet; beyond, they are dropped.
 PUSH_HWM = 2000
@@ -217,7 +221,11 @@ class ControllerClient:
 
     def _run(self) -> None:
         last_warning = -ERROR_LOG_EVERY_S
-        while not self._stop.wait(FLUSH_INTERVAL_S):
+        while True:
+            if self._stream.wait(CONTROLLER, IDLE_TICK_S):
+                self._stop.wait(FLUSH_INTERVAL_S)  # the rest of a burst of admits joins this batch
+            if self._stop.is_set():
+                return
             try:
                 self.tick()
             except Exception as err:  # the controller is advisory: serving goes on without it

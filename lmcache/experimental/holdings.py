@@ -82,6 +82,8 @@ class HoldingsStream:
         if not consumers or len(set(consumers)) != len(consumers):
             raise ValueError(f"HoldingsStream consumers must be distinct names, at least one, got {list(consumers)}")
         self._lock = threading.Lock()
+        # Wakes consumers blocked in `wait` when something is reported (shares the one lock).
+        self._arrived = threading.Condition(self._lock)
         self._queues: Dict[str, _Queue] = {name: _Queue() for name in consumers}
         self._max_pending = max_pending
         self._next_seq = 1
@@ -103,6 +105,15 @@ class HoldingsStream:
                     queue.resync = True
                 else:
                     queue.events.append(event)
+            self._arrived.notify_all()
+
+    def wait(self, consumer: str, timeout_s: float) -> bool:
+        """Block until `consumer` has something to take (events, or a resync to ask for), at most
+        `timeout_s`; True if it has. Lets a consumer sleep while nothing changes instead of
+        waking on a short timer (a 10 ms timer cost the controller client ~1% of a core)."""
+        with self._arrived:
+            queue = self._queues[consumer]
+            return self._arrived.wait_for(lambda: bool(queue.events) or queue.resync, timeout_s)
 
     def take(self, consumer: str = KV_EVENTS) -> HoldingsBatch:
         """Everything reported since `consumer`'s last take; its resync flag is handed over with it."""

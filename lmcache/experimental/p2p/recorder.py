@@ -1,7 +1,8 @@
 """The recorder: this instance's local holdings, kept true in the lookup records.
 
 One background thread takes the holdings stream's `p2p` queue (`holdings.py`: every admit and
-loss of every tier, bounded) every `POLL_S`, and for the local tiers (those the peer server
+loss of every tier, bounded) when something arrives (gathering for `POLL_S`), or every
+`IDLE_TICK_S` for its heartbeat, and for the local tiers (those the peer server
 serves: CPU and disk) writes a record for each chunk admitted and withdraws the record of each
 chunk no local tier holds any more. Nothing here runs on the request path: a store only appends
 to the stream.
@@ -29,6 +30,7 @@ from lmcache.utils import CacheEngineKey
 logger = init_logger(__name__)
 
 POLL_S = 0.02
+IDLE_TICK_S = 0.5
 
 
 class HoldingsRecorder:
@@ -52,7 +54,11 @@ class HoldingsRecorder:
         self._thread.start()
 
     def _run(self) -> None:
-        while not self._stop.wait(POLL_S):
+        while True:
+            if self._holdings.wait(P2P, IDLE_TICK_S):
+                self._stop.wait(POLL_S)  # the rest of a store's chunks join this pass
+            if self._stop.is_set():
+                return
             self.step()
 
     def step(self) -> None:
