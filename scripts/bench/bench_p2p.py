@@ -12,8 +12,8 @@ end. Redis and instance A (which stores a prompt's KV, 256-token chunks of a 32-
 - p2p: B's pinned lookup of the prompt: a Redis round trip, then A's peer server sends every
   chunk in one pipelined exchange, each checked (checksum) into B's CPU tier. B's tier is
   cleared between rounds, so each round reads from A again.
-Prints one JSON object: GB/s of each per round and the ratio of the medians (the issue's target:
-p2p >= 0.7 x raw). Needs root (ip netns, tc).
+Prints one JSON object (the run's header, GB/s of each per round, the ratio of the medians) and
+the issue's target (p2p >= 0.7 x raw); `--json` writes the object. Needs root (ip netns, tc).
 """
 
 from __future__ import annotations
@@ -33,6 +33,8 @@ ROOT = Path(__file__).resolve().parents[2]
 A_ADDR, B_ADDR = "198.18.0.1", "198.18.0.2"
 REDIS_PORT, PEER_PORT, RAW_PORT = 6390, 8200, 8300
 PIECE = 1 << 20
+SCHEMA = "lmcache-bench-p2p/1"
+TARGET_RATIO = 0.7  # issue 42: a P2P retrieve at >= 0.7x the raw link's throughput
 
 
 def _engine(role_addr: str, tokens: int):
@@ -160,6 +162,9 @@ def main() -> None:
         return read(args.tokens, args.rounds, args.bytes)
     if os.geteuid() != 0:
         sys.exit("bench_p2p needs root: it makes network namespaces (ip netns) and shapes their link (tc)")
+    from bench_serving import machine_header  # the driver only: the roles above stay light
+
+    started, load_before = time.time(), os.getloadavg()
     machines = Machines(args.rate)
     procs: List[subprocess.Popen] = []
     try:
@@ -174,9 +179,13 @@ def main() -> None:
                               "--bytes", str(ready["bytes"]), stdout=subprocess.PIPE, text=True)
         out, _ = reader.communicate(timeout=600)
         result = json.loads(out.strip().splitlines()[-1])
-        result.update(rate=args.rate, tokens=args.tokens, bytes=ready["bytes"],
-                      ratio=statistics.median(result["p2p_gb_s"]) / statistics.median(result["raw_gb_s"]))
+        ratio = statistics.median(result["p2p_gb_s"]) / statistics.median(result["raw_gb_s"])
+        result = {**machine_header(SCHEMA, started, sys.argv[1:], load_before, "scripts/bench/bench_p2p.py"),
+                  **result, "rate": args.rate, "tokens": args.tokens, "bytes": ready["bytes"], "ratio": ratio,
+                  "target": {"rule": f"P2P / raw link >= {TARGET_RATIO}", "met": ratio >= TARGET_RATIO}}
         print(json.dumps(result, indent=1))
+        print(f"target P2P retrieve / raw link >= {TARGET_RATIO}: {'MET' if ratio >= TARGET_RATIO else 'MISSED'} "
+              f"({ratio:.3f})")
         if args.json:
             args.json.write_text(json.dumps(result, indent=1))
     finally:
