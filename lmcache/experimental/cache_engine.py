@@ -606,6 +606,7 @@ class LMCacheEngine:
         if self._p2p is not None:
             self._p2p.close()  # peers stop asking before the tiers go
         self.storage_manager.close(timeout_s)
+        self.memory_allocator.close()
         self.publish_metrics()
         # The serving engine unpins every request it looked up; pins left here are a leak (tests read
         # this line), unless they are standing ones (the controller's /pin), which last until here.
@@ -660,7 +661,7 @@ class LMCacheEngineBuilder:
             raise ValueError(
                 f"max_local_cpu_size={config.max_local_cpu_size!r}: must be > 0, every chunk is staged in host memory"
             )
-        return MixedMemoryAllocator(size)
+        return MixedMemoryAllocator(size, tier=config.local_cpu)
 
     @classmethod
     def get(cls, instance_id: str) -> Optional[LMCacheEngine]:

@@ -10,9 +10,10 @@ the rows with every round's time.
   vLLM's (whole blocks, in a random block order). The first store into a fresh engine (its pool
   still being faulted in) is reported apart from the steady state. Then the first fill
   (`--first-fill-runs` fresh engines per variant, `--cpu-first-fill-only` for just these): the first
-  2.5 GB stored into a fresh 3 GB tier, `--first-fill-gap-s` apart, its front faulted in first (as
-  during vLLM's start), with the pool faulted in ahead of its high-water mark and with only the front
-  faulted in (as before); and the steady state of that tier, full, every store evicting.
+  2.5 GB stored into a fresh 3 GB tier, `--first-fill-gap-s` apart, after its start-up prefault ran
+  (as during vLLM's start): the whole tier faulted in (a CPU tier at idle priority), and a window
+  ahead of its high-water mark (a staging pool, or no CAP_SYS_NICE); and the steady state of that
+  tier, full, every store evicting.
 - Disk tier (CPU tier off, so every retrieve reads files): store GB/s until the background writes
   landed (copy out of the KV cache, checksum, write) vs writing files of the same sizes, and the
   writer's share alone (filled chunks into new files: checksum, header, write); retrieve
@@ -62,12 +63,11 @@ from lmcache.experimental.config import LMCacheEngineConfig
 from lmcache.experimental.gpu_connector import VLLMPagedMemGPUConnectorV2
 from lmcache.experimental.kv_layout import KVLayout, layout_shape
 from lmcache.experimental.memory_management import MixedMemoryAllocator
-from lmcache.experimental.memory_management.host_memory import PREFAULT_AHEAD, host_buffer
+from lmcache.experimental.memory_management.host_memory import HUGE_PAGE, PREFAULT_AHEAD, host_buffer
 from lmcache.experimental.remote.pool_connector import PoolArena
 from lmcache.experimental.storage_backend import GB
 from lmcache.experimental.storage_backend.chunk_format import payload_checksum
 from lmcache.experimental.token_database import ChunkedTokenDatabase
-from lmcache.page_advice import BackgroundPrefault
 
 GIB = 1024**3
 CASES = [(KVLayout.CPU_IPEX, 16), (KVLayout.CPU_PACKED, 16), (KVLayout.CPU_ATTN, 32), (KVLayout.FLASH, 16)]
@@ -142,7 +142,7 @@ def make_engine(s: Setup, cpu_gb: float, allocator: Optional[MixedMemoryAllocato
     cfg = LMCacheEngineConfig.from_defaults(chunk_size=s.chunk_size, max_local_cpu_size=cpu_gb, **overrides)
     meta = LMCacheEngineMetadata("bench/model", 1, 0, "vllm", s.dtype, (s.layers, 2, s.chunk_size, s.heads, s.head_size))
     conn = VLLMPagedMemGPUConnectorV2(s.hidden, s.layers, layout=s.layout, num_kv_heads=s.heads)
-    allocator = allocator or MixedMemoryAllocator(int(cpu_gb * GB))
+    allocator = allocator or MixedMemoryAllocator(int(cpu_gb * GB), tier=cfg.local_cpu)
     return LMCacheEngine(cfg, meta, allocator, ChunkedTokenDatabase(cfg, meta), conn)
 
 
@@ -478,8 +478,8 @@ def shared_tier_rows(s: Setup, rounds: int, memcpy: Memcpy, seeds) -> List[Row]:
     return rows
 
 
-# The private CPU tier's first fill: the first 2.5 GB of a fresh 3 GB tier, well past the part
-# faulted in at start (`host_memory.PREFAULT_AHEAD`).
+# The private CPU tier's first fill: the first 2.5 GB of a fresh 3 GB tier, well past the window a
+# staging pool keeps faulted in (`host_memory.PREFAULT_AHEAD`).
 CPU_FILL_TIER_BYTES = 3 * GB
 CPU_FILL_BYTES = int(2.5 * GB)
 # Memory a process just freed comes back cheap for a few seconds on this VM (populating 1 GiB took
@@ -490,50 +490,47 @@ STEADY_STORES = 5  # per run, once the first-fill tier is full
 
 def cpu_first_fill_rows(s: Setup, runs: int, memcpy: Memcpy, seeds, gap_s: float) -> List[Row]:
     """The first 2.5 GB stored into a fresh 3 GB CPU tier (a new engine each run), per prompt beside
-    memcpy, `gap_s` apart (a GPU engine's forward pass between two stores, the cores idle), with the
-    tier's front faulted in first as during vLLM's start: with the pool faulted in ahead of its
-    high-water mark, and with only the front faulted in (as before). Then the steady state of the
-    same tier: full, every store evicting and reusing blocks (no gap)."""
+    memcpy, `gap_s` apart (a GPU engine's forward pass between two stores, the cores idle), after
+    the tier's start-up prefault has run as it does during vLLM's start: the whole tier (a CPU tier
+    where the thread runs at idle priority), and a window ahead of the allocator's high-water mark
+    (a staging pool, or a tier without CAP_SYS_NICE). Then the steady state of the whole-tier
+    case: full, every store evicting and reusing blocks (no gap)."""
     n = s.kv_bytes
     count = -(-CPU_FILL_BYTES // n)
     source, slots = make_caches(s, 1), vllm_slots(s, 3)
     kv = dict(kvcaches=source, slot_mapping=slots)
-    variants = {"fault-ahead": "faulted in ahead of its high-water mark",
-                "front only": "only its front faulted in (as before)"}
+    variants = {"whole": ("faulted in whole at start (idle priority)", True),
+                "fault-ahead": (f"faulted in {PREFAULT_AHEAD >> 20} MiB ahead of its high-water mark", False)}
     times: Dict[str, List[float]] = {name: [] for name in [*variants, "steady"]}
     limits: Dict[str, List[float]] = {name: [] for name in times}
-    real_reached = BackgroundPrefault.reached
     for _ in range(runs):
-        for name in variants:
-            BackgroundPrefault.reached = real_reached if name == "fault-ahead" else lambda self, offset: None
-            try:
-                time.sleep(FRESH_MEMORY_PAUSE_S)
-                allocator = MixedMemoryAllocator(CPU_FILL_TIER_BYTES)
-                engine = make_engine(s, cpu_gb=CPU_FILL_TIER_BYTES / GB, allocator=allocator)
-                ahead = allocator.fault_ahead
-                deadline = time.monotonic() + PREFAULT_WAIT_S
-                while ahead is not None and ahead.faulted < PREFAULT_AHEAD and time.monotonic() < deadline:
-                    time.sleep(0.05)
-                for _ in range(count):
+        for name, (_, tier) in variants.items():
+            time.sleep(FRESH_MEMORY_PAUSE_S)
+            allocator = MixedMemoryAllocator(CPU_FILL_TIER_BYTES, tier=tier)
+            engine = make_engine(s, cpu_gb=CPU_FILL_TIER_BYTES / GB, allocator=allocator)
+            ahead = allocator.fault_ahead
+            goal = CPU_FILL_TIER_BYTES - CPU_FILL_TIER_BYTES % HUGE_PAGE if tier else PREFAULT_AHEAD
+            deadline = time.monotonic() + PREFAULT_WAIT_S
+            while ahead is not None and ahead.faulted < goal and time.monotonic() < deadline:
+                time.sleep(0.05)
+            for _ in range(count):
+                tokens = prompt(s, next(seeds))
+                times[name].append(timed(lambda: engine.store(tokens, **kv)))
+                limits[name].append(memcpy())
+                time.sleep(gap_s)
+            if tier:
+                fill_up = -(-(CPU_FILL_TIER_BYTES - count * n) // n) + 1  # untimed: the tier full, one evicting
+                for i in range(fill_up + STEADY_STORES):
                     tokens = prompt(s, next(seeds))
-                    times[name].append(timed(lambda: engine.store(tokens, **kv)))
-                    limits[name].append(memcpy())
-                    time.sleep(gap_s)
-                if name == "fault-ahead":
-                    fill_up = -(-(CPU_FILL_TIER_BYTES - count * n) // n) + 1  # untimed: the tier full, one evicting
-                    for i in range(fill_up + STEADY_STORES):
-                        tokens = prompt(s, next(seeds))
-                        took = timed(lambda: engine.store(tokens, **kv))
-                        if i >= fill_up:
-                            times["steady"].append(took)
-                            limits["steady"].append(memcpy())
-                engine.close()
-                del engine, allocator, ahead
-            finally:
-                BackgroundPrefault.reached = real_reached
+                    took = timed(lambda: engine.store(tokens, **kv))
+                    if i >= fill_up:
+                        times["steady"].append(took)
+                        limits["steady"].append(memcpy())
+            engine.close()
+            del engine, allocator, ahead
     tag = f"{s.layout.name} {str(s.dtype).replace('torch.', '')}"
     rows: List[Row] = []
-    for name, what in variants.items():
+    for name, (what, _) in variants.items():
         limit = f"memcpy (CPU tier first fill, {name})"
         rows += [Row(limit, n, limits[name]),
                  Row(f"CPU tier first fill: {count} prompts into a fresh {CPU_FILL_TIER_BYTES / GB:g} GB tier "

@@ -67,6 +67,9 @@ class MemoryAllocatorInterface(ABC):
     def used_bytes(self) -> int:
         """Bytes currently reserved by live objects."""
 
+    def close(self) -> None:
+        """Stop background work on the pool (its objects stay valid)."""
+
 
 class TensorMemoryAllocator(MemoryAllocatorInterface):
     """Explicit free-list allocator over one preallocated tensor.
@@ -194,6 +197,10 @@ class _PooledAllocator(MemoryAllocatorInterface):
     def free(self, memory_obj: MemoryObj) -> None:
         self._pool.free(memory_obj)
 
+    def close(self) -> None:
+        if self.fault_ahead is not None:
+            self.fault_ahead.stop()
+
 
 def _check_size(size: int, who: str) -> int:
     if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
@@ -203,11 +210,11 @@ def _check_size(size: int, who: str) -> int:
 
 class HostMemoryAllocator(_PooledAllocator):
     """Allocates from one preallocated buffer of host memory (huge pages, faulted in ahead of
-    its high-water mark: `host_memory`)."""
+    its high-water mark, or whole for a cache tier: `host_memory.fault_ahead`)."""
 
-    def __init__(self, size: int) -> None:
+    def __init__(self, size: int, tier: bool = False) -> None:
         buf = host_buffer(_check_size(size, "HostMemoryAllocator"))
-        super().__init__(buf, fault_ahead(buf))
+        super().__init__(buf, fault_ahead(buf, whole=tier))
 
 
 class PinMemoryAllocator(_PooledAllocator):
@@ -217,11 +224,11 @@ class PinMemoryAllocator(_PooledAllocator):
     nothing to pin for, so the buffer is host memory as `HostMemoryAllocator` has it.
     """
 
-    def __init__(self, size: int) -> None:
+    def __init__(self, size: int, tier: bool = False) -> None:
         self.pinned = torch.cuda.is_available()
         _check_size(size, "PinMemoryAllocator")
         buf = torch.empty(size, dtype=torch.uint8, pin_memory=True) if self.pinned else host_buffer(size)
-        super().__init__(buf, None if self.pinned else fault_ahead(buf))
+        super().__init__(buf, None if self.pinned else fault_ahead(buf, whole=tier))
         logger.debug("PinMemoryAllocator: %d bytes, pinned=%s", size, self.pinned)
 
 
@@ -284,10 +291,10 @@ class BufferAllocator(MemoryAllocatorInterface):
 class MixedMemoryAllocator(MemoryAllocatorInterface):
     """KV_BLOB and BINARY objects from a (pinned where possible) host pool, BINARY_BUFFER
     objects as byte buffers. `total_bytes`/`used_bytes` describe the pool; byte buffers
-    are counted in `buffer_bytes`."""
+    are counted in `buffer_bytes`. `tier`: the pool is the CPU tier, not only staging."""
 
-    def __init__(self, size: int) -> None:
-        self._pinned = PinMemoryAllocator(size)
+    def __init__(self, size: int, tier: bool = False) -> None:
+        self._pinned = PinMemoryAllocator(size, tier)
         self._buffers = BufferAllocator("cpu")
 
     @property
@@ -327,3 +334,6 @@ class MixedMemoryAllocator(MemoryAllocatorInterface):
             self._buffers.free(memory_obj)
         else:
             self._pinned.free(memory_obj)
+
+    def close(self) -> None:
+        self._pinned.close()

@@ -14,7 +14,7 @@ from typing import Optional
 
 import torch
 
-from lmcache import page_advice
+from lmcache import background_threads, page_advice
 from lmcache.logging import init_logger
 from lmcache.page_advice import HUGE_PAGE, BackgroundPrefault
 
@@ -43,14 +43,34 @@ def host_buffer(size: int) -> torch.Tensor:
     return buf
 
 
-def fault_ahead(buf: torch.Tensor) -> Optional[BackgroundPrefault]:
+def fault_ahead(buf: torch.Tensor, whole: bool = False) -> Optional[BackgroundPrefault]:
     """Start a daemon thread that keeps `PREFAULT_AHEAD` bytes of `host_buffer` `buf` faulted in
     beyond the offset last passed to its `reached` (its front at first); None where there are no
-    huge pages to fault (a buffer below one, or no page advice)."""
+    huge pages to fault (a buffer below one, or no page advice).
+
+    With `whole` (the buffer is a cache tier, filled and kept, not a staging pool) it faults the
+    whole buffer in at once, front first, where the thread runs at idle priority
+    (`background_threads.can_leave_idle`): each first touch of memory the VM never backed costs
+    ~2.2 s/GiB on this project's machine, and paid while requests run it cost the no-reuse
+    workload 5-6% (issue 43); paid at start it takes only cores the engine leaves idle. At ordinary
+    priority it would compete with vLLM's start and forward passes, so there it stays a window."""
     if buf.numel() < HUGE_PAGE or not page_advice.available():
         return None
-    return BackgroundPrefault(buf.data_ptr(), _span(buf.numel()), "lmcache-prefault", owner=buf.untyped_storage(),
+    span = _span(buf.numel())
+    if whole and background_threads.can_leave_idle():
+        gib = span / (1 << 30)
+        logger.info("faulting in the CPU tier's %.2f GiB in the background", gib)
+        return BackgroundPrefault(buf.data_ptr(), span, "lmcache-prefault", owner=buf.untyped_storage(),
+                                  on_end=lambda done, seconds: _faulted_in(done, seconds, gib)).start()
+    return BackgroundPrefault(buf.data_ptr(), span, "lmcache-prefault", owner=buf.untyped_storage(),
                               ahead=PREFAULT_AHEAD).start()
+
+
+def _faulted_in(done: bool, seconds: float, gib: float) -> None:
+    if done:
+        logger.info("the CPU tier's memory is faulted in (%.1f s, %.2f s/GiB)", seconds, seconds / max(gib, 1e-9))
+    else:
+        logger.warning("could not fault the CPU tier's memory in ahead (needs Linux 5.14+): pages fault in on first use")
 
 
 def _span(size: int) -> int:
