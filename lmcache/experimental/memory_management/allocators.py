@@ -71,6 +71,16 @@ class MemoryAllocatorInterface(ABC):
         """Stop background work on the pool (its objects stay valid)."""
 
 
+def _take_live(live: dict, memory_obj: MemoryObj) -> tuple:
+    """Remove `memory_obj`'s entry from an allocator's live objects (keyed by id, the object
+    first) and return it; RuntimeError for an object freed twice or another allocator's."""
+    entry = live.get(id(memory_obj))
+    if entry is None or entry[0] is not memory_obj:
+        raise RuntimeError(f"free of a memory object this allocator does not hold (freed twice or foreign): {memory_obj!r}")
+    del live[id(memory_obj)]
+    return entry
+
+
 class TensorMemoryAllocator(MemoryAllocatorInterface):
     """Explicit free-list allocator over one preallocated tensor.
 
@@ -153,14 +163,7 @@ class TensorMemoryAllocator(MemoryAllocatorInterface):
 
     def free(self, memory_obj: MemoryObj) -> None:
         with self._lock:
-            entry = self._live.get(id(memory_obj))
-            if entry is None or entry[0] is not memory_obj:
-                raise RuntimeError(
-                    f"free of a memory object this allocator does not hold "
-                    f"(freed twice or foreign): {memory_obj!r}"
-                )
-            del self._live[id(memory_obj)]
-            _, start, size = entry
+            _, start, size = _take_live(self._live, memory_obj)
             memory_obj._mark_freed()
             self._used -= size
             self._free.give_back(start, size)
@@ -277,15 +280,9 @@ class BufferAllocator(MemoryAllocatorInterface):
 
     def free(self, memory_obj: MemoryObj) -> None:
         with self._lock:
-            entry = self._live.get(id(memory_obj))
-            if entry is None or entry[0] is not memory_obj:
-                raise RuntimeError(
-                    f"free of a memory object this allocator does not hold "
-                    f"(freed twice or foreign): {memory_obj!r}"
-                )
-            del self._live[id(memory_obj)]
+            _, size = _take_live(self._live, memory_obj)
             memory_obj._mark_freed()
-            self._used -= entry[1]
+            self._used -= size
 
 
 class MixedMemoryAllocator(MemoryAllocatorInterface):
