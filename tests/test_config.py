@@ -43,6 +43,7 @@ EXTRA_DEFAULTS = {
     "enable_controller": False, "lmcache_instance_id": "lmcache_default_instance", "controller_pull_url": None,
     "controller_reply_url": None, "lmcache_worker_ports": None, "lmcache_worker_heartbeat_time": 5.0,
     "p2p_token_file": None, "p2p_no_auth": False,
+    "p2p_tls_cert_file": None, "p2p_tls_key_file": None, "p2p_tls_ca_file": None,
 }
 SPEC_FROM_LEGACY = {
     "chunk_size": 256, "backend": "cpu", "remote_url": "lm://localhost:65432", "remote_serde": "naive",
@@ -72,6 +73,8 @@ NON_DEFAULT: Dict[str, Any] = {
     "controller_pull_url": "tcp://controller.example:8300", "controller_reply_url": "tcp://controller.example:8400",
     "lmcache_worker_ports": (8500, 8501), "lmcache_worker_heartbeat_time": 2.5,
     "p2p_token_file": "/etc/lmcache/p2p-token", "p2p_no_auth": True,
+    "p2p_tls_cert_file": "/etc/lmcache/peer.pem", "p2p_tls_key_file": "/etc/lmcache/peer.key",
+    "p2p_tls_ca_file": "/etc/lmcache/ca.pem",
 }
 
 

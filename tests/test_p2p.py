@@ -26,6 +26,7 @@ from helpers import CHUNK, check_loaded, chunk_bytes, config, geometry, make_eng
 from kv_reference import make_kvcaches
 from netns_fixture import A_ADDRESS, B_ADDRESS, Machines, in_netns, two_machines  # noqa: F401 (fixture)
 from redis_fixture import RedisServer, free_port, stop_process
+from tls_fixture import TlsFiles, tls_files  # noqa: F401 (fixture)
 
 from lmcache.experimental.cache_engine import LMCacheEngine
 from lmcache.experimental.p2p.records import CHUNK_PREFIX, LIVE_PREFIX
@@ -311,6 +312,35 @@ def test_a_peer_without_the_token_reads_nothing(lookup, tmp_path) -> None:
         assert pair.retrieve() == TOKENS  # with the token: everything
     finally:
         pair.close()
+
+
+def test_peers_over_tls_read_everything_and_a_plaintext_or_untrusting_reader_nothing(lookup, tls_files: TlsFiles) -> None:
+    tls = dict(p2p_tls_cert_file=str(tls_files.cert), p2p_tls_key_file=str(tls_files.key))
+    pair = Pair(lookup, **tls, p2p_tls_ca_file=str(tls_files.ca))
+    try:
+        pair.store()
+        assert pair.retrieve() == TOKENS
+        for outsider_keys in ({}, dict(tls, p2p_tls_ca_file=str(tls_files.other_ca))):  # no TLS; another CA
+            outsider = make_engine(GEO, p2p_config(lookup.url, free_port(), **outsider_keys))
+            try:
+                assert outsider.lookup(pair.tokens, request_id="r", pin=True) == 0
+                outsider.lookup_unpin(["r"])
+            finally:
+                outsider.close()
+    finally:
+        pair.close()
+
+
+def test_tls_keys_must_come_together_and_unreadable_files_are_named(tmp_path) -> None:
+    from lmcache.experimental.p2p.peer_server import PeerServer
+
+    with pytest.raises(ValueError, match="p2p_tls_key_file=None"):
+        config(p2p_tls_cert_file="/etc/cert.pem")
+    with pytest.raises(ValueError, match="p2p_tls_ca_file='/etc/ca.pem' without"):
+        config(p2p_tls_ca_file="/etc/ca.pem")
+    with pytest.raises(ValueError, match="p2p_tls_cert_file=.*cannot load"):
+        PeerServer(None, "127.0.0.1:8200", token=None, no_auth=False,  # type: ignore[arg-type]
+                   tls_cert=str(tmp_path / "missing.pem"), tls_key=str(tmp_path / "missing.key"))
 
 
 def test_worker_n_serves_on_port_plus_n_and_the_token_comes_from_the_file_or_the_variable(tmp_path) -> None:

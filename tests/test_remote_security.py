@@ -8,12 +8,10 @@ from __future__ import annotations
 
 import json
 import logging
-import shutil
 import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
@@ -22,6 +20,7 @@ import redis
 import torch
 from helpers import key
 from tier_helpers import FAST_REMOTE, remote_backend, remote_chunk, remote_cpu, wait_for
+from tls_fixture import TlsFiles, tls_files  # noqa: F401 (a fixture)
 from redis_fixture import ROOT, LMServerProcess, RedisServer, free_port
 
 from lmcache.experimental.config import LMCacheEngineConfig, mask_url, parse_remote_url
@@ -41,38 +40,6 @@ SECRETS = (TOKEN, TOKEN_IN_URL, WRONG_TOKEN, REDIS_PASSWORD, REDIS_PASSWORD_IN_U
 
 # ---------------------------------------------------------------- fixtures
 
-
-@dataclass(frozen=True)
-class TlsFiles:
-    ca: Path
-    cert: Path
-    key: Path
-    other_ca: Path
-
-
-def _openssl(*args: str, cwd: Path) -> None:
-    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
-
-
-def _make_ca(cwd: Path, name: str) -> None:
-    _openssl("req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
-             "-keyout", f"{name}.key", "-out", f"{name}.pem", "-days", "2", "-subj", f"/CN={name}", cwd=cwd)
-
-
-@pytest.fixture(scope="module")
-def tls_files(tmp_path_factory) -> TlsFiles:
-    """A CA, a server certificate it signed for 127.0.0.1/localhost, and an unrelated CA."""
-    if shutil.which("openssl") is None:
-        pytest.skip("the openssl CLI is needed to make test certificates")
-    d = tmp_path_factory.mktemp("tls")
-    _make_ca(d, "ca")
-    _make_ca(d, "other-ca")
-    _openssl("req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
-             "-keyout", "server.key", "-out", "server.csr", "-subj", "/CN=localhost", cwd=d)
-    (d / "san.ext").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
-    _openssl("x509", "-req", "-in", "server.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
-             "-out", "server.pem", "-days", "2", "-extfile", "san.ext", cwd=d)
-    return TlsFiles(d / "ca.pem", d / "server.pem", d / "server.key", d / "other-ca.pem")
 
 
 class _Collect(logging.Handler):

@@ -477,6 +477,12 @@ class LMCacheEngineConfig:
     p2p_token_file: Optional[str] = None
     # A peer server may listen beyond loopback without a token (protected mode off), as `--no-auth`.
     p2p_no_auth: bool = False
+    # TLS between peers: the peer server's PEM certificate chain and key (both or neither; every
+    # instance alike, since a reader with them set dials its peers over TLS), and the CA file
+    # readers check peers' certificates against (else `LMCACHE_REMOTE_TLS_CA`, else the system's).
+    p2p_tls_cert_file: Optional[str] = None
+    p2p_tls_key_file: Optional[str] = None
+    p2p_tls_ca_file: Optional[str] = None
 
     def shown_fields(self) -> Dict[str, Any]:
         """Every field as logs, dumps and the status API may show it (`shown_value`)."""
@@ -552,6 +558,12 @@ class LMCacheEngineConfig:
             for name in ("lookup_url", "distributed_url"):
                 if getattr(self, name) is None:
                     raise ValueError(f"{name}=None: enable_p2p=True needs {name} as host:port")
+        if (self.p2p_tls_cert_file is None) != (self.p2p_tls_key_file is None):
+            raise ValueError(f"p2p_tls_cert_file={self.p2p_tls_cert_file!r}, p2p_tls_key_file={self.p2p_tls_key_file!r}: "
+                             "TLS between peers needs both the certificate and its key")
+        if self.p2p_tls_ca_file is not None and self.p2p_tls_cert_file is None:
+            raise ValueError(f"p2p_tls_ca_file={self.p2p_tls_ca_file!r} without p2p_tls_cert_file/p2p_tls_key_file: "
+                             "peers speak TLS only when every instance serves it")
 
     def _check_controller(self) -> None:
         """The controller keys: URLs as tcp://HOST:PORT, ports in range, a positive heartbeat
@@ -685,6 +697,9 @@ class LMCacheEngineConfig:
         lmcache_worker_heartbeat_time: float = 5.0,
         p2p_token_file: Optional[str] = None,
         p2p_no_auth: bool = False,
+        p2p_tls_cert_file: Optional[str] = None,
+        p2p_tls_key_file: Optional[str] = None,
+        p2p_tls_ca_file: Optional[str] = None,
         **unknown: Any,
     ) -> "LMCacheEngineConfig":
         """The spec's defaults with some fields replaced; an unknown keyword is a ValueError."""

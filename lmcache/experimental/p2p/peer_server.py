@@ -10,12 +10,14 @@ are protocol errors: nobody writes into a peer. A client pipelines its `GET`s
 (`LMServerConnector.batched_get_into`), so a batch costs one round trip.
 
 Protected mode: on an address other than loopback it takes a token (`p2p_token_file` or
-`LMCACHE_P2P_TOKEN`) unless `p2p_no_auth`; the token is never logged.
+`LMCACHE_P2P_TOKEN`) unless `p2p_no_auth`; the token is never logged. With `p2p_tls_cert_file` and
+`p2p_tls_key_file` it speaks TLS only, and readers check its certificate (`p2p_tls_ca_file`).
 """
 
 from __future__ import annotations
 
 import socket
+import ssl
 from typing import Mapping, Optional
 
 from lmcache.experimental.config import LMCacheEngineConfig
@@ -23,7 +25,7 @@ from lmcache.experimental.storage_backend.chunk_format import encode_memory_obj_
 from lmcache.experimental.storage_backend.storage_manager import StorageManager
 from lmcache.logging import init_logger
 from lmcache.server.protocol import FrameHeader, Op, ProtocolError, Status, pack_header, send_frame
-from lmcache.server.security import is_loopback, token_from
+from lmcache.server.security import client_tls_context, is_loopback, server_tls_context, token_from
 from lmcache.server.server import LMCacheServer, ServerConfig
 from lmcache.utils import CacheEngineKey
 
@@ -42,6 +44,17 @@ def p2p_token(config: LMCacheEngineConfig, environ: Optional[Mapping[str, str]] 
     return token_from(config.p2p_token_file, "p2p_token_file", P2P_TOKEN_ENV, environ)
 
 
+def p2p_client_tls(config: LMCacheEngineConfig) -> Optional[ssl.SSLContext]:
+    """The context a reader dials its peers with: TLS where this instance serves TLS (every
+    instance alike), checking the peer's certificate and address against `p2p_tls_ca_file`."""
+    if config.p2p_tls_cert_file is None:
+        return None
+    try:
+        return client_tls_context(config.p2p_tls_ca_file)
+    except (OSError, ssl.SSLError) as err:
+        raise ValueError(f"p2p_tls_ca_file={config.p2p_tls_ca_file!r}: cannot load it: {err}") from None
+
+
 def served_address(config: LMCacheEngineConfig, worker_id: int) -> str:
     """Where worker `worker_id` serves: `distributed_url`'s host, its port plus the worker id."""
     assert config.distributed_url is not None  # the config checks it with enable_p2p
@@ -52,7 +65,8 @@ def served_address(config: LMCacheEngineConfig, worker_id: int) -> str:
 class PeerServer(LMCacheServer):
     """Serves the local tiers of `storage` at `address` (host:port)."""
 
-    def __init__(self, storage: StorageManager, address: str, token: Optional[bytes], no_auth: bool) -> None:
+    def __init__(self, storage: StorageManager, address: str, token: Optional[bytes], no_auth: bool,
+                 tls_cert: Optional[str] = None, tls_key: Optional[str] = None) -> None:
         host, _, port = address.rpartition(":")
         host = host.strip("[]")
         if token is None and not no_auth and not is_loopback(host):
@@ -61,8 +75,15 @@ class PeerServer(LMCacheServer):
                 f"reaches the port could read every cached chunk. Set {HOW_TO_SET}, or set p2p_no_auth: true "
                 "(LMCACHE_P2P_NO_AUTH=true) to insist"
             )
+        if tls_cert is not None and tls_key is not None:
+            try:
+                server_tls_context(tls_cert, tls_key)
+            except (OSError, ssl.SSLError) as err:
+                raise ValueError(f"p2p_tls_cert_file={tls_cert!r}, p2p_tls_key_file={tls_key!r}: cannot load "
+                                 f"them: {err}") from None
         super().__init__(ServerConfig(host=host, port=int(port), max_size_bytes=_NO_STORE_BYTES,
-                                      max_connections=MAX_PEER_CONNECTIONS, token=token, no_auth=True))
+                                      max_connections=MAX_PEER_CONNECTIONS, token=token, no_auth=True,
+                                      tls_cert=tls_cert, tls_key=tls_key))
         self._storage = storage
         self._local = storage.local_tier_names
 

@@ -30,8 +30,10 @@ class P2PService:
     def __init__(self, config: LMCacheEngineConfig, metadata: LMCacheEngineMetadata, storage: StorageManager,
                  holdings: HoldingsStream) -> None:
         address = served_address(config, metadata.worker_id)
-        self._shown = f"serving tiers {storage.local_tier_names} at {address}, recorded in {mask_url(config.lookup_url or '')}"
-        self.server = PeerServer(storage, address, p2p_token(config), config.p2p_no_auth)
+        self._shown = (f"serving tiers {storage.local_tier_names} at {address}"
+                       f"{' over TLS' if config.p2p_tls_cert_file else ''}, recorded in {mask_url(config.lookup_url or '')}")
+        self.server = PeerServer(storage, address, p2p_token(config), config.p2p_no_auth,
+                                 config.p2p_tls_cert_file, config.p2p_tls_key_file)
         self.recorder = HoldingsRecorder(lookup_records(config), holdings, storage, address)
 
     def start(self) -> "P2PService":

@@ -79,12 +79,12 @@ def _p2p_tier(
 ) -> StorageBackendInterface:
     """Other instances' chunks, found in the lookup records (the slowest tier: last)."""
     # Imported here: the peer tier pulls in remote connectors, which import this package.
-    from lmcache.experimental.p2p.peer_server import p2p_token, served_address
+    from lmcache.experimental.p2p.peer_server import p2p_client_tls, p2p_token, served_address
     from lmcache.experimental.p2p.service import lookup_records
     from lmcache.experimental.storage_backend.p2p_backend import P2PBackend
 
     return P2PBackend(lookup_records(config), served_address(config, metadata.worker_id), cpu, metadata.kv_dtype,
-                      stats.tier(P2PBackend.__name__), p2p_token(config))
+                      stats.tier(P2PBackend.__name__), p2p_token(config), p2p_client_tls(config))
 
 
 def _pd_receive_buffer(

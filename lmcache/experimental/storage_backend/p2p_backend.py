@@ -17,6 +17,7 @@ their peer servers (`lmcache/experimental/p2p/`).
 
 from __future__ import annotations
 
+import ssl
 import threading
 import time
 from collections import OrderedDict, defaultdict
@@ -64,13 +65,17 @@ class P2PBackend(StorageBackendInterface):
         dtype: torch.dtype,
         stats: Optional[TierStats] = None,
         token: Optional[bytes] = None,
+        tls: Optional[ssl.SSLContext] = None,
     ) -> None:
+        """`token`: the peer servers' shared secret; `tls`: the context peers are dialled with
+        (None: plaintext), as every instance's peer server speaks it."""
         self._records = records
         self._own_url = own_url
         self._cpu = cpu
         self._dtype = dtype
         self._stats = stats if stats is not None else TierStats()
         self._token = None if token is None else token.decode("utf-8")
+        self._tls = tls
         self._serde = NaiveSerde()
         self._lock = threading.Lock()
         self._remembered: "OrderedDict[CacheEngineKey, Tuple[Holder, float]]" = OrderedDict()
@@ -197,7 +202,7 @@ class P2PBackend(StorageBackendInterface):
             host, _, port = url.rpartition(":")
             connector = LMServerConnector(host.strip("[]"), int(port), timeout=READ_TIMEOUT_S,
                                           lookup_timeout=CONNECT_TIMEOUT_S, pool_size=PEER_POOL_SIZE,
-                                          token=self._token)
+                                          token=self._token, tls=self._tls)
             self._peers[url] = connector
             evicted = self._peers.popitem(last=False)[1] if len(self._peers) > MAX_PEERS else None
         if evicted is not None:
