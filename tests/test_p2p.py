@@ -124,6 +124,21 @@ def chunk_keys(engine: LMCacheEngine, tokens: torch.Tensor) -> list:
     return [key for *_, key in engine.token_database.process_tokens(tokens)]
 
 
+def test_a_retrieve_without_a_pinned_lookup_reads_the_peer_once_for_the_whole_prefix(pair: Pair, monkeypatch) -> None:
+    """The v0 door and CacheBlend's fetch retrieve without a lookup first: the peer's chunks come
+    in one pipelined exchange (`StorageManager.read_ahead`), not one round trip per chunk."""
+    pair.store()
+    (tier,) = [t for t in pair.b.storage_manager.tiers if isinstance(t, P2PBackend)]
+    exchanges = []
+    read_peer = tier._read_peer
+    monkeypatch.setattr(tier, "_read_peer", lambda url, keys: exchanges.append(len(keys)) or read_peer(url, keys))
+    target = make_kvcaches(GEO, seed=2)
+    dst = slots_for(GEO, TOKENS, seed=2)
+    loaded = int(pair.b.retrieve(pair.tokens, kvcaches=target, slot_mapping=dst).sum())
+    assert loaded == TOKENS and exchanges == [5]
+    check_loaded(GEO, pair.source, pair.src_slots, target, dst, loaded)
+
+
 def test_a_reader_becomes_a_second_holder_and_dropping_its_copy_hides_nothing(pair: Pair) -> None:
     pair.store()
     assert pair.retrieve() == TOKENS

@@ -300,6 +300,8 @@ class LMCacheEngine:
 
         # Where the only tier hands out its own bytes (the node pool), the kernel reads them there.
         leased = self.storage_manager.lease_in_place([key for *_, key in todo], self.metadata.kv_dtype) if todo else None
+        if todo and leased is None:
+            self.storage_manager.read_ahead([key for *_, key in todo])
         try:
             for i, (start, end, key) in enumerate(todo):
                 if leased is not None:

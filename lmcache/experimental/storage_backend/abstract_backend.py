@@ -37,6 +37,9 @@ class StorageBackendInterface(ABC):
     """
 
     holdings: TierHoldings = QUIET
+    # Each read costs a round trip, and one exchange reads many chunks (peers): a retrieve without
+    # a pinned lookup reads a prefix's chunks from it in one batch (`StorageManager.read_ahead`).
+    reads_ahead: bool = False
 
     @property
     def medium(self) -> Medium:

@@ -57,6 +57,8 @@ READ_TIMEOUT_S = 2.0
 class P2PBackend(StorageBackendInterface):
     """Reads chunks from other instances' peer servers; `own_url` is this instance's, never asked."""
 
+    reads_ahead = True
+
     def __init__(
         self,
         records: LookupRecords,

@@ -303,6 +303,27 @@ class StorageManager:
         assert len(pinned) == count
         return count if self.pins.pin(request_id, pinned) else 0
 
+    def read_ahead(self, keys: Sequence[CacheEngineKey]) -> None:
+        """Bring the chunks of `keys` not in CPU memory into the CPU tier from the tiers that read
+        many in one exchange (`reads_ahead`: peers), one batch each, so that a retrieve without
+        a pinned lookup (the v0 door, CacheBlend's fetch) pays a round trip per request, not per
+        chunk. What a tier does not have is left to the retrieve's own reads."""
+        tiers = [tier for tier in self._tiers if tier.reads_ahead]
+        if not tiers or self._cpu not in self._tiers:
+            return
+        ask = [key for key in keys if not (self._cpu.contains(key) or self.pins.contains(key))]
+        for tier in tiers:
+            if not ask:
+                return
+            missed = []
+            for key, obj in zip(ask, self._read_many(tier, ask)):
+                if obj is None:
+                    missed.append(key)
+                    continue
+                self._promote(key, obj)
+                obj.ref_count_down()
+            ask = missed
+
     def _promote(self, key: CacheEngineKey, obj: MemoryObj) -> None:
         try:
             self._cpu.submit_put_task(key, obj)
