@@ -75,8 +75,8 @@ from bench_serving_servers import (  # noqa: E402
 )
 from kv_aware_router import KvAwareRouter  # noqa: E402
 from make_tiny_model import make_tiny_model  # noqa: E402
-from netns_machines import Machines, root_missing  # noqa: E402
 from multi_round_qa import QARecord, QARunner, QASizes, next_turn_moves, qa_plan, run_plan, warm_up  # noqa: E402
+from netns_machines import Machines, root_missing  # noqa: E402
 from round_robin_proxy import ProxyThread  # noqa: E402
 
 from lmcache.experimental.metrics import lmcache_samples  # noqa: E402
