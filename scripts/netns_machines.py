@@ -17,13 +17,16 @@ it receives each pass one shaper, as on a switch port of that speed. The root li
 
 `NetPlan` is the plan (names, addresses, the `ip` / `tc` commands: pure, tested without root);
 `Machines` carries it out and removes every namespace on `close`, which also runs at exit, so a
-crash leaves nothing behind (deleting a namespace removes its veth ends and their peers).
+crash leaves nothing behind (deleting a namespace removes its veth ends and their peers). Only a
+SIGKILL skips both: names carry the maker's process id, and `Machines` first removes the
+namespaces of its purpose whose maker is gone.
 """
 
 from __future__ import annotations
 
 import atexit
 import os
+import re
 import subprocess
 from dataclasses import dataclass
 from typing import Optional, Sequence
@@ -55,7 +58,7 @@ def tbf_burst_bytes(gbit: float) -> int:
 class NetPlan:
     """Namespaces for `machines` (in order: 198.18.0.1, .2, ...) on one switch namespace."""
 
-    tag: str  # prefix of every name made (namespace and interface names; at most 10 characters)
+    tag: str  # prefix of every name made: a purpose and the maker's pid (at most 11 characters: interface names)
     machines: tuple[str, ...]  # the machines' names, e.g. ("store", "m0", "m1")
     gbit: Optional[float] = None  # link rate per machine in Gbit/s (None: unshaped veths)
     root_link: bool = False  # join the root namespace to the switch too (ROOT_ADDRESS)
@@ -70,7 +73,7 @@ class NetPlan:
             raise ValueError(f"machine names repeat: {machines}")
         if gbit is not None and gbit <= 0:
             raise ValueError(f"link rate must be positive, got {gbit} Gbit/s")
-        return cls(f"{purpose[:4]}{os.getpid() % 1000000}", tuple(machines), gbit, root_link)
+        return cls(f"{purpose[:4]}{os.getpid()}", tuple(machines), gbit, root_link)
 
     def namespace(self, machine: str) -> str:
         return f"{self.tag}-{machine}"
@@ -136,12 +139,27 @@ class NetPlan:
                 "root_address": ROOT_ADDRESS if self.root_link else None}
 
 
+def stale_namespaces(tag: str, listed: str) -> list[str]:
+    """The namespaces in `ip netns list`'s output `listed` made by a plan with `tag`'s purpose
+    (its letters) whose maker process no longer runs."""
+    purpose = re.sub(r"\d+$", "", tag)
+    found = []
+    for line in listed.splitlines():
+        match = re.match(rf"({re.escape(purpose)}(\d+)-\S+)", line)
+        if match and not os.path.exists(f"/proc/{match.group(2)}"):
+            found.append(match.group(1))
+    return found
+
+
 class Machines:
     """A plan carried out; `close` (also at exit) removes every namespace it made."""
 
     def __init__(self, plan: NetPlan) -> None:
         self.plan = plan
         self._made = False
+        listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+        for ns in stale_namespaces(plan.tag, listed):  # left by a maker killed with SIGKILL
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
         atexit.register(self.close)
         try:
             for cmd in plan.setup_commands():

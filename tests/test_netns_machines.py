@@ -13,7 +13,7 @@ sys.path.insert(0, str(ROOT / "scripts" / "bench"))
 
 from bench_multi_machine import Placement, machine_plan  # noqa: E402
 from bench_serving_servers import LaunchSpec, describe  # noqa: E402
-from netns_machines import ROOT_ADDRESS, NetPlan, tbf_burst_bytes  # noqa: E402
+from netns_machines import ROOT_ADDRESS, NetPlan, stale_namespaces, tbf_burst_bytes  # noqa: E402
 
 
 def test_a_plan_puts_each_machine_on_the_switch_with_its_link_shaped_both_ways():
@@ -45,6 +45,16 @@ def test_an_unshaped_plan_without_a_root_link_has_no_tc_and_no_root_end():
         NetPlan.make("x", ["a", "a"])
     with pytest.raises(ValueError, match="positive"):
         NetPlan.make("x", ["a"], gbit=0)
+
+
+def test_only_the_namespaces_of_a_gone_maker_of_the_same_purpose_are_stale():
+    import os
+
+    gone = 4194304 + 7  # above any pid_max: no such process
+    listed = (f"lmmi{gone}-sw (id: 3)\nlmmi{gone}-m0\nlmmi{os.getpid()}-m0 (id: 1)\nlmcp{gone}-a\n"
+              f"lmcb{gone}a (id: 0)\n")
+    assert stale_namespaces(f"lmmi{os.getpid()}", listed) == [f"lmmi{gone}-sw", f"lmmi{gone}-m0"]
+    assert NetPlan.make("lmmi", ["a"]).tag == f"lmmi{os.getpid()}"
 
 
 class FakeMachines:
