@@ -41,23 +41,24 @@ def missing() -> Optional[str]:
     return None
 
 
-def master_argv(port: int, metrics_port: Optional[int] = None) -> list[str]:
-    """`mooncake_master` on 127.0.0.1:`port`, its metrics on a loopback port too (default: a free one)."""
-    return [str(BIN / "mooncake_master"), f"--rpc_port={port}", "--rpc_address=127.0.0.1",
-            f"--metrics_port={metrics_port or free_port()}", "--metrics_host=127.0.0.1"]
+def master_argv(port: int, metrics_port: Optional[int] = None, host: str = "127.0.0.1") -> list[str]:
+    """`mooncake_master` on `host`:`port` (loopback by default), its metrics there too (default
+    port: a free one)."""
+    return [str(BIN / "mooncake_master"), f"--rpc_port={port}", f"--rpc_address={host}",
+            f"--metrics_port={metrics_port or free_port()}", f"--metrics_host={host}"]
 
 
-def storage_argv(master_port: int, port: int, segment: str = "128MB") -> list[str]:
-    """`mooncake_client` lending `segment` (bytes, or like '512MB') to the master's pool over TCP,
-    listening on 127.0.0.1:`port`; it stores nothing itself."""
-    return [str(BIN / "mooncake_client"), f"--global_segment_size={segment}", "--host=127.0.0.1",
-            f"--master_server_address=127.0.0.1:{master_port}", "--metadata_server=P2PHANDSHAKE",
+def storage_argv(master_port: int, port: int, segment: str = "128MB", host: str = "127.0.0.1") -> list[str]:
+    """`mooncake_client` lending `segment` (bytes, or like '512MB') to the pool of the master on
+    `host`:`master_port` over TCP, listening on `host`:`port`; it stores nothing itself."""
+    return [str(BIN / "mooncake_client"), f"--global_segment_size={segment}", f"--host={host}",
+            f"--master_server_address={host}:{master_port}", "--metadata_server=P2PHANDSHAKE",
             f"--port={port}", "--protocol=tcp"]
 
 
-def url(master_port: int) -> str:
-    """The `remote_url` of the master on 127.0.0.1:`master_port`."""
-    return f"mooncakestore://127.0.0.1:{master_port}"
+def url(master_port: int, host: str = "127.0.0.1") -> str:
+    """The `remote_url` of the master on `host`:`master_port`."""
+    return f"mooncakestore://{host}:{master_port}"
 
 
 def master_gauge(metrics_port: int, name: str) -> float:

@@ -245,12 +245,19 @@ def test_summary_targets_and_figure(tmp_path):
     summary["lmcache-mooncake"] = summarize_kind([rec("lmcache-mooncake", 0, 0, 1.3)], 1.0, [none], None)
     # Routed: 0.93 s is over 0.6x round robin's 1.5 s, and 1.6 s over 1.1x the pool's 1.4 s.
     summary["lmcache-routed"] = summarize_kind([rec("lmcache-routed", 0, 0, 0.93)], 1.0, [inst], None)
-    assert [t["met"] for t in targets(summary)] == [False, False, False, False, True, None, None, False]
+    assert [t["met"] for t in targets(summary)] == [False, False, False, False, True, None, None, False, None, None]
     summary["lmcache-routed"] = summarize_kind([rec("lmcache-routed", 0, 0, 1.6)], 1.0, [inst], None)
     assert [t["met"] for t in targets(summary)][3:5] == [False, False]
     summary["lmcache-routed-p2p"] = summarize_kind([rec("lmcache-routed-p2p", 0, 0, 0.8)], 1.0, [inst], None)
     assert [t["met"] for t in targets(summary)][5:7] == [True, True]  # 0.8 / 1.5 and 0.8 / 1.4
-    assert [t["met"] for t in targets({"vllm": summary["vllm"]})] == [None] * 7
+    assert [t["met"] for t in targets({"vllm": summary["vllm"]})] == [None] * 9
+    # Issue 42, the last two: private tiers + P2P against the private tiers (1.5 s) and Mooncake (1.3 s).
+    summary["lmcache-p2p"] = summarize_kind([rec("lmcache-p2p", 0, 0, 0.9)], 1.0, [inst], None)
+    p2p = targets(summary)[-2:]
+    assert [t["measured"] for t in p2p] == [pytest.approx(0.9 / 1.5), pytest.approx(0.9 / 1.3)]
+    assert [t["met"] for t in p2p] == [True, True]
+    summary["lmcache-p2p"] = summarize_kind([rec("lmcache-p2p", 0, 0, 1.35)], 1.0, [inst], None)
+    assert [t["met"] for t in targets(summary)[-2:]] == [False, False]
     fig = figure(summary, "t")
     fig.savefig(tmp_path / "f.png")
     assert (tmp_path / "f.png").stat().st_size > 10_000
@@ -271,7 +278,8 @@ def test_every_kind_has_a_colour_of_its_own():
 
 
 @pytest.mark.parametrize("run", ["multi-instance-20261127-021505", "multi-instance-20261127-020706",
-                                 "multi-instance-20261127-040801", "multi-instance-20261128-182510"])
+                                 "multi-instance-20261127-040801", "multi-instance-20261128-182510",
+                                 "multi-instance-20261128-212003", "multi-instance-20261128-212838"])
 def test_the_committed_figures_have_no_text_over_text_or_axes(run):
     import json
 

@@ -7,7 +7,9 @@
   sharing's; one copy of each chunk on the machine (the instances hold no private copy and the
   pool holds less than the private tiers' sum). Issue 32: mean TTFT through Mooncake Store
   within 1.5x `lm://` sharing's. Issue 41: routed by `/lookup` (and so with P2P among the
-  instances), <= 0.6x round robin over private tiers and <= 1.1x the node pool.
+  instances), <= 0.6x round robin over private tiers and <= 1.1x the node pool. Issue 42 (on
+  machines of their own, `--link-gbit`): round robin with P2P <= 0.6x the private tiers and no
+  worse than Mooncake Store.
 - `plot`: TTFT per round, hit tokens and memory, one bar (group) per kind; `replot` draws a run's
   figure again from its JSON.
 """
@@ -19,7 +21,7 @@ from pathlib import Path
 from typing import Mapping, Optional, Sequence
 
 from bench_serving_report import percentile
-from bench_serving_servers import KIND_COLORS, POOL_KIND, ROUTED_KIND, ROUTED_P2P_KIND, VLLM_KIND
+from bench_serving_servers import KIND_COLORS, P2P_KIND, POOL_KIND, REDIS_KIND, ROUTED_KIND, ROUTED_P2P_KIND, VLLM_KIND
 from multi_round_qa import QARecord
 
 PRIVATE_KIND = "lmcache-cpu"
@@ -27,16 +29,21 @@ TCP_KIND = "lmcache-remote"
 MOONCAKE_KIND = "lmcache-mooncake"
 KIND_LABELS = {VLLM_KIND: "vLLM alone", PRIVATE_KIND: "private CPU tiers", POOL_KIND: "node pool (lm+shm)",
                TCP_KIND: "lm:// TCP sharing", MOONCAKE_KIND: "Mooncake Store sharing",
-               ROUTED_KIND: "routed by /lookup", ROUTED_P2P_KIND: "routed, with P2P"}
+               ROUTED_KIND: "routed by /lookup", ROUTED_P2P_KIND: "routed, with P2P",
+               P2P_KIND: "private tiers + P2P", REDIS_KIND: "Redis sharing"}
 SHORT_LABELS = {VLLM_KIND: "vLLM\nalone", PRIVATE_KIND: "private\ntiers", POOL_KIND: "node pool\nlm+shm",
                 TCP_KIND: "lm://\nTCP", MOONCAKE_KIND: "Mooncake\nStore", ROUTED_KIND: "routed by\n/lookup",
-                ROUTED_P2P_KIND: "routed,\nwith P2P"}
+                ROUTED_P2P_KIND: "routed,\nwith P2P", P2P_KIND: "private\n+ P2P", REDIS_KIND: "Redis\nsharing"}
 POOL_OVER_PRIVATE_MAX = 0.5
 # Issue 41: routing by the controller's /lookup against round robin over the same private tiers,
 # and against the node pool.
 ROUTED_OVER_PRIVATE_MAX = 0.6
 ROUTED_OVER_POOL_MAX = 1.1
 MOONCAKE_OVER_TCP_MAX = 1.5
+# Issue 42: round robin with P2P among the instances against the same private tiers without it,
+# and against Mooncake Store on the same links.
+P2P_OVER_PRIVATE_MAX = 0.6
+P2P_OVER_MOONCAKE_MAX = 1.0
 
 
 def ttft_stats(records: Sequence[QARecord]) -> dict:
@@ -142,6 +149,12 @@ def targets(summary: Mapping[str, dict]) -> list[dict]:
                     "rule": "instances 0 B, ratio < 1",
                     "measured": mem["total_bytes"] / priv if priv else None,
                     "met": mem["instances_bytes"] == 0 and bool(priv) and mem["total_bytes"] < priv})
+    p2p = mean(P2P_KIND)
+    for other, name, most in ((private, "private CPU tiers", P2P_OVER_PRIVATE_MAX),
+                              (mooncake, "Mooncake Store sharing", P2P_OVER_MOONCAKE_MAX)):
+        ratio = p2p / other if p2p is not None and other else None
+        out.append({"target": f"mean TTFT, private tiers + P2P / {name}", "rule": f"<= {most}",
+                    "measured": ratio, "met": None if ratio is None else ratio <= most})
     return out
 
 
@@ -203,8 +216,10 @@ def figure(summary: Mapping[str, dict], title: str):
 
 def plot_title(result: Mapping) -> str:
     sizes = result["sizes"]
-    return (f"Multi-instance: {result['instances']} instances behind a round-robin proxy, {sizes['users']} users x "
-            f"{sizes['rounds']} rounds ({result['started']}, {result['machine']['cpus']} CPUs)")
+    machines = result.get("settings", {}).get("machines")
+    where = f" on machines of their own, links of {machines['link_gbit']:g} Gbit/s," if machines else ""
+    return (f"Multi-instance: {result['instances']} instances{where} behind a round-robin proxy, {sizes['users']} "
+            f"users x {sizes['rounds']} rounds ({result['started']}, {result['machine']['cpus']} CPUs)")
 
 
 def replot(json_path: Path) -> Path:

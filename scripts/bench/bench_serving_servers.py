@@ -11,6 +11,9 @@ Kinds:
   and a `mooncake_client` lending the segment, both started by this module
   (`scripts/mooncake_store.py`'s command lines); the vLLM instance is a pure client (global segment
   0), so its chunks outlive it as they outlive it on the `lm://` server.
+- `lmcache-p2p`, `lmcache-redis` (the multi-instance benchmark's): private CPU tiers read peer to
+  peer (`enable_p2p`, records in a Redis), and the remote tier on a Redis (`redis://`, password in
+  `LMCACHE_REMOTE_PASSWORD`); the caller starts the Redis and adds those per-instance settings.
 - `lmcache-cpu-layerwise`, `lmcache-disk-async`: a tier with `use_layerwise` / `enable_async_loading`.
 - `lmcache-pool`: the remote tier on the node pool (`lm+shm://`, an `lmcache.server --unix-socket`
   this module starts too) with no CPU tier of its own, so the instances of one machine share one
@@ -77,6 +80,9 @@ POOL_KIND = "lmcache-pool"
 # and the same reading each other's tiers too (peer-to-peer, records in a Redis).
 ROUTED_KIND = "lmcache-routed"
 ROUTED_P2P_KIND = "lmcache-routed-p2p"
+# Private CPU tiers read peer to peer, round robin; and the remote tier on a Redis.
+P2P_KIND = "lmcache-p2p"
+REDIS_KIND = "lmcache-redis"
 # Kinds whose lm:// server answers slowly: they run the `interference` workload and nothing else.
 SLOW_REMOTE_KINDS = ("lmcache-remote-slow", "lmcache-remote-slow-async")
 OUR_KINDS = ("lmcache-cpu", "lmcache-disk", "lmcache-remote", "lmcache-mooncake", POOL_KIND, *MODE_KINDS)
@@ -87,6 +93,7 @@ KIND_COLORS = {VLLM_KIND: "#7f7f7f", "lmcache-cpu": "#1f77b4", "lmcache-disk": "
                "lmcache-cpu-layerwise": "#17becf", "lmcache-disk-async": "#ff7f0e", "lmcache-remote-slow": "#ff9896",
                "lmcache-remote-slow-async": "#9467bd",
                POOL_KIND: "#e377c2", ROUTED_KIND: "#bcbd22", ROUTED_P2P_KIND: "#98df8a",
+               P2P_KIND: "#006d2c", REDIS_KIND: "#a50f15",
                OBSERVED_KIND: "#aec7e8"}
 # Kinds whose cache outlives the vLLM process, so the restart workload means something for them.
 PERSISTENT_KINDS = ("lmcache-disk", "lmcache-remote", "lmcache-mooncake", POOL_KIND, "lmcache-disk-async")
@@ -159,11 +166,12 @@ def request_log_flags() -> list[str]:
     return ["--disable-log-requests"] if (installed_vllm_release() or "").startswith("0.9.") else []
 
 
-def vllm_args(settings: ServerSettings, port: int, positional_model: bool = False) -> list[str]:
+def vllm_args(settings: ServerSettings, port: int, positional_model: bool = False,
+              host: str = "127.0.0.1") -> list[str]:
     """The vLLM server flags every kind gets (`serve` subcommands take the model as a positional)."""
     return [
         *([settings.model] if positional_model else ["--model", settings.model]),
-        "--host", "127.0.0.1",
+        "--host", host,
         "--port", str(port),
         "--dtype", "float32",
         "--seed", "0",
@@ -180,11 +188,13 @@ def tier_of(kind: str) -> str:
     return MODE_KINDS[kind][0] if kind in MODE_KINDS else kind
 
 
-def tier_env(kind: str, settings: ServerSettings, remote_port: Optional[int]) -> dict[str, str]:
-    """The `LMCACHE_*` variables that put our cache in exactly one tier."""
+def tier_env(kind: str, settings: ServerSettings, remote_port: Optional[int],
+             remote_host: str = "127.0.0.1") -> dict[str, str]:
+    """The `LMCACHE_*` variables that put our cache in exactly one tier (a remote one on
+    `remote_host`:`remote_port`)."""
     if kind == VLLM_KIND:
         return {}
-    if kind in (ROUTED_KIND, ROUTED_P2P_KIND):  # the controller's and P2P's keys come per instance
+    if kind in (ROUTED_KIND, ROUTED_P2P_KIND, P2P_KIND):  # the controller's and P2P's keys come per instance
         return tier_env("lmcache-cpu", settings, remote_port)
     if kind in MODE_KINDS:
         tier, mode = MODE_KINDS[kind]
@@ -211,7 +221,7 @@ def tier_env(kind: str, settings: ServerSettings, remote_port: Optional[int]) ->
             raise ValueError("lmcache-remote needs the port of a running lm:// server")
         env.update(
             LMCACHE_LOCAL_CPU="False",
-            LMCACHE_REMOTE_URL=f"lm://127.0.0.1:{remote_port}",
+            LMCACHE_REMOTE_URL=f"lm://{remote_host}:{remote_port}",
             LMCACHE_REMOTE_SERDE="naive",
         )
     elif kind == "lmcache-mooncake":
@@ -219,12 +229,20 @@ def tier_env(kind: str, settings: ServerSettings, remote_port: Optional[int]) ->
             raise ValueError("lmcache-mooncake needs the port of a running mooncake_master")
         env.update(
             LMCACHE_LOCAL_CPU="False",
-            LMCACHE_REMOTE_URL=mooncake_store.url(remote_port),
+            LMCACHE_REMOTE_URL=mooncake_store.url(remote_port, remote_host),
             LMCACHE_REMOTE_SERDE="naive",
             # A pure client: the storage process lends the pool its memory; the local buffer
             # bounds the largest chunk a put sends (the tier's size: every chunk fits).
             LMCACHE_MOONCAKE_GLOBAL_SEGMENT_SIZE="0",
             LMCACHE_MOONCAKE_LOCAL_BUFFER_SIZE=str(int(settings.remote_tier_gb * 1e9)),
+        )
+    elif kind == REDIS_KIND:  # its password: `redis_password_env`, per instance
+        if remote_port is None:
+            raise ValueError(f"{REDIS_KIND} needs the port of a running redis-server")
+        env.update(
+            LMCACHE_LOCAL_CPU="False",
+            LMCACHE_REMOTE_URL=f"redis://{remote_host}:{remote_port}",
+            LMCACHE_REMOTE_SERDE="naive",
         )
     elif kind == POOL_KIND:
         if not settings.pool_socket:
@@ -240,26 +258,27 @@ def tier_env(kind: str, settings: ServerSettings, remote_port: Optional[int]) ->
 
 
 def server_launch(
-    kind: str, settings: ServerSettings, port: int, log_path: Path, remote_port: Optional[int] = None
+    kind: str, settings: ServerSettings, port: int, log_path: Path, remote_port: Optional[int] = None,
+    host: str = "127.0.0.1", remote_host: str = "127.0.0.1",
 ) -> LaunchSpec:
-    """How to start a server of `kind` on `port`."""
-    env = {**BASE_ENV, **tier_env(kind, settings, remote_port)}
+    """How to start a server of `kind` on `host`:`port` (its remote tier on `remote_host`)."""
+    env = {**BASE_ENV, **tier_env(kind, settings, remote_port, remote_host)}
     if kind == VLLM_KIND:
-        argv = [sys.executable, *VLLM_ENTRY, *vllm_args(settings, port)]
+        argv = [sys.executable, *VLLM_ENTRY, *vllm_args(settings, port, host=host)]
     elif settings.door == "wrapper":
-        argv = [sys.executable, *WRAPPER_ENTRY, *vllm_args(settings, port, positional_model=True)]
+        argv = [sys.executable, *WRAPPER_ENTRY, *vllm_args(settings, port, positional_model=True, host=host)]
     elif settings.door == "v1":
         # vLLM's own server runs the engine core (our cache) in another process: its metrics reach
         # /metrics through prometheus_client's multiprocess mode, which a user turns on like this.
         env["PROMETHEUS_MULTIPROC_DIR"] = str(log_path.with_suffix(".prometheus"))
         Path(env["PROMETHEUS_MULTIPROC_DIR"]).mkdir(parents=True, exist_ok=True)
         argv = [
-            sys.executable, *VLLM_ENTRY, *vllm_args(settings, port),
+            sys.executable, *VLLM_ENTRY, *vllm_args(settings, port, host=host),
             "--kv-transfer-config", json.dumps(V1_CONNECTOR_CONFIG),
         ]
     else:
         raise ValueError(f"door {settings.door!r} is not 'v1' or 'wrapper'")
-    return LaunchSpec(kind, argv, env, log_path, health_url=f"http://127.0.0.1:{port}/health")
+    return LaunchSpec(kind, argv, env, log_path, health_url=f"http://{host}:{port}/health")
 
 
 def remote_server_launch(kind: str, port: Optional[int], settings: ServerSettings, log_path: Path,
@@ -297,31 +316,44 @@ def controller_env(instance_id: str, pull_port: int, reply_port: int) -> dict[st
     }
 
 
-def redis_launch(port: int, log_path: Path) -> LaunchSpec:
-    """How to start the Redis peer-to-peer instances record their chunks in: loopback, no disk."""
-    argv = ["redis-server", "--bind", "127.0.0.1", "--port", str(port), "--save", "", "--appendonly", "no"]
+def redis_launch(port: int, log_path: Path, host: str = "127.0.0.1", password: Optional[str] = None) -> LaunchSpec:
+    """How to start a Redis (peer-to-peer records, or `lmcache-redis`'s tier) on `host`:`port`:
+    no disk, and a password (which Redis beyond loopback must have) when given."""
+    argv = ["redis-server", "--bind", host, "--port", str(port), "--save", "", "--appendonly", "no",
+            *(["--requirepass", password] if password else [])]
     return LaunchSpec("redis", argv, {}, log_path)
 
 
-def p2p_env(lookup_port: int, serve_port: int) -> dict[str, str]:
-    """The `LMCACHE_*` variables that make an instance serve its tiers to its peers on `serve_port`
-    and read theirs, with the records in the Redis on `lookup_port` (loopback: no token needed)."""
+def redis_url(host: str, port: int, password: Optional[str] = None) -> str:
+    return f"redis://:{password}@{host}:{port}" if password else f"redis://{host}:{port}"
+
+
+def p2p_env(lookup_url: str, distributed_url: str, token_file: Optional[str] = None) -> dict[str, str]:
+    """The `LMCACHE_*` variables that make an instance serve its tiers to its peers at
+    `distributed_url` (host:port) and read theirs, with the records in the Redis at `lookup_url`;
+    beyond loopback the peer servers need the token in `token_file`."""
     return {
         "LMCACHE_ENABLE_P2P": "true",
-        "LMCACHE_LOOKUP_URL": f"127.0.0.1:{lookup_port}",
-        "LMCACHE_DISTRIBUTED_URL": f"127.0.0.1:{serve_port}",
+        "LMCACHE_LOOKUP_URL": lookup_url,
+        "LMCACHE_DISTRIBUTED_URL": distributed_url,
+        **({"LMCACHE_P2P_TOKEN_FILE": token_file} if token_file else {}),
     }
 
 
-def mooncake_launches(master_port: int, storage_port: int, settings: ServerSettings,
-                      log_dir: Path, metrics_port: Optional[int] = None) -> tuple[LaunchSpec, LaunchSpec]:
-    """How to start the Mooncake Store `lmcache-mooncake` talks to: the master on `master_port`
-    (its metrics on `metrics_port`, default a free one), then a storage process lending
+def redis_password_env(password: str) -> dict[str, str]:
+    """`lmcache-redis`'s password, kept out of its `remote_url`."""
+    return {"LMCACHE_REMOTE_PASSWORD": password}
+
+
+def mooncake_launches(master_port: int, storage_port: int, settings: ServerSettings, log_dir: Path,
+                      metrics_port: Optional[int] = None, host: str = "127.0.0.1") -> tuple[LaunchSpec, LaunchSpec]:
+    """How to start the Mooncake Store `lmcache-mooncake` talks to, on `host`: the master on
+    `master_port` (its metrics on `metrics_port`, default a free one), then a storage process lending
     `remote_tier_gb` (the `lm://` server's size) on `storage_port`."""
     segment = f"{max(1, round(settings.remote_tier_gb * 1000))}MB"
-    return (LaunchSpec("mooncake-master", mooncake_store.master_argv(master_port, metrics_port), {},
+    return (LaunchSpec("mooncake-master", mooncake_store.master_argv(master_port, metrics_port, host), {},
                        log_dir / f"mooncake-master-{master_port}.log"),
-            LaunchSpec("mooncake-storage", mooncake_store.storage_argv(master_port, storage_port, segment), {},
+            LaunchSpec("mooncake-storage", mooncake_store.storage_argv(master_port, storage_port, segment, host), {},
                        log_dir / f"mooncake-storage-{storage_port}.log"))
 
 
@@ -381,13 +413,13 @@ class ManagedProcess:
             f"{self.spec.log_path}:\n{self.log_tail()}"
         )
 
-    def wait_listening(self, port: int, timeout_s: float) -> float:
-        """Wait until a TCP connect to 127.0.0.1:port succeeds (for servers without /health)."""
+    def wait_listening(self, port: int, timeout_s: float, host: str = "127.0.0.1") -> float:
+        """Wait until a TCP connect to host:port succeeds (for servers without /health)."""
         deadline = self.started_at + timeout_s
         while time.monotonic() < deadline:
             self.check_alive()
             try:
-                with socket.create_connection(("127.0.0.1", port), timeout=1):
+                with socket.create_connection((host, port), timeout=1):
                     self.ready_s = time.monotonic() - self.started_at
                     return self.ready_s
             except OSError:
@@ -445,9 +477,23 @@ def launch(spec: LaunchSpec, cwd: Path) -> ManagedProcess:
     return ManagedProcess(spec, popen, time.monotonic())
 
 
+SECRET_FLAGS = ("--requirepass",)  # command-line flags whose next word is a secret
+
+
+def shown_value(name: str, value: str) -> str:
+    """A variable's value as a results file may show it: secrets masked, in names and in URLs."""
+    from lmcache.experimental.config import mask_url
+
+    if any(word in name.upper() for word in ("PASSWORD", "TOKEN", "SECRET")) and not name.endswith("_FILE"):
+        return "***"
+    return mask_url(value)
+
+
 def describe(spec: LaunchSpec) -> dict:
-    """What goes into the results file about how a process was started."""
-    return {"argv": spec.argv, "env": dict(sorted(spec.env.items())), "log": str(spec.log_path)}
+    """What goes into the results file about how a process was started (secrets masked)."""
+    argv = [("***" if i and spec.argv[i - 1] in SECRET_FLAGS else a) for i, a in enumerate(spec.argv)]
+    return {"argv": argv, "env": {k: shown_value(k, v) for k, v in sorted(spec.env.items())},
+            "log": str(spec.log_path)}
 
 
 def stop_all(processes: Sequence[ManagedProcess]) -> None:
