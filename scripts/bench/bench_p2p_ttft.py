@@ -16,7 +16,8 @@ each of `--prompts` distinct prompts is:
   prompt to prompt. B's first send is the one measured (a second would be local).
 Each measured request's log line (hit and loaded tokens) is checked: medians are of full hits
 only. The target: median P2P-hit TTFT <= 1.5x median local-hit TTFT. The JSON also gives the
-link's floor: the prompt's KV bytes over the link's rate, the least a P2P hit adds. Needs root.
+link's floor (the prompt's KV bytes over the link's rate, the least a P2P hit adds to a local one)
+and the ratio a P2P hit would have at that floor. Needs root.
 """
 
 from __future__ import annotations
@@ -345,13 +346,17 @@ def main(argv: Optional[List[str]] = None) -> int:
         **machine_header(SCHEMA, started, argv, load_before, "scripts/bench/bench_p2p_ttft.py"),
         "rate": args.rate, "model_dir": args.model_dir, "prompt_tokens": args.prompt_tokens,
         "prompts": args.prompts, "door": args.door, "kv_bytes_per_prompt": kv_bytes,
-        "link_floor_s": floor, "servers_ready_s": ready, "servers": launched, "logs": str(log_dir),
+        "link_floor_s": floor,
+        # The ratio a P2P hit would have if it cost a local hit plus the prompt's bytes at the link's rate.
+        "ratio_at_link_floor": (1 + floor / summary["median_ttft_s"]["local"])
+        if floor and summary["median_ttft_s"]["local"] else None,
+        "servers_ready_s": ready, "servers": launched, "logs": str(log_dir),
         **summary,
         "measurements": [m.__dict__ for m in measured],
     }
     med = summary["median_ttft_s"]
     print(json.dumps({k: result[k] for k in ("median_ttft_s", "counted", "not_full_hits", "ratio_p2p_local",
-                                              "pair_ratios", "link_floor_s")}, indent=1))
+                                              "pair_ratios", "link_floor_s", "ratio_at_link_floor")}, indent=1))
     shown = " / ".join(f"{k} {med[k] * 1e3:.1f} ms" if med[k] else f"{k} -" for k in KINDS)
     ratio = summary["ratio_p2p_local"]
     print(f"median TTFT {shown}; target P2P / local <= {TARGET_RATIO}: "
