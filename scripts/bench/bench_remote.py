@@ -14,7 +14,11 @@ Prints, for 256-token chunks of the given geometry:
 - `lm://` with a token, and `lms://` (token + TLS, a throwaway CA made with `openssl`), each
   as a ratio of plain `lm://` in the same run (`--no-secure` leaves them out);
 - `naive` vs `cachegen`: bytes on the wire per chunk, encode time, and end-to-end get time
-  (fetch from `lm://` + check + decode into a memory object) per chunk.
+  (fetch from `lm://` + check + decode into a memory object) per chunk;
+- as root, peer-to-peer (`p2p get`) against its own limit, the `raw link`: one TCP connection
+  between the same two network namespaces, carrying the same bytes the same way as raw loopback
+  (`bench_p2p.py`'s measurement, run as a child; the veth unshaped by default, `--p2p-rate
+  10gbit` shapes it; only for bench_p2p.py's geometry, the default one; `--no-p2p` leaves it out).
 The KV is synthetic (Gaussian with per-channel scales, as real K has outlier channels); the
 tiny model's real KV compression is measured in tests/test_remote_serde.py. The machine is
 shared and noisy: raw loopback and every store run in turn in each of `--rounds` rounds and
@@ -343,6 +347,30 @@ def forget_mooncake(connector) -> Callable[[List[str]], None]:
     return forget
 
 
+# bench_p2p.py's KV geometry (layers, KV heads, head size, dtype): the P2P rows only for it.
+P2P_GEOMETRY = (32, 8, 128, "float16")
+
+
+def p2p_rows(rate: str, tokens: int, rounds: int) -> List[dict]:
+    """`p2p get` (B's pinned lookup reading `tokens` of A's chunks from its peer server) and the
+    `raw link` it runs on, each round of bench_p2p.py run in turn, as rows."""
+    with tempfile.TemporaryDirectory(prefix="bench-remote-p2p-") as tmp:
+        out = Path(tmp) / "p2p.json"
+        subprocess.run([sys.executable, str(ROOT / "scripts" / "bench" / "bench_p2p.py"), "--rate", rate,
+                        "--tokens", str(tokens), "--rounds", str(rounds), "--json", str(out)],
+                       check=True, stdout=subprocess.DEVNULL, env={**os.environ, "PYTHONPATH": str(ROOT)})
+        got = json.loads(out.read_text())
+    nbytes = got["bytes"]
+    where = "two network namespaces on a veth pair" + ("" if rate == "none" else f" shaped to {rate}")
+    seconds = {name: [nbytes / (gbps * 1e9) for gbps in got[key]]
+               for name, key in (("raw link", "raw_gb_s"), ("p2p get", "p2p_gb_s"))}
+    med = {name: statistics.median(t) for name, t in seconds.items()}
+    return [{"name": name, "bytes": nbytes, "seconds": seconds[name], "gbps": nbytes / med[name] / 1e9,
+             "limit": None if name == "raw link" else "raw link",
+             "ratio": None if name == "raw link" else med["raw link"] / med[name], "where": where}
+            for name in seconds]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--chunks", type=int, default=8)
@@ -355,6 +383,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=7, help="interleaved rounds of raw loopback and each store")
     parser.add_argument("--no-serde", action="store_true", help="skip the naive-vs-cachegen rows")
     parser.add_argument("--json", default=None, help="write the interleaved rows (every round's seconds) here")
+    parser.add_argument("--p2p-rate", default="none", help="tc rate of the P2P rows' link (10gbit, 1gbit), or none")
+    parser.add_argument("--no-p2p", action="store_true", help="skip the peer-to-peer rows")
     args = parser.parse_args()
 
     dtype = getattr(torch, args.dtype)
@@ -386,7 +416,6 @@ def main() -> None:
             contenders.update(store_rounds(mc, naive_blobs, "mooncake", alloc, forget=forget_mooncake(mc)))
         load_before = os.getloadavg()
         times = interleaved(args.rounds, contenders)
-        load_after = os.getloadavg()
         raw.close()
         med = {name: statistics.median(t) for name, t in times.items()}
         rows = []
@@ -395,7 +424,19 @@ def main() -> None:
             ratio = None if limit is None else med[limit] / med[name]
             rows.append({"name": name, "bytes": total, "seconds": times[name], "gbps": total / med[name] / 1e9,
                          "limit": limit, "ratio": ratio})
-            print(f"{name:14s} {total / med[name] / 1e9:6.2f} GB/s" + ("" if ratio is None else f"  {ratio:5.2f} of {limit}"))
+        geometry = (args.layers, args.kv_heads, args.head_size, args.dtype)
+        if args.no_p2p:
+            pass
+        elif os.geteuid() != 0:
+            print("P2P rows skipped: bench_p2p.py makes network namespaces, which needs root")
+        elif geometry != P2P_GEOMETRY:
+            print(f"P2P rows skipped: bench_p2p.py's geometry is {P2P_GEOMETRY}, not {geometry}")
+        else:
+            rows += p2p_rows(args.p2p_rate, args.chunks * TOKENS, args.rounds)
+        load_after = os.getloadavg()
+        for row in rows:
+            print(f"{row['name']:14s} {row['gbps']:6.2f} GB/s"
+                  + ("" if row["ratio"] is None else f"  {row['ratio']:5.2f} of {row['limit']}"))
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({
@@ -403,7 +444,8 @@ def main() -> None:
                     "machine": f"{os.cpu_count()} CPUs, shared with other developers' jobs",
                     "load_average_1_5_15_min": {"before": load_before, "after": load_after},
                     "chunk_bytes": chunk_bytes, "chunks_per_batch": args.chunks,
-                    "method": f"median of {args.rounds} rounds; raw loopback and every store run alternately in every round",
+                    "method": f"median of {args.rounds} rounds; raw loopback and every store run alternately in every "
+                              "round; the P2P rows' raw link and P2P get alternately in rounds of their own (`where`)",
                     "rows": rows,
                 }, f, indent=1)
             print(f"wrote {args.json}")
