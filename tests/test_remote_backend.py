@@ -137,6 +137,7 @@ def test_pending_puts_are_served_from_memory_and_a_full_queue_drops(lm_server) -
     early = backend.get_blocking(key(0))
     assert early is not None and torch.equal(early.tensor, objs[0].tensor)
     early.ref_count_down()
+    assert (backend.remote_stats().gets_queued, backend.remote_stats().gets_hit) == (1, 0)  # a hit, not a read
     gate.set()
     backend.close()
     stats = backend.remote_stats()

@@ -89,6 +89,7 @@ class RemoteStatsSnapshot:
     puts_in_place: int = 0  # acknowledged puts the copy kernel wrote straight into a pool block
     reserves_refused: int = 0  # pool blocks refused at reserve: those chunks took the copying path
     gets_hit: int = 0
+    gets_queued: int = 0  # hits answered from the put queue: the chunk's put not acknowledged yet
     gets_miss: int = 0
     gets_in_place: int = 0  # hits handed over as the leased pool block itself (no copy)
     gets_hashed_in_place: int = 0  # of those, checksummed here (first read of that commit by this process)
@@ -329,10 +330,11 @@ class RemoteBackend(StorageBackendInterface):
             self._stats.record_error()
             self._health.mark_down(str(err))
             return results
-        if outcome is None:
+        if outcome is None:  # the caller reads through `_fetch`, which counts the queued chunks again
             for obj in results:
                 if obj is not None:
                     obj.ref_count_down()
+            self._counters.add("gets_queued", len(remote_slots) - len(keys))
             return None
         hits = 0
         for i, obj in zip(remote_slots, outcome.objs):
@@ -368,6 +370,7 @@ class RemoteBackend(StorageBackendInterface):
                     remote_slots.append(i)
                     if queued is not None:
                         committing.append(key)
+        self._counters.add("gets_queued", len(keys) - len(remote_slots))
         deadline = time.monotonic() + self._options.timeout_s
         with self._settled:
             while committing and time.monotonic() < deadline:
@@ -701,13 +704,15 @@ class RemoteBackend(StorageBackendInterface):
                       - before.puts_acknowledged - before.puts_skipped_stored)
         stats = after
         logger.info(
-            "remote tier %s closed: %d puts acknowledged, %d refused, %d lost, %d dropped; %d hits",
+            "remote tier %s closed: %d puts acknowledged, %d refused, %d lost, %d dropped; %d hits (%d from the "
+            "put queue)",
             self.url,
             stats.puts_acknowledged,
             stats.puts_refused,
             stats.puts_lost,
             stats.puts_dropped_queue_full + stats.puts_dropped_tier_down,
-            stats.gets_hit,
+            stats.gets_hit + stats.gets_queued,
+            stats.gets_queued,
         )
         why = "tier down" if not self._health.up else "deadline" if not drained else "refused"
         return ClosedWrites(written, queued - written, why if written < queued else "")
