@@ -49,8 +49,11 @@ finish() {
     fi
 }
 
-# The CPU's name and vector extensions: vLLM's CPU kernels (and their rounding) differ by them.
-say "machine: $(sed -n 's/^model name[[:space:]]*: //p' /proc/cpuinfo | head -n 1), $(nproc) cores, $(grep -o -w -E 'avx2|avx512f|avx512_bf16|amx_tile' /proc/cpuinfo | sort -u | tr '\n' ' ')"
+# The CPU's name and vector extensions: vLLM's CPU kernels (and their rounding) differ by them;
+# and whether CAP_SYS_NICE is held (bit 23 of CapEff): LMCache's background threads run at idle
+# priority only with it, so a CPU tier is faulted in at start or in a window as it fills.
+nice_cap=$(( 0x$(sed -n 's/^CapEff:[[:space:]]*//p' /proc/self/status) >> 23 & 1 ))
+say "machine: $(sed -n 's/^model name[[:space:]]*: //p' /proc/cpuinfo | head -n 1), $(nproc) cores, $(grep -o -w -E 'avx2|avx512f|avx512_bf16|amx_tile' /proc/cpuinfo | sort -u | tr '\n' ' ')CAP_SYS_NICE $([ "$nice_cap" -eq 1 ] && echo yes || echo no)"
 say "preparing vLLM 0.32 (.venv-latest) in the background: $SETUP_LOG"
 nice -n 19 bash scripts/setup_env.sh --latest > "$SETUP_LOG" 2>&1 &
 setup_latest=$!
