@@ -279,7 +279,8 @@ def test_every_kind_has_a_colour_of_its_own():
 
 @pytest.mark.parametrize("run", ["multi-instance-20261127-021505", "multi-instance-20261127-020706",
                                  "multi-instance-20261127-040801", "multi-instance-20261128-182510",
-                                 "multi-instance-20261128-212003", "multi-instance-20261128-212838"])
+                                 "multi-instance-20261128-212003", "multi-instance-20261128-212838",
+                                 "multi-instance-20261129-014540", "multi-instance-20261129-015612"])
 def test_the_committed_figures_have_no_text_over_text_or_axes(run):
     import json
 
