@@ -1,7 +1,8 @@
 """Simulated machines: Linux network namespaces on one switch, optionally shaped links, removed at the end.
 
-The peer-to-peer tests (`tests/netns_fixture.py`) and the multi-machine benchmark
-(`scripts/bench/bench_multi_instance.py --link-gbit`) run processes on "machines" of their own:
+The peer-to-peer tests (`tests/netns_fixture.py`), the multi-machine benchmark
+(`scripts/bench/bench_multi_instance.py --link-gbit`) and the P2P benchmarks (`bench_p2p.py`,
+`bench_p2p_ttft.py`) run processes on "machines" of their own:
 
                           root namespace (this shell; 198.18.0.254, with `root_link`)
                                  |
@@ -46,6 +47,17 @@ def root_missing(what: str) -> Optional[str]:
 def in_netns(ns: str) -> list[str]:
     """The command prefix that runs a command inside network namespace `ns` ("": none)."""
     return ["ip", "netns", "exec", ns] if ns else []
+
+
+def gbit_of(rate: str) -> Optional[float]:
+    """A link rate in tc's words (`10gbit`, `500mbit`, `100kbit`) in Gbit/s; None for `none` (unshaped)."""
+    if rate == "none":
+        return None
+    for unit, scale in (("gbit", 1.0), ("mbit", 1e-3), ("kbit", 1e-6)):
+        number = rate[: -len(unit)] if rate.endswith(unit) else ""
+        if number.replace(".", "", 1).isdigit() and float(number) > 0:
+            return float(number) * scale
+    raise ValueError(f"link rate {rate!r}: expected a positive rate in tc's words (10gbit, 500mbit) or none")
 
 
 def tbf_burst_bytes(gbit: float) -> int:

@@ -13,7 +13,7 @@ sys.path.insert(0, str(ROOT / "scripts" / "bench"))
 
 from bench_multi_machine import Placement, machine_plan  # noqa: E402
 from bench_serving_servers import LaunchSpec, describe  # noqa: E402
-from netns_machines import ROOT_ADDRESS, NetPlan, stale_namespaces, tbf_burst_bytes  # noqa: E402
+from netns_machines import ROOT_ADDRESS, NetPlan, gbit_of, stale_namespaces, tbf_burst_bytes  # noqa: E402
 
 
 def test_a_plan_puts_each_machine_on_the_switch_with_its_link_shaped_both_ways():
@@ -45,6 +45,13 @@ def test_an_unshaped_plan_without_a_root_link_has_no_tc_and_no_root_end():
         NetPlan.make("x", ["a", "a"])
     with pytest.raises(ValueError, match="positive"):
         NetPlan.make("x", ["a"], gbit=0)
+
+
+def test_a_tc_rate_reads_as_gbit_and_anything_else_is_refused_by_name():
+    assert [gbit_of(r) for r in ("10gbit", "1.5gbit", "500mbit", "none")] == [10.0, 1.5, 0.5, None]
+    for bad in ("10", "gbit", "0gbit", "-1gbit", "10gbps", ""):
+        with pytest.raises(ValueError, match=repr(bad)):
+            gbit_of(bad)
 
 
 def test_only_the_namespaces_of_a_gone_maker_of_the_same_purpose_are_stale():

@@ -1,5 +1,5 @@
 """Peer-to-peer sharing: real Redis, real engines, real peer servers (loopback and, as root, two
-network namespaces joined by a veth pair).
+network namespaces on one switch, `scripts/netns_machines.py`).
 
 Instance A stores a prompt's KV; instance B, with nothing of its own, looks it up (the lookup
 counts the peer's chunks, and a pinned lookup holds them) and retrieves exactly A's bytes. The

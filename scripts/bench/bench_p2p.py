@@ -3,9 +3,9 @@
     sudo .venv/bin/python scripts/bench/bench_p2p.py [--rate 10gbit|1gbit|none] [--tokens 1024]
                                                      [--rounds 3] [--json PATH]
 
-Two "machines": network namespaces joined by a veth pair (198.18.0.1 and 198.18.0.2, the
-benchmarking range, only inside them; `tc ... tbf` at `--rate` on both ends), removed at the
-end. Redis and instance A (which stores a prompt's KV, 256-token chunks of a 32-layer, 8-KV-head,
+Two "machines" (`scripts/netns_machines.py`: network namespaces on one switch, 198.18.0.1 and
+198.18.0.2, the benchmarking range, only inside them; each link `tc ... tbf`-shaped at `--rate`
+both ways), removed at the end. Redis and instance A (which stores a prompt's KV, 256-token chunks of a 32-layer, 8-KV-head,
 128-dim float16 model) in the first; B, with nothing of its own, in the second. Per round:
 - raw: one TCP connection from the first namespace to the second carries the same bytes
   (received in 1 MiB pieces into memory already touched, as our readers do);
@@ -30,6 +30,10 @@ from pathlib import Path
 from typing import List
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from netns_machines import Machines, NetPlan, gbit_of  # noqa: E402 (stdlib only: the roles stay light)
+
 A_ADDR, B_ADDR = "198.18.0.1", "198.18.0.2"
 REDIS_PORT, PEER_PORT, RAW_PORT = 6390, 8200, 8300
 PIECE = 1 << 20
@@ -115,36 +119,17 @@ def read(tokens: int, rounds: int, nbytes: int) -> None:
     print(json.dumps({"raw_gb_s": raw, "p2p_gb_s": p2p}), flush=True)
 
 
-class Machines:
-    """The two namespaces and their link; `close` removes them whatever happened."""
+def two_machines(rate: str) -> Machines:
+    """Machines a (A_ADDR) and b (B_ADDR) on links of `rate` (tc's words, or none)."""
+    made = Machines(NetPlan.make("p2pb", ["a", "b"], gbit=gbit_of(rate)))
+    assert (made.address("a"), made.address("b")) == (A_ADDR, B_ADDR)
+    return made
 
-    def __init__(self, rate: str) -> None:
-        tag = f"lmcb{os.getpid() % 100000}"
-        self.names = (f"{tag}a", f"{tag}b")
-        ends = (f"{tag}x", f"{tag}y")
-        for ns in self.names:
-            self._ip("netns", "add", ns)
-        self._ip("link", "add", ends[0], "type", "veth", "peer", "name", ends[1])
-        for ns, end, addr in zip(self.names, ends, (A_ADDR, B_ADDR)):
-            self._ip("link", "set", end, "netns", ns)
-            self._ip("-n", ns, "addr", "add", f"{addr}/30", "dev", end)
-            self._ip("-n", ns, "link", "set", end, "up")
-            self._ip("-n", ns, "link", "set", "lo", "up")
-            if rate != "none":
-                subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", end, "root", "tbf",
-                                "rate", rate, "burst", "4mb", "latency", "5ms"], check=True, capture_output=True)
 
-    @staticmethod
-    def _ip(*args: str) -> None:
-        subprocess.run(["ip", *args], check=True, capture_output=True)
-
-    def run(self, ns: str, *args: str, **kwargs) -> subprocess.Popen:
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-        return subprocess.Popen(["ip", "netns", "exec", ns, *args], env=env, **kwargs)
-
-    def close(self) -> None:
-        for ns in self.names:
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+def start_on(machines: Machines, machine: str, *argv: str, **kwargs) -> subprocess.Popen:
+    """`argv` started on `machine`, with this checkout on its path and one OpenMP thread."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen(machines.argv(machine, argv), env=env, **kwargs)
 
 
 def main() -> None:
@@ -165,18 +150,18 @@ def main() -> None:
     from bench_serving import machine_header  # the driver only: the roles above stay light
 
     started, load_before = time.time(), os.getloadavg()
-    machines = Machines(args.rate)
+    machines = two_machines(args.rate)
     procs: List[subprocess.Popen] = []
     try:
-        procs.append(machines.run(machines.names[0], "redis-server", "--bind", A_ADDR, "--port", str(REDIS_PORT),
-                                  "--protected-mode", "no", "--save", "", "--appendonly", "no",
-                                  stdout=subprocess.DEVNULL))
+        procs.append(start_on(machines, "a", "redis-server", "--bind", A_ADDR, "--port", str(REDIS_PORT),
+                              "--protected-mode", "no", "--save", "", "--appendonly", "no",
+                              stdout=subprocess.DEVNULL))
         me = [sys.executable, str(Path(__file__).resolve()), "--tokens", str(args.tokens)]
-        server = machines.run(machines.names[0], *me, "--role", "serve", stdout=subprocess.PIPE, text=True)
+        server = start_on(machines, "a", *me, "--role", "serve", stdout=subprocess.PIPE, text=True)
         procs.append(server)
         ready = json.loads(server.stdout.readline())
-        reader = machines.run(machines.names[1], *me, "--role", "read", "--rounds", str(args.rounds),
-                              "--bytes", str(ready["bytes"]), stdout=subprocess.PIPE, text=True)
+        reader = start_on(machines, "b", *me, "--role", "read", "--rounds", str(args.rounds),
+                          "--bytes", str(ready["bytes"]), stdout=subprocess.PIPE, text=True)
         out, _ = reader.communicate(timeout=600)
         result = json.loads(out.strip().splitlines()[-1])
         ratio = statistics.median(result["p2p_gb_s"]) / statistics.median(result["raw_gb_s"])

@@ -4,8 +4,8 @@
                                                           [--json bench/results/p2p-ttft-10g.json]
     sudo .venv/bin/python scripts/bench/bench_p2p_ttft.py --quick   # tiny model, 2 prompts of 512 tokens, eager
 
-Two "machines" (`bench_p2p.Machines`: network namespaces on a veth pair, 198.18.0.1 and
-198.18.0.2, `tc ... tbf` at `--rate`), each running a vLLM server with our cache in the CPU tier
+Two "machines" (`bench_p2p.two_machines`: network namespaces on one switch, 198.18.0.1 and
+198.18.0.2, links `tc ... tbf`-shaped at `--rate`), each running a vLLM server with our cache in the CPU tier
 (`lmcache_vllm serve`, or `--door v1`), peer-to-peer on (`enable_p2p`, a peer token), the lookup
 Redis with a password on machine A. A client per machine (this script's `--role client`, in the
 machine's namespace) talks to its server on the namespace's loopback. After a warm-up prompt,
@@ -39,7 +39,8 @@ from typing import Dict, List, Optional, Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_p2p import A_ADDR, B_ADDR, Machines  # noqa: E402 (stdlib only: the roles stay light)
+from bench_p2p import A_ADDR, B_ADDR, Machines, start_on, two_machines  # noqa: E402 (stdlib only: the roles stay light)
+from netns_machines import gbit_of  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 SCHEMA = "lmcache-bench-p2p-ttft/1"
@@ -92,11 +93,8 @@ def summarize(measured: Sequence[Measurement], target: float = TARGET_RATIO) -> 
 
 def link_floor_s(kv_bytes: int, rate: str) -> Optional[float]:
     """Seconds `kv_bytes` take at a tc rate (`10gbit`, `500mbit`); None for an unshaped link."""
-    units = {"gbit": 1e9, "mbit": 1e6, "kbit": 1e3}
-    for unit, scale in units.items():
-        if rate.endswith(unit):
-            return kv_bytes * 8 / (float(rate[: -len(unit)]) * scale)
-    return None
+    gbit = gbit_of(rate)
+    return None if gbit is None else kv_bytes * 8 / (gbit * 1e9)
 
 
 # --- the client, in a machine's namespace -------------------------------------------------------
@@ -136,10 +134,10 @@ def client(port: int, model: str) -> None:
 class Client:
     """The driver's end of a client process in a namespace."""
 
-    def __init__(self, machines: Machines, ns: str, port: int, model: str) -> None:
-        self.proc = machines.run(ns, sys.executable, str(Path(__file__).resolve()), "--role", "client",
-                                 "--port", str(port), "--model-dir", model,
-                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    def __init__(self, machines: Machines, machine: str, port: int, model: str) -> None:
+        self.proc = start_on(machines, machine, sys.executable, str(Path(__file__).resolve()), "--role", "client",
+                             "--port", str(port), "--model-dir", model,
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 
     def ask(self, op: str, **fields) -> dict:
         self.proc.stdin.write(json.dumps({"op": op, **fields}) + "\n")
@@ -167,9 +165,11 @@ class Client:
 
 def kv_bytes_per_token(model_dir: Path) -> int:
     """K and V of one token over all layers, from the model's config (float32: the servers' dtype)."""
+    from bench_serving_servers import float32_kv_bytes_per_token
+
     cfg = json.loads((model_dir / "config.json").read_text())
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    return 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * head_dim * 4
+    return float32_kv_bytes_per_token(cfg["num_hidden_layers"], cfg["num_key_value_heads"], head_dim)
 
 
 def redacted(env: Dict[str, str], secrets_: Sequence[str]) -> Dict[str, str]:
@@ -194,23 +194,23 @@ class Run:
         self.launched: dict = {}  # what went into the results file about each server
 
     def start(self) -> None:
-        from bench_serving_servers import LaunchSpec, ServerSettings, launch, server_launch
+        from bench_serving_servers import LaunchSpec, ServerSettings, launch, server_launch, tier_gb_for
 
         args, machines, log_dir = self.args, self.machines, self.log_dir
         self.processes.append(launch(LaunchSpec(
-            "redis", ["ip", "netns", "exec", machines.names[0], "redis-server", "--bind", A_ADDR,
+            "redis", machines.argv("a", ["redis-server", "--bind", A_ADDR,
                       "--port", str(REDIS_PORT), "--requirepass", self.password, "--save", "",
-                      "--appendonly", "no", "--dir", str(log_dir)], {}, log_dir / "redis.log"), ROOT))
+                      "--appendonly", "no", "--dir", str(log_dir)]), {}, log_dir / "redis.log"), ROOT))
         tokens = (args.prompts + 1) * args.prompt_tokens
-        tier_gb = max(0.5, math.ceil(tokens * kv_bytes_per_token(Path(args.model_dir)) * 1.25 / 1e8) / 10)
+        tier_gb = tier_gb_for(tokens * kv_bytes_per_token(Path(args.model_dir)))
         settings = ServerSettings(
             model=args.model_dir, max_model_len=args.max_model_len, block_size=128,
             num_kv_blocks=math.ceil(args.max_model_len / 128) + 1, chunk_size=args.chunk_size,
             cpu_tier_gb=tier_gb, disk_tier_gb=0, remote_tier_gb=0, disk_dir=str(log_dir / "unused-disk"),
             door=args.door, extra_vllm_args=("--enforce-eager",) if args.quick else ())
-        for name, ns, addr in (("A", machines.names[0], A_ADDR), ("B", machines.names[1], B_ADDR)):
+        for name, machine, addr in (("A", "a", A_ADDR), ("B", "b", B_ADDR)):
             spec = server_launch("lmcache-cpu", settings, HTTP_PORT, log_dir / f"server-{name}.log")
-            spec.argv[:0] = ["ip", "netns", "exec", ns]
+            spec.argv[:] = machines.argv(machine, spec.argv)
             spec.env.update(LMCACHE_ENABLE_P2P="true", LMCACHE_DISTRIBUTED_URL=f"{addr}:{PEER_PORT}",
                             LMCACHE_LOOKUP_URL=f"redis://:{self.password}@{A_ADDR}:{REDIS_PORT}",
                             LMCACHE_P2P_TOKEN=self.token, PYTHONPATH=str(ROOT))
@@ -219,7 +219,7 @@ class Run:
             self.processes.append(self.servers[name])
             self.launched[name] = {"argv": spec.argv, "env": redacted(spec.env, (self.password, self.token)),
                                    "log": str(spec.log_path)}
-        self.clients = [Client(machines, ns, HTTP_PORT, args.model_dir) for ns in machines.names]
+        self.clients = [Client(machines, machine, HTTP_PORT, args.model_dir) for machine in ("a", "b")]
         self.a, self.b = self.clients
 
     def wait_ready(self, timeout_s: float) -> Dict[str, float]:
@@ -236,9 +236,9 @@ class Run:
 
     def records(self) -> int:
         """How many chunks the lookup Redis has a record of."""
-        out = subprocess.run(["ip", "netns", "exec", self.machines.names[0], "redis-cli", "-h", A_ADDR, "-p",
-                              str(REDIS_PORT), "-a", self.password, "--no-auth-warning", "--scan", "--pattern",
-                              "lmcache:p2p:chunk:*"], capture_output=True, text=True).stdout
+        out = self.machines.run("a", ["redis-cli", "-h", A_ADDR, "-p", str(REDIS_PORT), "-a", self.password,
+                                      "--no-auth-warning", "--scan", "--pattern", "lmcache:p2p:chunk:*"],
+                                capture_output=True, text=True).stdout
         return len(out.split())
 
     def close(self) -> None:
@@ -327,7 +327,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     vocab = json.loads((Path(args.model_dir) / "config.json").read_text())["vocab_size"]
     prompts = [token_ids(args.prompt_tokens, vocab, args.seed, "p2p-ttft", i) for i in range(args.prompts + 1)]
     log_dir = Path(tempfile.mkdtemp(prefix="bench-p2p-ttft-"))
-    machines = Machines(args.rate)
+    machines = two_machines(args.rate)
     run = Run(args, machines, log_dir)
     try:
         run.start()

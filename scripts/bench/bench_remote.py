@@ -17,8 +17,8 @@ Prints, for 256-token chunks of the given geometry:
   (fetch from `lm://` + check + decode into a memory object) per chunk;
 - as root, peer-to-peer (`p2p get`) against its own limit, the `raw link`: one TCP connection
   between the same two network namespaces, carrying the same bytes the same way as raw loopback
-  (`bench_p2p.py`'s measurement, run as a child; the veth unshaped by default, `--p2p-rate
-  10gbit` shapes it; only for bench_p2p.py's geometry, the default one; `--no-p2p` leaves it out).
+  (`bench_p2p.py`'s measurement, run as a child; the links unshaped by default, `--p2p-rate
+  10gbit` shapes them; only for bench_p2p.py's geometry, the default one; `--no-p2p` leaves it out).
 The KV is synthetic (Gaussian with per-channel scales, as real K has outlier channels); the
 tiny model's real KV compression is measured in tests/test_remote_serde.py. The machine is
 shared and noisy: raw loopback and every store run in turn in each of `--rounds` rounds and
@@ -361,7 +361,7 @@ def p2p_rows(rate: str, tokens: int, rounds: int) -> List[dict]:
                        check=True, stdout=subprocess.DEVNULL, env={**os.environ, "PYTHONPATH": str(ROOT)})
         got = json.loads(out.read_text())
     nbytes = got["bytes"]
-    where = "two network namespaces on a veth pair" + ("" if rate == "none" else f" shaped to {rate}")
+    where = "two network namespaces on one switch" + ("" if rate == "none" else f", links shaped to {rate}")
     seconds = {name: [nbytes / (gbps * 1e9) for gbps in got[key]]
                for name, key in (("raw link", "raw_gb_s"), ("p2p get", "p2p_gb_s"))}
     med = {name: statistics.median(t) for name, t in seconds.items()}

@@ -54,8 +54,9 @@ from bench_serving_report import (  # noqa: E402
 )
 from bench_serving_servers import (  # noqa: E402
     ALL_KINDS, OBSERVED_KIND, PERSISTENT_KINDS, POOL_KIND, REMOTE_TIERS, SLOW_REMOTE_KINDS, VLLM_KIND, CpuMeter,
-    ManagedProcess, ServerError, ServerSettings, controller_env, controller_launch, describe, free_port, launch,
-    mooncake_launches, remote_server_launch, server_launch, stop_all, stop_servers_on_sigterm, tier_of,
+    ManagedProcess, ServerError, ServerSettings, controller_env, controller_launch, describe,
+    float32_kv_bytes_per_token, free_port, launch, mooncake_launches, remote_server_launch, server_launch, stop_all,
+    stop_servers_on_sigterm, tier_gb_for, tier_of,
 )
 from bench_serving_client import RequestFailed  # noqa: E402
 from bench_serving_workloads import (  # noqa: E402
@@ -169,7 +170,7 @@ def split_list(text: str, allowed: tuple[str, ...], flag: str) -> list[str]:
 
 def kv_bytes_per_token(spec: TinyModelSpec) -> int:
     """float32 K and V of every layer for one token."""
-    return 2 * spec.layers * spec.kv_heads * (spec.hidden // spec.heads) * 4
+    return float32_kv_bytes_per_token(spec.layers, spec.kv_heads, spec.hidden // spec.heads)
 
 
 def stored_tokens(s: WorkloadSizes, chunk_size: int) -> int:
@@ -471,7 +472,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     disk_dir = ROOT / ".cache" / f"bench-disk-{stamp}-{os.getpid()}"
     print(f"bench_serving: building the model in {args.model_dir} ({spec})", file=sys.stderr)
     weights = make_tiny_model(ROOT / args.model_dir, spec)
-    tier_gb = max(0.5, math.ceil(stored_tokens(sizes, args.chunk_size) * kv_bytes_per_token(spec) * 1.25 / 1e8) / 10)
+    tier_gb = tier_gb_for(stored_tokens(sizes, args.chunk_size) * kv_bytes_per_token(spec))
     blocks = math.ceil(max(args.engine_kv_tokens, args.max_model_len) / args.block_size)
     # The node pool's socket: a short path (a unix socket's is limited to 107 bytes), owner-only.
     sock_dir = tempfile.mkdtemp(prefix="lmcache-bench-pool-")

@@ -40,6 +40,7 @@ is shared): the machine's busy time minus what our sessions and this process use
 from __future__ import annotations
 
 import json
+import math
 import os
 import resource
 import signal
@@ -149,6 +150,16 @@ class LaunchSpec:
     env: dict[str, str]
     log_path: Path
     health_url: Optional[str] = None
+
+
+def float32_kv_bytes_per_token(layers: int, kv_heads: int, head_dim: int) -> int:
+    """K and V of one token over all layers, in float32 (the benchmark servers' dtype)."""
+    return 2 * layers * kv_heads * head_dim * 4
+
+
+def tier_gb_for(kv_bytes: int) -> float:
+    """A tier size (GB, in tenths, at least 0.5) holding `kv_bytes` with a quarter to spare."""
+    return max(0.5, math.ceil(kv_bytes * 1.25 / 1e8) / 10)
 
 
 def free_port() -> int:
