@@ -119,6 +119,15 @@ def read(tokens: int, rounds: int, nbytes: int) -> None:
     print(json.dumps({"raw_gb_s": raw, "p2p_gb_s": p2p}), flush=True)
 
 
+def rate_arg(text: str) -> str:
+    """`--rate`: a tc rate or none, refused at parse time with the reason (not after machines are made)."""
+    try:
+        gbit_of(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+    return text
+
+
 def two_machines(rate: str) -> Machines:
     """Machines a (A_ADDR) and b (B_ADDR) on links of `rate` (tc's words, or none)."""
     made = Machines(NetPlan.make("p2pb", ["a", "b"], gbit=gbit_of(rate)))
@@ -134,7 +143,7 @@ def start_on(machines: Machines, machine: str, *argv: str, **kwargs) -> subproce
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rate", default="10gbit", help="tbf rate of the link (tc syntax), or none")
+    parser.add_argument("--rate", type=rate_arg, default="10gbit", help="tbf rate of the link (tc syntax), or none")
     parser.add_argument("--tokens", type=int, default=1024)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--json", type=Path)

@@ -1,7 +1,7 @@
 """A peer-to-peer hit's TTFT through real vLLM, against a local CPU-tier hit (issue 42).
 
     sudo .venv/bin/python scripts/bench/bench_p2p_ttft.py [--rate 10gbit] [--prompts 8] [--prompt-tokens 3000]
-                                                          [--json bench/results/p2p-ttft-10g.json]
+                                                          [--json bench/results/p2p-ttft-20261129-10g.json]
     sudo .venv/bin/python scripts/bench/bench_p2p_ttft.py --quick   # tiny model, 2 prompts of 512 tokens, eager
 
 Two "machines" (`bench_p2p.two_machines`: network namespaces on one switch, 198.18.0.1 and
@@ -39,7 +39,7 @@ from typing import Dict, List, Optional, Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_p2p import A_ADDR, B_ADDR, Machines, start_on, two_machines  # noqa: E402 (stdlib only: the roles stay light)
+from bench_p2p import A_ADDR, B_ADDR, Machines, rate_arg, start_on, two_machines  # noqa: E402 (stdlib only: the roles stay light)
 from netns_machines import gbit_of  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -293,7 +293,7 @@ def with_log_lines(measured: List[Measurement], logs: Dict[str, str]) -> List[Me
 
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rate", default="10gbit", help="tbf rate of the link (tc syntax), or none")
+    parser.add_argument("--rate", type=rate_arg, default="10gbit", help="tbf rate of the link (tc syntax), or none")
     parser.add_argument("--prompts", type=int, default=8, help="distinct measured prompts (after one warm-up)")
     parser.add_argument("--prompt-tokens", type=int, default=3000)
     parser.add_argument("--max-tokens", type=int, default=4)

@@ -57,6 +57,7 @@ from lmcache.experimental.remote.redis_connector import RedisConnector  # noqa: 
 from lmcache.server.security import client_tls_context  # noqa: E402
 from lmcache.experimental.remote.serde import CacheGenSerde, NaiveSerde  # noqa: E402
 from bench_engine import interleaved, timed  # noqa: E402
+from bench_p2p import rate_arg  # noqa: E402
 import mooncake_store  # noqa: E402
 
 TOKENS = 256
@@ -383,7 +384,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=7, help="interleaved rounds of raw loopback and each store")
     parser.add_argument("--no-serde", action="store_true", help="skip the naive-vs-cachegen rows")
     parser.add_argument("--json", default=None, help="write the interleaved rows (every round's seconds) here")
-    parser.add_argument("--p2p-rate", default="none", help="tc rate of the P2P rows' link (10gbit, 1gbit), or none")
+    parser.add_argument("--p2p-rate", type=rate_arg, default="none", help="tc rate of the P2P rows' link (10gbit, 1gbit), or none")
     parser.add_argument("--no-p2p", action="store_true", help="skip the peer-to-peer rows")
     args = parser.parse_args()
 
